@@ -1,0 +1,34 @@
+"""Everything that differs between CPU-only torch and CUDA, and between megatron-core versions."""
+
+import sys
+import types
+
+
+def install_megatron_core_stubs():
+    """megatron-core >= 0.19 imports triton unguarded in one MoE op module (paged stash).
+
+    Register a stub for that module when triton is missing, before megatron.core is imported.
+    """
+    try:
+        import triton  # noqa: F401
+        return
+    except ImportError:
+        pass
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    if name in sys.modules:
+        return
+    stub = types.ModuleType(name)
+    stub.GLOBAL_BLOCK_SIZE = 1024
+
+    def _unavailable(*args, **kwargs):
+        raise RuntimeError("the paged stash needs triton and CUDA")
+
+    stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = _unavailable
+    sys.modules[name] = stub
+
+
+def apply_cpu_shims(force: bool = False) -> bool:
+    """Make megatron-core run on a CPU-only torch build; a no-op when CUDA is available."""
+    from megatron_moe.compat import cpu
+
+    return cpu.apply(force=force)

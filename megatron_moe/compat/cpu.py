@@ -1,0 +1,307 @@
+"""The one place that teaches megatron-core to run on a CPU-only torch build (gloo).
+
+megatron-core assumes CUDA in a handful of spots (hard-coded ``device="cuda"`` tensors, CUDA RNG
+state, CUDA streams, ``param.type() == 'torch.cuda.FloatTensor'`` checks, uneven all-gather that
+gloo lacks). Each shim below replaces exactly one such spot and is idempotent. ``apply()`` is a
+no-op when CUDA is available, so GPU runs use megatron-core unmodified.
+
+Verified against megatron-core 0.16.1 (and the 0.19.x source; see docs/compat.md).
+Each shim has a test in tests/test_compat.py that fails without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+_APPLIED = False
+
+
+# --- helpers --------------------------------------------------------------------------------------
+class _CpuTorchProxy:
+    """Stands in for ``torch`` inside one megatron-core module: ``device='cuda'`` becomes cpu."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "zeros_like", "empty_like")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def factory(*args, **kwargs):
+            device = kwargs.get("device")
+            if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+class _NoopEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NoopStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NoopEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_NOOP_STREAM = _NoopStream()
+
+# Modules that build tensors with a literal device="cuda".
+HARDCODED_CUDA_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+)
+
+
+# --- the shims ------------------------------------------------------------------------------------
+def patch_torch_cuda():
+    """torch.cuda.{current_device,synchronize,Stream,Event,...} raise on a CPU build."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = _NoopStream
+    torch.cuda.Event = _NoopEvent
+    torch.cuda.current_stream = lambda device=None: _NOOP_STREAM
+    torch.cuda.default_stream = lambda device=None: _NOOP_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def patch_rng_tracker():
+    """The model-parallel RNG tracker stores CUDA RNG states; keep CPU generator states instead."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if getattr(mrandom.CudaRNGStatesTracker, "_megatron_moe_cpu", False):
+        return
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        _megatron_moe_cpu = True
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            saved, saved_name = torch.get_rng_state(), self._current_state_name
+            if saved_name != "default-rng":
+                self.states_[saved_name] = saved
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if saved_name != "default-rng":
+                    saved = self.states_[saved_name]
+                torch.set_rng_state(saved)
+                self._current_state_name = saved_name
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def patch_alltoall_dispatcher():
+    """The alltoall dispatcher opens a CUDA side stream for device-to-host copies of the splits."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    cls = td.MoEAlltoAllTokenDispatcher
+    if getattr(cls, "_megatron_moe_cpu", False):
+        return
+    cls.cuda_dtoh_stream = _NOOP_STREAM
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            as_numpy = lambda t: t.numpy() if torch.is_tensor(t) else t  # noqa: E731
+            self.input_splits = as_numpy(self.input_splits)
+            self.output_splits = as_numpy(self.output_splits)
+            self.output_splits_tp = as_numpy(self.output_splits_tp)
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+    cls._megatron_moe_cpu = True
+
+
+def patch_te_general_gemm():
+    """megatron-core 0.16.1 references ``te_general_gemm`` unguarded when TE is absent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def patch_torch_norm_sequence_parallel():
+    """The torch LayerNorm fallback refuses sequence parallelism, which MoE with TP>1 requires.
+
+    With SP the norm weights see only a sequence shard; tagging them ``sequence_parallel`` makes
+    megatron-core all-reduce their grads over TP, exactly as it does for TE/apex norms.
+    """
+    from megatron.core.transformer import torch_norm
+
+    if getattr(torch_norm.WrappedTorchNorm, "_megatron_moe_cpu", False):
+        return
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                zero_centered_gamma=False, normalization="LayerNorm"):
+        assert not config.layernorm_zero_centered_gamma, "zero-centered gamma needs TE or apex"
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        module = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in module.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+        return module
+
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+    torch_norm.WrappedTorchNorm._megatron_moe_cpu = True
+
+
+def patch_uneven_collectives():
+    """gloo has no uneven all-gather / reduce-scatter; pad (gather) or reduce then slice (scatter)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    if getattr(mappings, "_megatron_moe_cpu", False):
+        return
+    orig_gather, orig_rs = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def _gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return orig_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        biggest = max(sizes)
+        padded = input_.new_zeros((biggest,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((biggest * group.size(),) + tuple(input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[i * biggest: i * biggest + s] for i, s in enumerate(sizes)], dim=0)
+
+    def _reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return orig_rs(input_, group, input_split_sizes, use_global_buffer)
+        full = input_.contiguous().clone()
+        dist.all_reduce(full, group=group)
+        return torch.split(full, [int(s) for s in input_split_sizes], dim=0)[group.rank()].clone()
+
+    mappings._gather_along_first_dim = _gather
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter
+    mappings._megatron_moe_cpu = True
+
+
+def patch_hardcoded_cuda_devices():
+    """Replace ``torch`` inside the modules that build ``device='cuda'`` tensors."""
+    for name in HARDCODED_CUDA_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # module moved in another megatron-core version
+            continue
+        if not isinstance(module.torch, _CpuTorchProxy):
+            module.torch = _CpuTorchProxy()
+
+
+def patch_param_type():
+    """Optimizers check ``param.type() == 'torch.cuda.FloatTensor'``; report CPU params that way."""
+    if getattr(torch.nn.Parameter, "_megatron_moe_cpu", False):
+        return
+    orig_type = torch.Tensor.type
+
+    def _type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = orig_type(self)
+            return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+        return orig_type(self, dtype, non_blocking, **kwargs)
+
+    torch.nn.Parameter.type = _type
+    torch.nn.Parameter._megatron_moe_cpu = True
+
+
+def patch_clip_grads():
+    """clip_grad_by_total_norm_fp32 asserts CUDA grads and uses apex's multi_tensor_scale."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mopt
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    mopt.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+SHIMS = (
+    patch_torch_cuda,
+    patch_rng_tracker,
+    patch_alltoall_dispatcher,
+    patch_te_general_gemm,
+    patch_torch_norm_sequence_parallel,
+    patch_uneven_collectives,
+    patch_hardcoded_cuda_devices,
+    patch_param_type,
+    patch_clip_grads,
+)
+
+
+def apply(force: bool = False) -> bool:
+    """Apply every shim once, only when CUDA is unavailable (or ``force``). Returns True if applied."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    for shim in SHIMS:
+        shim()
+    _APPLIED = True
+    return True

@@ -1,0 +1,126 @@
+"""Run a function on N local processes over gloo, with a hard timeout (tests, benchmarks).
+
+A hang (a collective waiting forever, a forked checkpoint writer) must fail the caller, not hang
+it: every rank runs in its own process group, and on timeout or failure the whole group is
+killed, including anything the ranks forked.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+class DistributedRunError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, results, collective_timeout_s, env):
+    os.setpgrp()  # so the parent can kill this rank and everything it forks
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        from megatron_moe.compat import apply_cpu_shims
+
+        apply_cpu_shims()
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", out))
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:
+            pass
+        dist.destroy_process_group()
+    except BaseException:  # report every failure, including SystemExit from arg checks
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0,
+                    collective_timeout_s: float = 120.0, env: dict | None = None, **kwargs):
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    ``fn`` must be importable (module level). Returns the per-rank return values (picklable).
+    Raises DistributedRunError with the failing rank's traceback, or on timeout.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results,
+                                          collective_timeout_s, dict(env or {})), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs, errors = {}, {}
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outputs) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedRunError(
+                    f"timed out after {timeout_s:.0f}s; ranks finished: {sorted(outputs)}, "
+                    f"failed: {sorted(errors)}" + _format_errors(errors))
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in outputs and r not in errors]
+                if dead:
+                    # a rank died without reporting (segfault, OOM kill)
+                    errors.update({r: f"exited with code {procs[r].exitcode}" for r in dead})
+                continue
+            (outputs if status == "ok" else errors)[rank] = value
+            if errors:
+                # one rank failed: give peers a moment to report, then stop everyone
+                time.sleep(0.5)
+                while True:
+                    try:
+                        rank, status, value = results.get_nowait()
+                        (outputs if status == "ok" else errors)[rank] = value
+                    except queue.Empty:
+                        break
+                raise DistributedRunError("rank(s) failed" + _format_errors(errors))
+        for p in procs:
+            p.join(timeout=max(5.0, deadline - time.monotonic()))
+    finally:
+        _kill(procs)
+    return [outputs[r] for r in range(world_size)]
+
+
+def _format_errors(errors):
+    return "".join(f"\n--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
+
+
+def _kill(procs):
+    for p in procs:
+        if p.pid is None:
+            continue
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.join(timeout=5)
