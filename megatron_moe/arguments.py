@@ -1,0 +1,407 @@
+"""Megatron-LM compatible command line: the same flag names, defaults and meanings.
+
+Everything is validated here, before any process group starts, so a bad launch fails at once
+with one line naming the flag (argparse's ``error: ...`` on stderr, exit code 2) instead of a hang
+or a traceback on every rank. ``allow_abbrev=False``: a misspelt flag is an error, never a guess.
+
+Feature areas add their own flags through ``add_arguments(parser)`` hooks (comm, balance,
+embedding); they are collected in ``_EXTENSION_MODULES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+_EXTENSION_MODULES = (
+    "megatron_moe.comm",
+    "megatron_moe.balance",
+    "megatron_moe.embedding",
+    "megatron_moe.moe.dispatcher",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # one line naming the flag; the full usage is a wall of text on every rank
+        self.exit(2, f"{self.prog}: error: {message}\n(see --help for the flag reference)\n")
+
+
+def build_parser(extra_args_provider=None, prog="pretrain_gpt_moe.py") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, allow_abbrev=False,
+                               description="Megatron-style MoE pretraining on megatron-core.")
+    _add_parallel_args(p)
+    _add_model_args(p)
+    _add_moe_args(p)
+    _add_training_args(p)
+    _add_data_args(p)
+    _add_checkpoint_args(p)
+    _add_logging_args(p)
+    for name in _EXTENSION_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(p)
+    if extra_args_provider is not None:
+        p = extra_args_provider(p) or p
+    return p
+
+
+def _add_parallel_args(p):
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="Defaults to --tensor-model-parallel-size.")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="Default: nccl when CUDA is available, else gloo.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--local-rank", type=int, default=None, help="Set by the launcher.")
+
+
+def _add_model_args(p):
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="Default: 4 x hidden size.")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--num-query-groups", type=int, default=None, help="Grouped-query attention.")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_moe_args(p):
+    g = p.add_argument_group("moe")
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
+                   help="int N (every Nth layer is MoE) or a list such as '[1,0,1,0]'.")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    g.add_argument("--moe-token-dispatcher-type", default="allgather",
+                   choices=["allgather", "alltoall", "flex"])
+    g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-num-groups", type=int, default=None)
+    g.add_argument("--moe-router-group-topk", type=int, default=None)
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Benchmarking only: route tokens uniformly (megatron-core's forced balance).")
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-per-layer-logging", action="store_true")
+
+
+def _add_training_args(p):
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Default: micro batch size x data-parallel size.")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Stop (and save) when iteration %% interval == 0.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM, save a checkpoint and exit.")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=["constant", "linear", "cosine"])
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
+    g.add_argument("--use-cpu-initialization", action="store_true")
+    g.add_argument("--no-nan-check", action="store_false", dest="check_for_nan_in_loss",
+                   help="Do not stop on a NaN/Inf loss.")
+
+
+def _add_data_args(p):
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="PREFIX, or WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ... for blending.")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--mock-data", action="store_true", help="Synthetic data (no --data-path).")
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="For NullTokenizer.")
+
+
+def _add_checkpoint_args(p):
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load weights only; reset iteration, optimizer and scheduler.")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--auto-detect-ckpt-format", action="store_true")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler")
+
+
+def _add_logging_args(p):
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--log-expert-load", action="store_true", default=True,
+                   help="Per-MoE-layer expert-load imbalance lines (default on).")
+    g.add_argument("--no-log-expert-load", action="store_false", dest="log_expert_load")
+    g.add_argument("--wandb-project", default=None, help="Accepted for compatibility; ignored.")
+
+
+def _layer_freq(text):
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = [int(x) for x in text.strip("[]").split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid list {text!r}")
+        if any(v not in (0, 1) for v in values):
+            raise argparse.ArgumentTypeError("list entries must be 0 or 1")
+        return values
+    return int(text)
+
+
+# --- validation ------------------------------------------------------------------------------------
+def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_size=None,
+               check_data_paths=True):
+    parser = build_parser(extra_args_provider)
+    if args_defaults:
+        parser.set_defaults(**args_defaults)
+    args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    args.rank = int(os.environ.get("RANK", "0"))
+    try:
+        validate_args(args, check_data_paths=check_data_paths)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def validate_args(args, check_data_paths=True):
+    """Fill derived values and reject impossible combinations (ValueError names the flag)."""
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    ep = args.expert_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    world = args.world_size
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep),
+                        ("--expert-tensor-parallel-size", etp), ("--micro-batch-size",
+                                                                  args.micro_batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1 (got {value})")
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+    if world % (etp * ep * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by --expert-tensor-parallel-size ({etp}) x "
+            f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
+    args.data_parallel_size = world // (tp * pp * cp)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) != 0:
+        raise ValueError(
+            f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+            f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+            f"({args.data_parallel_size})")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if pp > 1 and args.num_layers % pp != 0:
+        raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
+                         f"--pipeline-model-parallel-size ({pp})")
+    if args.hidden_size % args.num_attention_heads != 0:
+        raise ValueError(f"--hidden-size ({args.hidden_size}) must be divisible by "
+                         f"--num-attention-heads ({args.num_attention_heads})")
+    if args.num_attention_heads % tp != 0:
+        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible "
+                         f"by --tensor-model-parallel-size ({tp})")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
+        raise ValueError(f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+                         f"({args.max_position_embeddings})")
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are mutually exclusive")
+    if args.num_query_groups is not None:
+        args.group_query_attention = True
+    # MoE
+    if args.num_experts is None:
+        if ep > 1:
+            raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+    else:
+        if args.num_experts % ep != 0:
+            raise ValueError(f"--num-experts ({args.num_experts}) must be divisible by "
+                             f"--expert-model-parallel-size ({ep})")
+        if not 1 <= args.moe_router_topk <= args.num_experts:
+            raise ValueError(f"--moe-router-topk ({args.moe_router_topk}) must be in "
+                             f"[1, --num-experts={args.num_experts}]")
+        if args.moe_ffn_hidden_size is None:
+            args.moe_ffn_hidden_size = args.ffn_hidden_size
+        if tp > 1 and not args.sequence_parallel:
+            raise ValueError("MoE with --tensor-model-parallel-size > 1 requires --sequence-parallel")
+        if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
+            raise ValueError(f"--moe-layer-freq has {len(args.moe_layer_freq)} entries, "
+                             f"--num-layers is {args.num_layers}")
+        if args.moe_expert_capacity_factor is not None and args.moe_token_dispatcher_type == "allgather":
+            raise ValueError("--moe-expert-capacity-factor needs --moe-token-dispatcher-type "
+                             "alltoall (megatron-core drops tokens only there)")
+        if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+            raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if args.moe_grouped_gemm and not _cuda_available():
+            raise ValueError("--moe-grouped-gemm needs CUDA (grouped_gemm or Transformer Engine)")
+        if args.moe_token_dispatcher_type == "flex" and not _cuda_available():
+            raise ValueError("--moe-token-dispatcher-type flex needs CUDA and DeepEP/HybridEP")
+    if tp == 1 and args.sequence_parallel:
+        args.sequence_parallel = False  # Megatron does the same: SP is meaningless without TP
+    # training length and schedule
+    if args.train_iters is None and args.train_samples is None:
+        raise ValueError("one of --train-iters or --train-samples is required")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ValueError("--train-iters and --train-samples are mutually exclusive")
+    if args.train_iters is None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    if args.lr is None:
+        raise ValueError("--lr is required")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    if args.save is not None and args.save_interval is None:
+        args.save_interval = args.train_iters  # save at the end at least
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ValueError("--save-interval must be >= 1")
+    if args.log_interval < 1:
+        raise ValueError("--log-interval must be >= 1")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if _cuda_available() else "gloo"
+    if args.distributed_backend == "nccl" and not _cuda_available():
+        raise ValueError("--distributed-backend nccl needs CUDA; use gloo on a CPU-only machine")
+    args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    # data
+    if not args.mock_data and not (args.data_path or args.train_data_path):
+        raise ValueError("--data-path is required (or --mock-data for synthetic data)")
+    if check_data_paths and not args.mock_data:
+        for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            for prefix in _prefixes(getattr(args, flag)):
+                for ext in (".bin", ".idx"):
+                    if not os.path.isfile(prefix + ext):
+                        raise ValueError(
+                            f"--{flag.replace('_', '-')}: {prefix + ext} does not exist (a data path "
+                            f"is the prefix that both .bin and .idx extend)")
+    if args.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                               "Llama2Tokenizer", "HuggingFaceTokenizer") and not args.mock_data:
+        if args.tokenizer_model is None:
+            raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+        if not os.path.exists(args.tokenizer_model):
+            raise ValueError(f"--tokenizer-model: {args.tokenizer_model} does not exist")
+    for flag in ("vocab_file", "merge_file"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')}: {path} does not exist")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise ValueError(f"--load: {args.load} is not a directory")
+    return args
+
+
+def _prefixes(values):
+    """Data prefixes from a --data-path list (weights are numbers, prefixes are not)."""
+    if not values:
+        return []
+    out = []
+    for value in values:
+        try:
+            float(value)
+        except ValueError:
+            out.append(value)
+    return out
+
+
+def _cuda_available():
+    import torch
+
+    return torch.cuda.is_available()

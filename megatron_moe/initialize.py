@@ -1,0 +1,63 @@
+"""Launcher environment (torchrun or Slurm) -> torch.distributed -> megatron-core parallel_state."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def launcher_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's variables, else Slurm's, else a single process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                int(os.environ.get("LOCAL_RANK", "0")))
+    if "SLURM_PROCID" in os.environ:  # srun without torchrun
+        return (int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
+                int(os.environ.get("SLURM_LOCALID", "0")))
+    return 0, 1, 0
+
+
+def initialize_distributed(args):
+    """Start the default process group (unless the caller already did) and megatron-core's groups."""
+    from megatron.core import parallel_state
+
+    rank, world_size, local_rank = launcher_env()
+    if not dist.is_initialized():
+        if args.distributed_backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "6000")
+        dist.init_process_group(
+            backend=args.distributed_backend, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    from megatron_moe.compat import apply_cpu_shims
+
+    apply_cpu_shims()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+        )
+    args.rank = dist.get_rank()
+    args.world_size = dist.get_world_size()
+    set_random_seed(args.seed)
+
+
+def set_random_seed(seed: int):
+    """Megatron's rule: seed + 100 x pipeline rank, then the model-parallel RNG tracker."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
