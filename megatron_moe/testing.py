@@ -12,6 +12,7 @@ import os
 import queue
 import signal
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -74,8 +75,6 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0,
     for p in procs:
         p.start()
     outputs, errors = {}, {}
-    import time
-
     deadline = time.monotonic() + timeout_s
     try:
         while len(outputs) + len(errors) < world_size:
@@ -104,6 +103,8 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0,
                     except queue.Empty:
                         break
                 raise DistributedRunError("rank(s) failed" + _format_errors(errors))
+        if errors:
+            raise DistributedRunError("rank(s) failed" + _format_errors(errors))
         for p in procs:
             p.join(timeout=max(5.0, deadline - time.monotonic()))
     finally:

@@ -4,6 +4,15 @@ import sys
 import types
 
 
+def quiet_known_warnings():
+    """Silence megatron-core's import-time notices about optional GPU packages (TE, apex)."""
+    import warnings
+
+    for pattern in (".*Transformer Engine and Apex are not installed.*",
+                    ".*Apex is not installed.*", ".*Transformer Engine is not installed.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def install_megatron_core_stubs():
     """megatron-core >= 0.19 imports triton unguarded in one MoE op module (paged stash).
 

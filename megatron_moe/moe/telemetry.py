@@ -31,6 +31,7 @@ class ExpertLoadTracker:
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.enabled = True  # off during evaluation
         self.listeners = []  # callables(layer_number, routing_map) for other consumers (balance stats)
         self._handles = []
 
@@ -45,6 +46,8 @@ class ExpertLoadTracker:
         return len(self._handles)
 
     def _hook(self, router, inputs, outputs):
+        if not self.enabled:
+            return
         routing_map = outputs[1]
         layer = int(router.layer_number)  # set by megatron-core's TransformerLayer
         counts = routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(dim=0)

@@ -1,0 +1,207 @@
+"""Megatron-layout checkpoints in megatron-core's torch_dist format, written atomically.
+
+Layout (what Megatron-LM tools expect)::
+
+    <save>/latest_checkpointed_iteration.txt     "100"
+    <save>/iter_0000100/                         dist_checkpointing output (metadata.json, .metadata,
+                                                 __<rank>_<i>.distcp, common.pt)
+
+A save goes to ``<save>/iter_0000100.tmp`` and is renamed into place only after every rank
+finished writing; the tracker file is then replaced atomically. A crash or kill during a save
+leaves the previous checkpoint and the tracker pointing at it untouched.
+
+Model and optimizer state are sharded tensors, so a checkpoint saved with one TP/EP/PP layout
+loads into another (megatron-core resharding). Per-rank RNG state is restored only when the
+layout is unchanged (it has no meaning across layouts; a note says so).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+
+from megatron_moe.model import unwrap
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the path and what is wrong."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration in ``latest_checkpointed_iteration.txt``, or None if there is no tracker."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        raise CheckpointError(f"{path}: 'release' checkpoints are not supported; "
+                              f"load an iter_XXXXXXX checkpoint")
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def parallel_layout(args) -> dict:
+    return dict(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                cp=args.context_parallel_size, world=args.world_size)
+
+
+def _rng_state() -> dict:
+    return dict(random=random.getstate(), np=np.random.get_state(), torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                tracker=tensor_parallel.get_cuda_rng_tracker().get_states())
+
+
+def _set_rng_state(state: dict):
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _optimizer_metadata(args) -> dict:
+    # fully_reshardable: optimizer state in model space, so a resume may change TP/EP/PP/DP.
+    return {"distrib_optim_sharding_type": "fully_reshardable"} if args.use_distributed_optimizer else {}
+
+
+def _sharded_state(model, optimizer, args, *, include_optimizer: bool, include_rng: bool,
+                   is_loading: bool, rng=None) -> dict:
+    assert len(model) == 1, "virtual pipeline stages are not supported"
+    model_sd = unwrap(model[0]).sharded_state_dict()
+    state = {"model": model_sd}
+    if include_optimizer and optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_optimizer_metadata(args))
+    if include_rng:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        state["rng_state"] = ShardedObject("rng_state", rng if rng is not None else _rng_state(),
+                                           (world,), (rank,), replica_id=0)
+    return state
+
+
+def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train_samples,
+                    consumed_valid_samples=0, extra_state: dict | None = None):
+    root = args.save
+    final_dir = checkpoint_dir(root, iteration)
+    tmp_dir = final_dir + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftover of a killed save
+        os.makedirs(tmp_dir)
+    dist.barrier()
+    state = _sharded_state(model, optimizer, args, include_optimizer=not args.no_save_optim,
+                           include_rng=not args.no_save_rng, is_loading=False)
+    state.update(
+        iteration=iteration,
+        checkpoint_version=3.0,
+        args=args,
+        parallel_layout=parallel_layout(args),
+        consumed_train_samples=consumed_train_samples,
+        consumed_valid_samples=consumed_valid_samples,
+        opt_param_scheduler=scheduler.state_dict() if scheduler is not None else None,
+        extra_state=extra_state or {},
+    )
+    dist_checkpointing.save(state, tmp_dir, get_default_save_sharded_strategy("torch_dist"))
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final_dir):  # re-saving an iteration: keep the old one until replaced
+            old = final_dir + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final_dir, old)
+            os.rename(tmp_dir, final_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp_dir, final_dir)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    dist.barrier()
+
+
+def load_checkpoint(model, optimizer, scheduler, args):
+    """Load the latest checkpoint under ``--load``.
+
+    Returns (iteration, consumed_train_samples, consumed_valid_samples, extra_state); iteration 0
+    when ``--load`` holds no checkpoint yet (Megatron's behaviour: the same launch script starts a
+    run and resumes it).
+    """
+    root = args.load
+    iteration = read_tracker(root) if os.path.isdir(root) else None
+    if iteration is None:
+        if dist.get_rank() == 0:
+            print(f" WARNING: no {TRACKER} under --load {root}; starting from scratch", flush=True)
+        return 0, 0, 0, {}
+    ckpt = checkpoint_dir(root, iteration)
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(f"{os.path.join(root, TRACKER)} points at iteration {iteration}, "
+                              f"but {ckpt} does not exist")
+    try:
+        common = dist_checkpointing.load_common_state_dict(ckpt)
+    except Exception as exc:
+        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's common state "
+                              f"({type(exc).__name__}: {exc})") from None
+    same_layout = common.get("parallel_layout") == parallel_layout(args)
+    load_rng = not args.no_load_rng and not args.finetune and "rng_state" in _saved_keys(ckpt)
+    if load_rng and not same_layout:
+        load_rng = False
+        if dist.get_rank() == 0:
+            print(f" note: parallel layout changed {common.get('parallel_layout')} -> "
+                  f"{parallel_layout(args)}; RNG state is not restored", flush=True)
+    load_optim = (not args.no_load_optim and not args.finetune and optimizer is not None
+                  and "optimizer" in _saved_keys(ckpt))
+    sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
+                             include_rng=load_rng, is_loading=True)
+    try:
+        state = dist_checkpointing.load(sharded, ckpt, get_default_load_sharded_strategy(ckpt))
+    except Exception as exc:
+        raise CheckpointError(f"{ckpt}: checkpoint is corrupt or incomplete "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from None
+    unwrap(model[0]).load_state_dict(state["model"], strict=True)
+    if load_optim:
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state.get("opt_param_scheduler"):
+            scheduler.load_state_dict(state["opt_param_scheduler"])
+    if load_rng:
+        _set_rng_state(state["rng_state"])
+    if args.finetune:
+        return 0, 0, 0, {}
+    if dist.get_rank() == 0:
+        print(f" successfully loaded checkpoint from {root} at iteration {iteration}", flush=True)
+    return (state["iteration"], state["consumed_train_samples"],
+            state.get("consumed_valid_samples", 0), state.get("extra_state", {}))
+
+
+def _saved_keys(ckpt_dir) -> set:
+    """Top-level keys present in a saved checkpoint (from its metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{ckpt_dir}: cannot read .metadata ({type(exc).__name__}: {exc})") from None
+    return {key.split(".")[0].split("/")[0] for key in metadata.state_dict_metadata}

@@ -1,0 +1,45 @@
+"""GPT datasets over megatron-core's indexed datasets (blending, splits, index cache)."""
+
+from __future__ import annotations
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+
+
+def gpt_dataset_config(args, tokenizer) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path),
+        blend_per_split=[get_blend_from_list(args.train_data_path),
+                         get_blend_from_list(args.valid_data_path),
+                         get_blend_from_list(args.test_data_path)],
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,  # causal mask is built inside the attention
+        mid_level_dataset_surplus=0.005,
+    )
+
+
+def train_valid_test_num_samples(args):
+    """Samples each split must provide (Megatron's formula, so index caches are shared with it)."""
+    train = args.train_iters * args.global_batch_size
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    return [train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size]
+
+
+def build_gpt_datasets(args, tokenizer, num_samples=None):
+    config = gpt_dataset_config(args, tokenizer)
+    if args.mock_data:
+        config.blend = None
+        config.blend_per_split = None
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(
+        cls, num_samples or train_valid_test_num_samples(args), lambda: True, config)
+    return builder.build()
+

@@ -1,0 +1,146 @@
+"""Model construction: args -> megatron-core TransformerConfig, layer spec, GPTModel, DDP.
+
+The MoE layer spec is megatron-core's; feature modules customise it through ``SPEC_HOOKS``
+(each ``hook(args, block_spec) -> block_spec``): the dispatcher (fused permute, pluggable
+all-to-all), the topology-aware router and the load balancer swap in their classes there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# Modules offering ``customize_spec(args, spec) -> spec``; applied in this order.
+SPEC_HOOKS = (
+    "megatron_moe.moe.dispatcher",
+    "megatron_moe.moe.topo_router",
+    "megatron_moe.balance",
+)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# args attribute -> TransformerConfig field, where Megatron's flag name differs from the field
+_RENAMED = {
+    "num_experts": "num_moe_experts",
+    "norm_epsilon": "layernorm_epsilon",
+    "swiglu": "gated_linear_unit",
+}
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config_from_args(args, config_class=TransformerConfig) -> TransformerConfig:
+    """Copy every same-named (or renamed) arg into the config, as Megatron-LM does."""
+    kwargs = {}
+    names = {f.name for f in dataclasses.fields(config_class)}
+    for key, value in vars(args).items():
+        field = _RENAMED.get(key, key)
+        if field in names:
+            kwargs[field] = value
+    dtype = _DTYPES[args.params_dtype]
+    kwargs.update(
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
+        # Fusions need TE/apex/CUDA; they are chosen explicitly elsewhere (--moe-permute-fusion).
+        moe_permute_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        moe_router_dtype="fp32",
+        activation_func=F.silu if args.swiglu else F.gelu,
+        num_moe_experts=args.num_experts,
+        moe_layer_freq=args.moe_layer_freq,
+        deterministic_mode=False,
+        calculate_per_token_loss=False,
+    )
+    if args.moe_router_load_balancing_type == "none":
+        kwargs["moe_aux_loss_coeff"] = 0.0
+    if args.num_experts is None:
+        for key in [k for k in kwargs if k.startswith("moe_")]:
+            kwargs.pop(key)
+    return config_class(**kwargs)
+
+
+def gpt_layer_spec(args, config):
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine())
+    for name in SPEC_HOOKS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "customize_spec"):
+            spec = module.customize_spec(args, spec)
+    return spec
+
+
+def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None) -> GPTModel:
+    config = transformer_config_from_args(args)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(args, config),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
+    """Build this rank's model chunk, cast for mixed precision, wrap in megatron-core DDP."""
+    pre = parallel_state.is_pipeline_first_stage()
+    post = parallel_state.is_pipeline_last_stage()
+    model = model_provider(pre_process=pre, post_process=post)
+    model.model_type = model_type
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    config = model.config
+    if args.bf16 or args.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None if args.overlap_grad_reduce else None,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    if args.overlap_param_gather:
+        config.param_sync_func = model.start_param_sync
+    return [model]
+
+
+def unwrap(model_chunk):
+    """The GPTModel/BertModel inside DDP and Float16Module wrappers."""
+    while hasattr(model_chunk, "module"):
+        model_chunk = model_chunk.module
+    return model_chunk

@@ -1,0 +1,494 @@
+"""pretrain(): parse -> initialize -> build model/optimizer/data -> train loop -> save.
+
+The loop is Megatron-LM's: megatron-core's pipeline schedule runs forward/backward over the
+micro-batches, the megatron-core optimizer steps, ``OptimizerParamScheduler`` advances by the
+global batch, and the log line has Megatron's exact format (plus tokens/s and per-MoE-layer
+expert-load imbalance lines).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from datetime import datetime
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe import global_vars
+from megatron_moe.compat import install_megatron_core_stubs, quiet_known_warnings
+
+quiet_known_warnings()
+install_megatron_core_stubs()
+from megatron_moe.arguments import parse_args
+
+_LOSS_KEY = "lm loss"
+
+
+class TrainingError(RuntimeError):
+    """A user-facing failure (bad data, NaN loss, bad checkpoint) printed as one line."""
+
+
+def print_rank_0(msg):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def print_rank_last(msg):
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        print(msg, flush=True)
+
+
+def pretrain(train_valid_test_datasets_provider, model_provider, model_type, forward_step_func,
+             extra_args_provider=None, args_defaults=None, argv=None, process_non_loss_data_func=None):
+    """Megatron-LM's entry point. Returns a dict of results (losses per iteration) for tests."""
+    args = parse_args(argv, extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    try:
+        return _pretrain(args, train_valid_test_datasets_provider, model_provider, model_type,
+                         forward_step_func)
+    except TrainingError as exc:
+        # every rank reaches the same verdict; print once, exit non-zero without a traceback wall
+        print_rank_0(f"error: {exc}")
+        sys.exit(1)
+
+
+def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_func):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_moe.checkpointing import CheckpointError, load_checkpoint
+    from megatron_moe.initialize import initialize_distributed
+    from megatron_moe.model import get_model
+
+    start = time.time()
+    global_vars.set_args(args)
+    initialize_distributed(args)
+    _build_tokenizer(args)
+    print_rank_0(f"> initialized {args.world_size} ranks on {args.distributed_backend}: "
+                 f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+                 f"EP={args.expert_model_parallel_size} ETP={args.expert_tensor_parallel_size} "
+                 f"DP={args.data_parallel_size} ({time.time() - start:.1f}s)")
+
+    model = get_model(model_provider, args, model_type)
+    optimizer = get_megatron_optimizer(_optimizer_config(args, OptimizerConfig), model)
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
+    hooks = TrainingHooks(args, model)
+
+    iteration, consumed_train, consumed_valid, extra = 0, 0, 0, {}
+    if args.load is not None:
+        try:
+            iteration, consumed_train, consumed_valid, extra = load_checkpoint(
+                model, optimizer, scheduler, args)
+        except CheckpointError as exc:
+            raise TrainingError(f"--load: {exc}") from None
+        hooks.load_state_dict(extra.get("hooks", {}))
+    args.iteration = iteration
+    args.consumed_train_samples = consumed_train
+
+    train_ds, valid_ds, _ = _build_datasets(args, datasets_provider)
+    train_iter = _iterator(args, train_ds, consumed_train)
+    valid_iter = _iterator(args, valid_ds, consumed_valid)
+
+    print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
+                 f"(setup {time.time() - start:.1f}s)")
+    trainer = Trainer(args, model, optimizer, scheduler, forward_step_func, hooks)
+    result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
+    hooks.close()
+    return result
+
+
+def _build_tokenizer(args):
+    from megatron_moe.data.tokenizers import build_tokenizer, vocab_size_with_padding
+
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    global_vars.set_tokenizer(tokenizer)
+    return tokenizer
+
+
+def _optimizer_config(args, config_class):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.params_dtype]
+    return config_class(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather)
+
+
+def _build_datasets(args, provider):
+    from megatron_moe.data.gpt import train_valid_test_num_samples
+
+    try:
+        return provider(train_valid_test_num_samples(args))
+    except (FileNotFoundError, ValueError, AssertionError) as exc:
+        raise TrainingError(f"--data-path: could not build datasets: {exc}") from None
+
+
+def _iterator(args, dataset, consumed):
+    from megatron.core import parallel_state
+
+    from megatron_moe.data.sampler import build_data_iterator
+
+    if dataset is None or len(dataset) == 0:
+        return None
+    return build_data_iterator(dataset, consumed, args.micro_batch_size,
+                               parallel_state.get_data_parallel_rank(),
+                               parallel_state.get_data_parallel_world_size(), args.num_workers)
+
+
+class TrainingHooks:
+    """Feature modules that act around a training step (telemetry, load balancing, writers)."""
+
+    def __init__(self, args, model):
+        from megatron.core import parallel_state
+
+        from megatron_moe.model import unwrap
+        from megatron_moe.moe.telemetry import ExpertLoadTracker
+
+        self.args = args
+        self.tracker = None
+        if args.num_experts:
+            self.tracker = ExpertLoadTracker(args.num_layers, args.num_experts,
+                                             args.expert_model_parallel_size)
+            self.tracker.attach([unwrap(m) for m in model])
+        self.balance = None
+        try:
+            from megatron_moe import balance
+        except ImportError:
+            balance = None
+        if balance is not None and hasattr(balance, "BalanceManager") and args.num_experts:
+            self.balance = balance.BalanceManager(args, model, tracker=self.tracker)
+            # Agg (replica grads -> owner) must precede megatron-core's grad finalisation
+            config = unwrap(model[0]).config
+            finalize = config.finalize_model_grads_func
+
+            def finalize_with_agg(*a, **k):
+                self.balance.before_finalize_grads()
+                return finalize(*a, **k)
+
+            config.finalize_model_grads_func = finalize_with_agg
+        self.writer = None
+        if args.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+
+    def after_step(self, iteration):
+        if self.balance is not None:
+            self.balance.after_step(iteration)
+
+    def metrics(self) -> dict:
+        return self.balance.metrics() if self.balance is not None else {}
+
+    def state_dict(self):
+        return {"balance": self.balance.state_dict()} if self.balance is not None else {}
+
+    def load_state_dict(self, state):
+        if self.balance is not None and state.get("balance"):
+            self.balance.load_state_dict(state["balance"])
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+class Trainer:
+    def __init__(self, args, model, optimizer, scheduler, forward_step_func, hooks):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.args = args
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.forward_step_func = forward_step_func
+        self.hooks = hooks
+        self.forward_backward = get_forward_backward_func()
+        self.skipped_iters = 0
+        self.nan_iters = 0
+        self.stop_requested = False
+        if args.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.stop_requested = True
+
+    # --- one iteration ---------------------------------------------------------------------------
+    def train_step(self, data_iterator):
+        args = self.args
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self.forward_backward(
+            forward_step_func=self.forward_step_func, data_iterator=data_iterator,
+            model=self.model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+            forward_only=False)
+        update_successful, grad_norm, num_zeros = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=args.global_batch_size)
+        else:
+            self.skipped_iters += 1
+        return reduce_losses(losses), grad_norm, update_successful
+
+    def evaluate(self, data_iterator):
+        args = self.args
+        for chunk in self.model:
+            chunk.eval()
+        # eval forwards must not leak into the training aux-loss and expert-load logs
+        saved_aux = _snapshot_moe_tracker()
+        if self.hooks.tracker is not None:
+            self.hooks.tracker.enabled = False
+        totals = {}
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                losses = self.forward_backward(
+                    forward_step_func=self.forward_step_func, data_iterator=data_iterator,
+                    model=self.model, num_microbatches=args.num_microbatches,
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    decoder_seq_length=args.seq_length, forward_only=True)
+                for key, value in reduce_losses(losses).items():
+                    totals[key] = totals.get(key, 0.0) + value / args.eval_iters
+        for chunk in self.model:
+            chunk.train()
+        _restore_moe_tracker(saved_aux)
+        if self.hooks.tracker is not None:
+            self.hooks.tracker.enabled = True
+        return totals
+
+    # --- the loop --------------------------------------------------------------------------------
+    def train(self, train_iter, valid_iter, iteration, consumed_train, consumed_valid):
+        from megatron_moe.checkpointing import save_checkpoint
+
+        args = self.args
+        for chunk in self.model:
+            chunk.train()
+        history = {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []}
+        window = LogWindow()
+        saved_at = None
+        tokens_per_iter = args.global_batch_size * args.seq_length
+        if train_iter is None and iteration < args.train_iters:
+            raise TrainingError("--data-path: the training split is empty (check --split)")
+        last_time = time.time()
+
+        def save(it):
+            nonlocal saved_at
+            if args.save and saved_at != it:
+                t0 = time.time()
+                save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
+                                consumed_train, consumed_valid, {"hooks": self.hooks.state_dict()})
+                saved_at = it
+                print_rank_0(f"  saved checkpoint at iteration {it:7d} to {args.save} "
+                             f"in {time.time() - t0:.2f}s")
+
+        while iteration < args.train_iters:
+            loss_dict, grad_norm, ok = self.train_step(train_iter)
+            iteration += 1
+            consumed_train += args.global_batch_size
+            args.iteration, args.consumed_train_samples = iteration, consumed_train
+            lm_loss = loss_dict.get(_LOSS_KEY)
+            if args.check_for_nan_in_loss and lm_loss is not None and not math.isfinite(lm_loss):
+                self.nan_iters += 1
+                last = f"{args.save} (iteration {saved_at})" if saved_at else "none written this run"
+                raise TrainingError(
+                    f"{_LOSS_KEY} is {lm_loss} at iteration {iteration}; stopping without saving. "
+                    f"Last checkpoint: {last}. Lower --lr, raise --clip-grad or check the data; "
+                    f"--no-nan-check disables this check")
+            self.hooks.after_step(iteration)
+            lr = self.scheduler.get_lr(self.optimizer.param_groups[0])
+            window.add(loss_dict, ok)
+            history["iteration"].append(iteration)
+            history["lm_loss"].append(lm_loss)
+            history["lr"].append(lr)
+            history["grad_norm"].append(float(grad_norm) if grad_norm is not None else None)
+
+            if iteration % args.log_interval == 0:
+                now = time.time()
+                elapsed = (now - last_time) / window.count
+                last_time = now
+                self._log(iteration, consumed_train, elapsed, lr, window, grad_norm,
+                          tokens_per_iter)
+                window = LogWindow()
+            if valid_iter is not None and args.eval_interval and iteration % args.eval_interval == 0:
+                eval_losses = self.evaluate(valid_iter)
+                consumed_valid += args.eval_iters * args.global_batch_size
+                self._log_eval(f"iteration {iteration}", eval_losses, iteration)
+            if args.save_interval and iteration % args.save_interval == 0:
+                save(iteration)
+            if self.stop_requested or (args.exit_interval and iteration % args.exit_interval == 0):
+                save(iteration)
+                print_rank_0(f"exiting at iteration {iteration}")
+                break
+        if args.save and iteration == args.train_iters:
+            save(iteration)
+        return {"history": history, "iteration": iteration, "consumed_train_samples": consumed_train}
+
+    # --- logging ---------------------------------------------------------------------------------
+    def _log(self, iteration, consumed, elapsed_s, lr, window, grad_norm, tokens_per_iter):
+        """Megatron-LM's training_log line, byte for byte, then our MoE lines."""
+        from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+        args = self.args
+        writer = self.hooks.writer
+        losses = window.averages()
+        if args.num_experts:
+            # The tracker summed every micro-batch's aux losses since the last log line.
+            moe_losses = {}
+            track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=iteration,
+                              writer=writer, total_loss_dict=moe_losses,
+                              per_layer_logging=args.moe_per_layer_logging, force_initialize=True,
+                              track_names=moe_track_names(args), num_layers=args.num_layers,
+                              moe_layer_freq=args.moe_layer_freq)
+            for name, value in moe_losses.items():
+                losses[name] = float(value) / window.count
+        tokens_per_s = tokens_per_iter / elapsed_s if elapsed_s > 0 else 0.0
+        line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+        line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
+        line += f" consumed samples: {consumed:12d} |"
+        line += f" elapsed time per iteration (ms): {elapsed_s * 1000.0:.1f} |"
+        line += f" learning rate: {lr:.6E} |"
+        line += f" global batch size: {args.global_batch_size:5d} |"
+        for key, value in losses.items():
+            line += f" {key}: {value:.6E} |"
+        line += f" loss scale: {self.optimizer.get_loss_scale().item():.1f} |"
+        if grad_norm is not None:
+            line += f" grad norm: {float(grad_norm):.3f} |"
+        line += f" number of skipped iterations: {window.skipped:3d} |"
+        line += f" number of nan iterations: {window.nan:3d} |"
+        line += f" tokens per second: {tokens_per_s:.1f} |"
+        loads = self.hooks.tracker.collect() if self.hooks.tracker is not None else []
+        extra = self.hooks.metrics()
+        print_rank_last(line)
+        if args.log_expert_load:
+            for load in loads:
+                print_rank_last(
+                    f" [moe] layer {load.layer:3d} | expert load max/mean: "
+                    f"{load.expert_max_over_mean:.3f} | EP-rank load max/mean: "
+                    f"{load.rank_max_over_mean:.3f} |"
+                    + (f" tokens per expert: {load.tokens_per_expert} |"
+                       if len(load.tokens_per_expert) <= 16 else ""))
+            if extra:
+                print_rank_last(" [moe] " + " | ".join(f"{k}: {v:.4g}" for k, v in extra.items()) + " |")
+        if writer is not None:
+            writer.add_scalar("learning-rate", lr, iteration)
+            writer.add_scalar("tokens-per-second", tokens_per_s, iteration)
+            writer.add_scalar("iteration-time", elapsed_s, iteration)
+            for key, value in losses.items():
+                writer.add_scalar(key, value, iteration)
+            if grad_norm is not None:
+                writer.add_scalar("grad-norm", float(grad_norm), iteration)
+            for load in loads:
+                writer.add_scalar(f"moe/expert_load_max_over_mean_layer_{load.layer}",
+                                  load.expert_max_over_mean, iteration)
+                writer.add_scalar(f"moe/ep_rank_load_max_over_mean_layer_{load.layer}",
+                                  load.rank_max_over_mean, iteration)
+            for key, value in extra.items():
+                writer.add_scalar(f"moe/{key}", value, iteration)
+
+    def _log_eval(self, prefix, losses, iteration):
+        parts = []
+        for key, value in losses.items():
+            parts.append(f"{key} value: {value:.6E}")
+            parts.append(f"{key} PPL: {math.exp(min(20.0, value)):.6E}")
+            if self.hooks.writer is not None:
+                self.hooks.writer.add_scalar(f"{key} validation", value, iteration)
+        line = f" validation loss at {prefix} | " + " | ".join(parts) + " |"
+        bar = "-" * len(line)
+        print_rank_last(f"{bar}\n{line}\n{bar}")
+
+
+class LogWindow:
+    """Sums of losses over the iterations between two log lines."""
+
+    def __init__(self):
+        self.sums, self.count, self.skipped, self.nan = {}, 0, 0, 0
+
+    def add(self, loss_dict, update_successful):
+        self.count += 1
+        if not update_successful:
+            self.skipped += 1
+        for key, value in loss_dict.items():
+            if not math.isfinite(value):
+                self.nan += 1
+                continue
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def averages(self):
+        return {k: v / self.count for k, v in self.sums.items()}
+
+
+def reduce_losses(losses_reduced) -> dict:
+    """Average each reported loss over micro-batches and data-parallel ranks; same on every rank.
+
+    Only the last pipeline stage has losses; a world all-reduce of (sum, count) pairs gives every
+    rank the value, so all ranks agree on NaN checks and on what is logged.
+    """
+    from megatron.core import parallel_state
+
+    keys = sorted({k for d in losses_reduced or [] for k in d}) if losses_reduced else []
+    names = [_LOSS_KEY] if not keys else keys
+    values = torch.zeros(2 * len(names), dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        for i, name in enumerate(names):
+            for d in losses_reduced or []:
+                if name in d:
+                    values[2 * i] += float(d[name])
+                    values[2 * i + 1] += 1
+    if dist.is_initialized():
+        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        values = values.to(device)
+        dist.all_reduce(values)
+        values = values.cpu()
+    out = {}
+    for i, name in enumerate(names):
+        if values[2 * i + 1] > 0:
+            out[name] = float(values[2 * i] / values[2 * i + 1])
+    return out
+
+
+def moe_track_names(args):
+    """The aux-loss names megatron-core records, as Megatron-LM's training_log lists them."""
+    names = []
+    balancing = args.moe_router_load_balancing_type
+    if "aux_loss" in balancing:
+        names.append("load_balancing_loss")
+    if "seq_aux_loss" in balancing:
+        names.append("seq_load_balancing_loss")
+    if "global_aux_loss" in balancing:
+        names.append("global_load_balancing_loss")
+    if args.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def _snapshot_moe_tracker():
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    return {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
+
+
+def _restore_moe_tracker(snapshot):
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    for name, entry in tracker.items():
+        if name in snapshot:
+            entry["values"].copy_(snapshot[name])
+        else:
+            entry["values"].zero_()
+

@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""Pretrain a GPT Mixture-of-Experts model (Megatron-LM's pretrain_gpt.py, for MoE).
+
+    torchrun --nproc_per_node 2 pretrain_gpt_moe.py --num-layers 4 ... --num-experts 8 \
+        --expert-model-parallel-size 2 --data-path my-corpus_text_document ...
+"""
+
+from functools import partial
+
+import torch
+
+from megatron_moe.compat import quiet_known_warnings
+
+quiet_known_warnings()
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+
+from megatron_moe.data.gpt import build_gpt_datasets
+from megatron_moe.global_vars import get_args, get_tokenizer
+from megatron_moe.model import gpt_model_provider
+from megatron_moe.training import pretrain
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None):
+    return gpt_model_provider(get_args(), pre_process, post_process, vp_stage)
+
+
+def get_batch(data_iterator):
+    """This rank's micro-batch; middle pipeline stages take their input from the previous stage."""
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    if not (first or last):
+        return None, None, None, None, None
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
+             for k, v in batch.items()}
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
+            batch["position_ids"])
+
+
+def loss_func(loss_mask, output_tensor):
+    """Mean next-token loss over unmasked tokens; reported per data-parallel rank."""
+    losses = output_tensor.float().view(-1)
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask) / loss_mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    return build_gpt_datasets(get_args(), get_tokenizer(), train_val_test_num_samples)
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+             forward_step, args_defaults={"tokenizer_type": "SentencePieceTokenizer"})
