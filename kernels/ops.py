@@ -283,8 +283,9 @@ def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
 
 def _row_dot_torch(g: torch.Tensor, row_map: torch.Tensor, x: torch.Tensor, acc) -> torch.Tensor:
     """d[r] = sum over features of g[row_map[r]] * x[r], in ``acc`` dtype."""
-    ga = _gather_torch(g, row_map).to(acc).reshape(row_map.numel(), 1, -1)
-    return torch.bmm(ga, x.to(acc).reshape(row_map.numel(), -1, 1)).view(-1)
+    n, f = row_map.numel(), math.prod(x.shape[1:])
+    ga = _gather_torch(g, row_map).to(acc).reshape(n, 1, f)
+    return torch.bmm(ga, x.to(acc).reshape(n, f, 1)).view(n)
 
 
 # --------------------------------------------------------------------------- backend dispatch
@@ -351,7 +352,8 @@ class _Combine(torch.autograd.Function):
             gx = (ga * _bcast(p.to(acc), ga)).to(x.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.backend == "reference":
-                gp = (grad[row_map].to(acc) * x.to(acc)).reshape(x.shape[0], -1).sum(-1)
+                gp = (grad[row_map].to(acc) * x.to(acc)).reshape(
+                    x.shape[0], math.prod(x.shape[1:])).sum(-1)
             else:
                 gp = _row_dot_torch(grad, row_map, x, acc)
             gp = gp.to(p.dtype)
