@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import warnings
 
 import numpy as np
 import torch
@@ -81,8 +82,13 @@ def _set_rng_state(state: dict):
 
 
 def _optimizer_metadata(args) -> dict:
-    # fully_reshardable: optimizer state in model space, so a resume may change TP/EP/PP/DP.
-    return {"distrib_optim_sharding_type": "fully_reshardable"} if args.use_distributed_optimizer else {}
+    # Optimizer state keyed by model-space parameter names with no ``chained_<i>.`` prefix, and the
+    # distributed optimizer in its fully reshardable format: a resume may change TP/EP/PP/DP even
+    # when that changes how many optimizers megatron-core chains (EP=1 has one, EP>1 two).
+    metadata = {"chained_optim_avoid_prefix": True}
+    if args.use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+    return metadata
 
 
 def _sharded_state(model, optimizer, args, *, include_optimizer: bool, include_rng: bool,
@@ -116,12 +122,15 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     state.update(
         iteration=iteration,
         checkpoint_version=3.0,
-        args=args,
+        args=_portable_args(args),
         parallel_layout=parallel_layout(args),
         consumed_train_samples=consumed_train_samples,
         consumed_valid_samples=consumed_valid_samples,
         opt_param_scheduler=scheduler.state_dict() if scheduler is not None else None,
         extra_state=extra_state or {},
+        has_optimizer=not args.no_save_optim and optimizer is not None,
+        optimizer_count=_optimizer_count(optimizer),
+        has_rng=not args.no_save_rng,
     )
     dist_checkpointing.save(state, tmp_dir, get_default_save_sharded_strategy("torch_dist"))
     dist.barrier()
@@ -141,6 +150,18 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
             os.fsync(f.fileno())
         os.replace(tracker_tmp, os.path.join(root, TRACKER))
     dist.barrier()
+
+
+def _optimizer_count(optimizer) -> int:
+    return len(getattr(optimizer, "chained_optimizers", [optimizer])) if optimizer is not None else 0
+
+
+def _portable_args(args):
+    """args without the per-rank fields, so every rank's common state is identical."""
+    import argparse
+
+    values = {k: v for k, v in vars(args).items() if k not in ("rank", "local_rank")}
+    return argparse.Namespace(**values)
 
 
 def load_checkpoint(model, optimizer, scheduler, args):
@@ -166,26 +187,43 @@ def load_checkpoint(model, optimizer, scheduler, args):
         raise CheckpointError(f"{ckpt}: cannot read the checkpoint's common state "
                               f"({type(exc).__name__}: {exc})") from None
     same_layout = common.get("parallel_layout") == parallel_layout(args)
-    load_rng = not args.no_load_rng and not args.finetune and "rng_state" in _saved_keys(ckpt)
+    load_rng = not args.no_load_rng and not args.finetune and common.get("has_rng", False)
     if load_rng and not same_layout:
         load_rng = False
         if dist.get_rank() == 0:
             print(f" note: parallel layout changed {common.get('parallel_layout')} -> "
                   f"{parallel_layout(args)}; RNG state is not restored", flush=True)
     load_optim = (not args.no_load_optim and not args.finetune and optimizer is not None
-                  and "optimizer" in _saved_keys(ckpt))
+                  and common.get("has_optimizer", False))
+    if load_optim and common.get("optimizer_count") != _optimizer_count(optimizer):
+        # megatron-core chains one optimizer per parameter class (dense, expert) and merges them
+        # when EP=1; its optimizer checkpoint cannot cross that change. Weights still load.
+        load_optim = False
+        if dist.get_rank() == 0:
+            print(f" WARNING: {ckpt} was saved with {common.get('optimizer_count')} chained "
+                  f"optimizer(s), this layout has {_optimizer_count(optimizer)} (EP=1 <-> EP>1); "
+                  f"Adam state is re-initialised; weights and the LR schedule are loaded",
+                  flush=True)
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
                              include_rng=load_rng, is_loading=True)
     try:
-        state = dist_checkpointing.load(sharded, ckpt, get_default_load_sharded_strategy(ckpt))
+        with warnings.catch_warnings():  # torch DCP deprecation notices on every rank
+            warnings.simplefilter("ignore")
+            state = dist_checkpointing.load(sharded, ckpt, get_default_load_sharded_strategy(ckpt))
     except Exception as exc:
         raise CheckpointError(f"{ckpt}: checkpoint is corrupt or incomplete "
                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from None
     unwrap(model[0]).load_state_dict(state["model"], strict=True)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state.get("opt_param_scheduler"):
+    if (scheduler is not None and state.get("opt_param_scheduler") and not args.no_load_optim
+            and not args.finetune):
+        try:
             scheduler.load_state_dict(state["opt_param_scheduler"])
+        except AssertionError as exc:  # megatron-core's check that the schedule flags match
+            raise CheckpointError(
+                f"{ckpt}: {exc}; pass --override-opt_param-scheduler to use this run's flags or "
+                f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule") from None
     if load_rng:
         _set_rng_state(state["rng_state"])
     if args.finetune:
@@ -194,14 +232,3 @@ def load_checkpoint(model, optimizer, scheduler, args):
         print(f" successfully loaded checkpoint from {root} at iteration {iteration}", flush=True)
     return (state["iteration"], state["consumed_train_samples"],
             state.get("consumed_valid_samples", 0), state.get("extra_state", {}))
-
-
-def _saved_keys(ckpt_dir) -> set:
-    """Top-level keys present in a saved checkpoint (from its metadata)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(ckpt_dir).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{ckpt_dir}: cannot read .metadata ({type(exc).__name__}: {exc})") from None
-    return {key.split(".")[0].split("/")[0] for key in metadata.state_dict_metadata}

@@ -41,7 +41,10 @@ def build_data_iterator(dataset, consumed_samples, micro_batch_size, dp_rank, dp
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples % len(dataset), micro_batch_size,
                                  dp_rank, dp_size)
+    # Own generator: creating a DataLoader iterator draws a seed, which must not consume the
+    # global RNG (a resumed run restores it before building the iterator).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         generator=torch.Generator().manual_seed(0),
                                          pin_memory=torch.cuda.is_available(),
                                          persistent_workers=num_workers > 0)
     return iter(loader)
