@@ -146,9 +146,8 @@ _POOL = _CpuBufferPool(int(os.environ.get("MOE_KERNELS_CPU_POOL_BYTES", _default
 
 
 def set_cpu_pool(enabled: bool) -> None:
+    """Enable/disable the CPU output-buffer pool (``empty_cache()`` frees its buffers)."""
     _POOL.enabled = bool(enabled)
-    if not enabled:
-        _POOL.clear()
 
 
 def empty_cache() -> None:
@@ -250,31 +249,64 @@ def _bcast(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return p.view((-1,) + (1,) * (x.dim() - 1))
 
 
+_CHUNK_BYTES = int(os.environ.get("MOE_KERNELS_CPU_CHUNK_BYTES", 1 << 20))
+
+
 def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
                    row_probs: Optional[torch.Tensor], plan=None) -> torch.Tensor:
-    """Level-by-level combine; same arithmetic as ``reference.combine`` (products rounded to the
-    promoted dtype, fp32 accumulation for 16-bit floats, row order per token)."""
+    """Same arithmetic as ``reference.combine`` (products rounded to the promoted dtype, opmath
+    accumulation - fp32 for 16-bit floats - row order per token), computed level by level (see
+    ``_combine_plan``) over cache-sized chunks of tokens, so the gather, upcast, prob multiply and
+    add of a chunk stay in cache instead of each streaming the whole tensor through memory."""
     acc = x.dtype if row_probs is None else torch.promote_types(x.dtype, row_probs.dtype)
     op = ref.opmath_dtype(acc)
-    shape = (num_tokens,) + tuple(x.shape[1:])
-    out = _POOL.empty(shape, op, x.device).zero_()
+    feat = tuple(x.shape[1:])
+    shape = (num_tokens,) + feat
+    out = _POOL.empty(shape, op, x.device)
     if plan is None:
         plan = _combine_plan(row_map, num_tokens)
-    if plan:
-        tmp = _POOL.empty(shape, x.dtype, x.device)
-        tmp2 = _POOL.empty(shape, acc, x.device) if acc != x.dtype else None
-        for rows, toks in plan:
-            n = rows.numel()
-            g = torch.index_select(x, 0, rows, out=tmp[:n])
-            if row_probs is not None:
-                p = _bcast(row_probs.index_select(0, rows).to(acc), g)
-                g = g.mul_(p) if tmp2 is None else torch.mul(g, p, out=tmp2[:n])
+    row_bytes = max(1, math.prod(feat)) * (x.element_size() + 2 * torch.empty((), dtype=op).element_size())
+    C = max(1, min(num_tokens, _CHUNK_BYTES // row_bytes))
+    starts = list(range(0, num_tokens, C))
+    bounds_t = torch.tensor(starts + [num_tokens], dtype=row_map.dtype, device=row_map.device)
+    levels = []
+    for rows, toks in plan:
+        p = row_probs.index_select(0, rows).to(acc) if row_probs is not None else None
+        if toks is None:
+            levels.append((rows, None, None, p))
+        else:
+            b = torch.searchsorted(toks, bounds_t).tolist()
+            levels.append((rows, toks, b, p))
+    tmp = torch.empty((C,) + feat, dtype=x.dtype, device=x.device)
+    tmp_acc = torch.empty((C,) + feat, dtype=acc, device=x.device) if acc != x.dtype else None
+    tmp_op = torch.empty((C,) + feat, dtype=op, device=x.device) if op != acc else None
+    for ci, c0 in enumerate(starts):
+        c1 = min(num_tokens, c0 + C)
+        o = out[c0:c1]
+        o.zero_()
+        for rows, toks, b, p in levels:
             if toks is None:
-                out.add_(g)  # in-place add into the opmath buffer: exact upcast of g
+                a, z = c0, c1
             else:
-                sub = out.index_select(0, toks)
-                sub.add_(g)
-                out.index_copy_(0, toks, sub)
+                a, z = b[ci], b[ci + 1]
+                if a == z:
+                    continue
+            n = z - a
+            g = torch.index_select(x, 0, rows[a:z], out=tmp[:n])
+            if p is not None:
+                pj = _bcast(p[a:z], g)
+                if tmp_acc is not None:  # upcast first: mixed-dtype mul is not vectorized
+                    g = tmp_acc[:n].copy_(g)
+                g.mul_(pj)
+            if tmp_op is not None:
+                g = tmp_op[:n].copy_(g)
+            elif g.dtype != op:
+                g = g.to(op)
+            if toks is None:
+                o.add_(g)
+            else:
+                sub = toks[a:z] - c0
+                o.index_copy_(0, sub, o.index_select(0, sub).add_(g))
     if op == x.dtype:
         return out
     res = _POOL.empty(shape, x.dtype, x.device)
