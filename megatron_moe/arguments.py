@@ -87,6 +87,8 @@ def _add_model_args(p):
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-bias-linear", action="store_true", dest="add_bias_linear",
+                   help="The default; undoes an earlier --disable-bias-linear.")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -246,6 +248,12 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
         validate_args(args, check_data_paths=check_data_paths)
     except ValueError as exc:
         parser.error(str(exc))
+    try:  # megatron-core's own consistency checks, still before any process group starts
+        from megatron_moe.model import transformer_config_from_args
+
+        transformer_config_from_args(args)
+    except (AssertionError, ValueError) as exc:
+        parser.error(f"invalid model configuration: {exc}")
     return args
 
 
@@ -316,6 +324,9 @@ def validate_args(args, check_data_paths=True):
             args.moe_ffn_hidden_size = args.ffn_hidden_size
         if tp > 1 and not args.sequence_parallel:
             raise ValueError("MoE with --tensor-model-parallel-size > 1 requires --sequence-parallel")
+        if etp > 1 and args.add_bias_linear:
+            raise ValueError(f"--expert-tensor-parallel-size {etp} needs --disable-bias-linear "
+                             f"(megatron-core supports expert biases only with ETP=1)")
         if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
             raise ValueError(f"--moe-layer-freq has {len(args.moe_layer_freq)} entries, "
                              f"--num-layers is {args.num_layers}")

@@ -3,7 +3,7 @@
 import sys
 
 
-def run_pretrain(rank, world_size, argv, stub_tokenizer=False):
+def run_pretrain(rank, world_size, argv, stub_tokenizer=True):
     if stub_tokenizer:
         _install_stub_tokenizer()
     import pretrain_gpt_moe

@@ -281,6 +281,21 @@ def patch_clip_grads():
     mopt.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def patch_tensor_cuda():
+    """``tensor.cuda()`` (tied embeddings under PP, optimizer state load) raises on a CPU build.
+
+    On a CPU-only build there is no device to move to, so keep the tensor where it is.
+    """
+    if getattr(torch.Tensor.cuda, "_megatron_moe_cpu", False):
+        return
+
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self
+
+    cuda._megatron_moe_cpu = True
+    torch.Tensor.cuda = cuda
+
+
 def patch_gloo_reduce_avg():
     """gloo has no ReduceOp.AVG (megatron-core averages MoE aux-loss logs with it): SUM, divide."""
     import torch.distributed as dist
@@ -319,6 +334,7 @@ SHIMS = (
     patch_param_type,
     patch_clip_grads,
     patch_gloo_reduce_avg,
+    patch_tensor_cuda,
 )
 
 

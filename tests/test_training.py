@@ -1,0 +1,159 @@
+"""End-to-end training on gloo: parallel layouts, exact resume, resharding, bad input.
+
+Each case runs the real ``pretrain()`` (or the real CLI under torchrun) on 2-4 CPU processes.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megatron_moe.testing import run_distributed
+from tests._train_cases import run_pretrain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 256 --num-experts 4 --moe-router-topk 2 "
+        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 --log-interval 1 "
+        "--eval-interval 1000 --eval-iters 1 --disable-bias-linear").split()
+
+
+def train(world, extra, **kw):
+    return run_distributed(run_pretrain, world, TINY + extra.split(), timeout_s=300, **kw)
+
+
+def assert_loss_falls(history):
+    losses = history["lm_loss"]
+    assert all(l == l for l in losses), losses  # no NaN
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.parametrize("world,layout", [
+    (2, "--expert-model-parallel-size 2"),
+    (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
+    (2, "--pipeline-model-parallel-size 2 --expert-model-parallel-size 1 --use-distributed-optimizer"),
+    (4, "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
+        "--use-distributed-optimizer"),
+], ids=["ep2", "tp2-sp", "pp2-distopt", "tp2xep2-distopt"])
+def test_loss_falls(world, layout):
+    histories = train(world, f"--train-iters 8 {layout}")
+    assert_loss_falls(histories[0])
+    # every rank logs the same, all-reduced loss
+    assert all(h["lm_loss"] == histories[0]["lm_loss"] for h in histories)
+
+
+def test_exact_resume(tmp_path):
+    """train 6 == train 3, stop, resume, train 3: bit-identical losses (dropout on: RNG restored)."""
+    ckpt = str(tmp_path / "ckpt")
+    layout = "--expert-model-parallel-size 2 --train-iters 6"
+    full = train(2, layout)[0]
+    first = train(2, f"{layout} --save {ckpt} --exit-interval 3")[0]
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000003"))
+    second = train(2, f"{layout} --save {ckpt} --load {ckpt}")[0]
+    assert second["iteration"][0] == 4
+    assert first["lm_loss"] + second["lm_loss"] == full["lm_loss"]
+    assert first["lr"] + second["lr"] == full["lr"]
+    assert first["grad_norm"] + second["grad_norm"] == full["grad_norm"]
+
+
+def test_resume_with_other_expert_parallel_size(tmp_path):
+    """Saved at EP=2, resumed at EP=1 (megatron-core resharding): the same weights continue."""
+    ckpt = str(tmp_path / "ckpt")
+    common = "--train-iters 5 --hidden-dropout 0 --attention-dropout 0"
+    full = train(2, f"{common} --expert-model-parallel-size 2")[0]
+    train(2, f"{common} --expert-model-parallel-size 2 --save {ckpt} --exit-interval 3")
+    resumed = train(2, f"{common} --expert-model-parallel-size 1 --load {ckpt}")[0]
+    # iteration 4's forward uses the weights after step 3: identical up to summation order
+    assert resumed["iteration"][0] == 4
+    assert resumed["lm_loss"][0] == pytest.approx(full["lm_loss"][3], rel=1e-5)
+    assert resumed["lr"] == full["lr"][3:]
+
+
+# --- the CLI, under torchrun -------------------------------------------------------------------
+def torchrun(nproc, args, timeout=240, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_port()), os.path.join(ROOT, "pretrain_gpt_moe.py"), *args]
+    run_env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+
+
+def cli(args, env=None, timeout=60):
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *args]
+    run_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+
+
+def _port():
+    from megatron_moe.testing import free_port
+
+    return free_port()
+
+
+def test_cli_log_line_and_corrupt_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    args = TINY + ["--expert-model-parallel-size", "2", "--train-iters", "2", "--save", ckpt]
+    out = torchrun(2, args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [l for l in out.stdout.splitlines() if " iteration " in l and "consumed samples" in l]
+    assert len(lines) == 2
+    # Megatron-LM's exact field order and formats
+    import re
+
+    pattern = (r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+\] iteration +2/ +2 \| consumed samples: +16 \| "
+               r"elapsed time per iteration \(ms\): \d+\.\d \| learning rate: \d\.\d{6}E[+-]\d\d \| "
+               r"global batch size: +8 \| lm loss: \d\.\d{6}E[+-]\d\d \| load_balancing_loss: "
+               r"\d\.\d{6}E[+-]\d\d \| loss scale: 1\.0 \| grad norm: \d+\.\d{3} \| number of skipped "
+               r"iterations: +0 \| number of nan iterations: +0 \| tokens per second: \d+\.\d \|$")
+    assert re.match(pattern, lines[-1]), lines[-1]
+    assert "[moe] layer   1 | expert load max/mean:" in out.stdout
+
+    # corrupt every shard file of the checkpoint: a clear error, no traceback wall
+    ckpt_dir = os.path.join(ckpt, "iter_0000002")
+    for name in os.listdir(ckpt_dir):
+        if name.endswith(".distcp"):
+            with open(os.path.join(ckpt_dir, name), "r+b") as f:
+                f.truncate(16)
+    out = torchrun(2, TINY + ["--expert-model-parallel-size", "2", "--train-iters", "4",
+                              "--load", ckpt])
+    assert out.returncode != 0
+    assert "error: --load:" in out.stdout and "iter_0000002" in out.stdout, out.stdout[-2000:]
+    assert "corrupt or incomplete" in out.stdout
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
+    """A save killed before its rename leaves iter_*.tmp; the tracker still names the old one."""
+    ckpt = str(tmp_path / "ckpt")
+    train(2, f"--expert-model-parallel-size 2 --train-iters 2 --save {ckpt}")
+    os.makedirs(os.path.join(ckpt, "iter_0000004.tmp"))  # what a kill mid-save leaves
+    resumed = train(2, f"--expert-model-parallel-size 2 --train-iters 3 --load {ckpt} "
+                       f"--override-opt_param-scheduler")[0]
+    assert resumed["iteration"] == [3]
+
+
+@pytest.mark.parametrize("extra,env,needle", [
+    ("--tensor-model-parallel-size 2 --sequence-parallel", {"WORLD_SIZE": "3"},
+     "not divisible by --tensor-model-parallel-size"),
+    ("--bogus-flag 1", {}, "unrecognized arguments: --bogus-flag"),
+    ("--expert-model-parallel-size 3", {"WORLD_SIZE": "3"}, "--num-experts (4) must be divisible"),
+    ("--tensor-model-parallel-size 2", {"WORLD_SIZE": "2"}, "requires --sequence-parallel"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --add-bias-linear", {"WORLD_SIZE": "2"},
+     "--expert-tensor-parallel-size 2 needs --disable-bias-linear"),
+], ids=["world-size", "unknown-flag", "experts-vs-ep", "tp-needs-sp", "etp-bias"])
+def test_bad_flags_fail_before_any_process_group(extra, env, needle):
+    out = cli(TINY + ["--train-iters", "1"] + extra.split(), env=env)
+    assert out.returncode == 2
+    assert needle in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_data_path_names_the_file(tmp_path):
+    args = [a for a in TINY if a != "--mock-data"]
+    out = cli(args + ["--train-iters", "1", "--data-path", str(tmp_path / "nope_text_document")])
+    assert out.returncode == 2
+    assert "nope_text_document.bin does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
