@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Mixtral-8x7B-shaped GPT-MoE on one node with 8 GPUs (NCCL).
-#   TP=1, PP=4 (8 layers per stage), EP=8 over the data-parallel ranks (DP=2 x ... see below).
-# World 8 = TP1 x PP4 x DP2; experts: EP=2 within each pipeline stage's DP group is too small for 8
-# experts per layer to be spread thin, so this script uses PP=1 EP=8 by default and PP=4 for the
-# long-sequence variant (set PP=4 EP=2). Megatron positional arguments:
+# Default mapping: TP=1, PP=1, EP=8 (DP=8): every GPU holds one of the 8 experts of each layer and
+# attention is data parallel. For long sequences use e.g. TP=2 PP=2 EP=2 (SP is on with TP>1).
 #   bash examples/train_mixtral_8x7b_1node_8gpu.sh CHECKPOINT_PATH TOKENIZER_MODEL DATA_PATH [flags]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
