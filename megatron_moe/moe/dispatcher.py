@@ -1,0 +1,87 @@
+"""Token dispatch on megatron-core's dispatchers, with our fused permute kernels and all-to-all.
+
+megatron-core's ``MoEAlltoAllTokenDispatcher`` / ``MoEAllGatherTokenDispatcher`` call three
+functions by module-level name: ``permute``, ``unpermute`` (moe_utils) and ``all_to_all``
+(tensor_parallel). Their call sites (splits bookkeeping, capacity, TP/EP grouping) stay
+megatron-core's; this module rebinds those names inside ``token_dispatcher`` to:
+
+* ``kernels.permute`` / ``kernels.unpermute`` with ``--moe-permute-fusion`` (Triton on GPU, a fused
+  index path on CPU; bit-identical to megatron-core's unfused path, see tests/test_dispatcher.py),
+* ``megatron_moe.comm.all_to_all`` with ``--moe-a2a-algorithm`` other than ``flat`` or with
+  ``--moe-a2a-compression`` (hierarchical / pipe all-to-all, compression).
+
+megatron-core's own ``--moe-permute-fusion`` needs Transformer Engine; ours is a different
+implementation behind the same flag, so megatron-core's config flag stays False.
+The choice is process-wide (one model per process), made once from the parsed args.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_ORIGINAL = {}
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("moe dispatch")
+    group.add_argument("--moe-permute-fusion", action="store_true",
+                       help="Fused permute / unpermute+combine kernels (kernels/).")
+    return parser
+
+
+def _token_dispatcher_module():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return token_dispatcher
+
+
+def _fused_permute(*args, fused=False, **kwargs):
+    import kernels
+
+    return kernels.permute(*args, **kwargs)
+
+
+def _fused_unpermute(*args, fused=False, **kwargs):
+    import kernels
+
+    return kernels.unpermute(*args, **kwargs)
+
+
+def _pluggable_all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None, *,
+                          algorithm, compression, ranks_per_node):
+    from megatron_moe import comm
+
+    return comm.all_to_all(input_, output_split_sizes, input_split_sizes, group,
+                           algorithm=algorithm, ranks_per_node=ranks_per_node,
+                           compression=compression)
+
+
+def _rebind(name, value):
+    td = _token_dispatcher_module()
+    _ORIGINAL.setdefault(name, getattr(td, name))
+    setattr(td, name, value)
+
+
+def restore_defaults():
+    """Undo every rebinding (tests build several models in one process)."""
+    td = _token_dispatcher_module()
+    for name, value in _ORIGINAL.items():
+        setattr(td, name, value)
+    _ORIGINAL.clear()
+
+
+def customize_spec(args, spec):
+    """Called by model.gpt_layer_spec: choose the permute and all-to-all implementations."""
+    restore_defaults()
+    if not getattr(args, "num_experts", None):
+        return spec
+    if getattr(args, "moe_permute_fusion", False):
+        _rebind("permute", _fused_permute)
+        _rebind("unpermute", _fused_unpermute)
+    algorithm = getattr(args, "moe_a2a_algorithm", "flat")
+    compression = getattr(args, "moe_a2a_compression", "none")
+    if algorithm != "flat" or compression not in (None, "none"):
+        _rebind("all_to_all", functools.partial(
+            _pluggable_all_to_all, algorithm=algorithm, compression=compression,
+            ranks_per_node=getattr(args, "ranks_per_node", None)))
+    return spec
