@@ -51,6 +51,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import all_to_all
 
+# torch >= 2.13 renames all_gather_into_tensor (same arguments); older torch has only the old name
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 EMBEDDING_PARTITIONS = ("vocab", "hidden")
 PARTITION_GROUPS = ("auto", "ep", "dp")
 
@@ -202,7 +205,7 @@ class HiddenPartitionedEmbedding(torch.nn.Module):
             return F.embedding(ids, self.weight).view(*input_ids.shape, self.embedding_dim)
         # token counts of every rank (ranks may hold different numbers of tokens)
         counts = torch.empty(self.world, dtype=torch.int64, device=ids.device)
-        dist.all_gather_into_tensor(counts, torch.tensor([n_local], device=ids.device),
+        _all_gather(counts, torch.tensor([n_local], device=ids.device),
                                     group=self.group)
         counts = counts.tolist()
         # all-to-all #1: my ids to every rank; I receive every rank's ids, in rank order
@@ -240,7 +243,7 @@ class HiddenPartitionedEmbedding(torch.nn.Module):
         if self.world == 1:
             return w.clone()
         parts = torch.empty(self.world * w.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
-        dist.all_gather_into_tensor(parts, w.contiguous(), group=self.group)
+        _all_gather(parts, w.contiguous(), group=self.group)
         parts = parts.view(self.world, self.num_embeddings, self.shard_dim)
         return parts.permute(1, 0, 2).reshape(self.num_embeddings, self.embedding_dim)
 
