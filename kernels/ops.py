@@ -460,9 +460,11 @@ def unpermute_tokens(expert_out: torch.Tensor, layout: RoutingLayout,
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
-            num_out_tokens: Optional[int] = None, drop_and_pad: bool = False):
+            num_out_tokens: Optional[int] = None, drop_and_pad: bool = False, *,
+            fused: Optional[bool] = None):
     """Drop-in for megatron-core ``moe_utils.permute(..., fused=False)``: returns
-    ``(permuted_input, permuted_probs, sorted_indices)``, bit-identical to it."""
+    ``(permuted_input, permuted_probs, sorted_indices)``, bit-identical to it.  ``fused`` is
+    accepted and ignored so this can replace megatron-core's function in its dispatchers."""
     if tokens.dim() != 2:
         raise ValueError(f"kernels.permute: tokens must be [num_tokens, hidden], "
                          f"got {tuple(tokens.shape)}")
@@ -482,8 +484,9 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
 def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
               restore_shape: torch.Size, probs: Optional[torch.Tensor] = None,
               routing_map: Optional[torch.Tensor] = None,
-              drop_and_pad: bool = False) -> torch.Tensor:
-    """Drop-in for megatron-core ``moe_utils.unpermute(..., fused=False)``, bit-identical."""
+              drop_and_pad: bool = False, *, fused: Optional[bool] = None) -> torch.Tensor:
+    """Drop-in for megatron-core ``moe_utils.unpermute(..., fused=False)``, bit-identical
+    (``fused`` accepted and ignored, see ``permute``)."""
     rp = None
     if probs is not None:
         if routing_map is None:
