@@ -23,3 +23,5 @@ def fail_rank(rank, world_size):
         raise ValueError("boom on rank 1")
     dist.barrier()
     return rank
+
+

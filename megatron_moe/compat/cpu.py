@@ -296,33 +296,6 @@ def patch_tensor_cuda():
     torch.Tensor.cuda = cuda
 
 
-def patch_gloo_reduce_avg():
-    """gloo has no ReduceOp.AVG (megatron-core averages MoE aux-loss logs with it): SUM, divide."""
-    import torch.distributed as dist
-
-    if getattr(dist.all_reduce, "_megatron_moe_cpu", False):
-        return
-    orig_all_reduce = dist.all_reduce
-
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
-            orig_all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-            tensor.div_(dist.get_world_size(group))
-            return _DoneWork() if async_op else None
-        return orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-    all_reduce._megatron_moe_cpu = True
-    dist.all_reduce = all_reduce
-
-
-class _DoneWork:
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-
 SHIMS = (
     patch_torch_cuda,
     patch_rng_tracker,
@@ -333,7 +306,6 @@ SHIMS = (
     patch_hardcoded_cuda_devices,
     patch_param_type,
     patch_clip_grads,
-    patch_gloo_reduce_avg,
     patch_tensor_cuda,
 )
 
