@@ -157,3 +157,16 @@ def test_missing_data_path_names_the_file(tmp_path):
     assert out.returncode == 2
     assert "nope_text_document.bin does not exist" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_nan_loss_stops_with_clear_error_and_keeps_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    args = TINY + ["--expert-model-parallel-size", "2", "--train-iters", "6", "--lr", "1e9",
+                   "--clip-grad", "0", "--init-method-std", "5", "--save", ckpt,
+                   "--save-interval", "1"]
+    out = torchrun(2, args)
+    assert out.returncode != 0
+    assert "error: lm loss is nan at iteration 2" in out.stdout, out.stdout[-2000:]
+    assert "Last checkpoint: " + ckpt + " (iteration 1)" in out.stdout
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "1"
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000002"))
