@@ -94,6 +94,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
 def extra_args_provider(parser):
     """BERT flags, checked right after parsing so a bad value fails before any process group."""
     add_bert_arguments(parser)
+    parser.prog = "pretrain_bert_moe.py"
     parse = parser.parse_args
 
     def parse_and_check(*args, **kwargs):

@@ -255,3 +255,15 @@ def checkpoint_reshard(rank, world_size, root):
     cols = slice(hid2.col_start, hid2.col_start + hid2.shard_dim)
     out["vocab_to_hidden"] = bool(torch.equal(hid2.weight.detach(), W2[:, cols]))
     return out
+
+
+def suite(rank, world_size, ep, ckpt_root=None):
+    """The distributed checks in one spawn (process start-up dominates on a small machine)."""
+    from megatron.core import parallel_state
+
+    out = {"lookup": lookup_and_grads(rank, world_size),
+           "ddp": ddp_matches_replicated(rank, world_size, ep)}
+    if ckpt_root is not None:
+        parallel_state.destroy_model_parallel()
+        out["ckpt"] = checkpoint_reshard(rank, world_size, ckpt_root)
+    return out

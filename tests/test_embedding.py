@@ -4,6 +4,9 @@ Run: .venv/bin/python -m pytest -q -s tests/test_embedding.py   (-s shows the me
 """
 
 import argparse
+import functools
+import shutil
+import tempfile
 
 import pytest
 
@@ -12,9 +15,20 @@ from megatron_moe.testing import run_distributed
 from tests import _embed_cases as cases
 
 
+@functools.lru_cache(maxsize=None)
+def _suite(world_size, ep):
+    """One spawn per world size serves the tests below (2 ranks also run the checkpoint case)."""
+    ckpt = tempfile.mkdtemp(prefix="embed_ckpt_") if world_size == 2 else None
+    try:
+        return run_distributed(cases.suite, world_size, ep, ckpt, timeout_s=300)
+    finally:
+        if ckpt is not None:
+            shutil.rmtree(ckpt, ignore_errors=True)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_lookup_forward_bit_identical_and_grads_match(world_size):
-    results = run_distributed(cases.lookup_and_grads, world_size, timeout_s=180)
+    results = [r["lookup"] for r in _suite(world_size, 2)]
     V, H = cases.V, cases.H
     for rank, r in enumerate(results):
         assert r["shape_ok"], rank
@@ -38,7 +52,7 @@ def test_lookup_forward_bit_identical_and_grads_match(world_size):
 
 @pytest.mark.parametrize("world_size,ep", [(2, 2), (4, 2)])
 def test_gpt_under_ddp_and_optimizer_matches_vocab_embedding(world_size, ep):
-    results = run_distributed(cases.ddp_matches_replicated, world_size, ep, timeout_s=240)
+    results = [r["ddp"] for r in _suite(world_size, ep)]
     for rank, r in enumerate(results):
         assert r["swapped"] and r["group_size"] == ep and r["same_init"], rank
         assert r["loss_equal"], rank
@@ -53,9 +67,8 @@ def test_gpt_under_ddp_and_optimizer_matches_vocab_embedding(world_size, ep):
             assert "--embedding-partition-group ep" in r["dp_group"]
 
 
-def test_checkpoint_reshards_between_hidden_vocab_and_replicated(tmp_path):
-    results = run_distributed(cases.checkpoint_reshard, 2, str(tmp_path), timeout_s=180)
-    for r in results:
+def test_checkpoint_reshards_between_hidden_vocab_and_replicated():
+    for r in (r["ckpt"] for r in _suite(2, 2)):
         assert r == {"hidden_to_replicated": True, "hidden_to_vocab": True,
                      "vocab_to_hidden": True}
 
