@@ -4,8 +4,9 @@ moe_utils.permute/unpermute (fused=False) on the same inputs, in the same run.
     python bench/dispatch.py                 # CPU, scaled-down token counts
     python bench/dispatch.py --tokens 4096 --dtype float32 --reps 9
 
-Per shape it prints, for permute and for unpermute+combine: median time, GB/s moved (minimum
-bytes: permute reads and writes N*h elements, unpermute reads N*h and writes T*h), tokens/s,
+Per shape it prints, for permute, unpermute+combine and the permute->unpermute round trip
+forward+backward (as in training): median time, GB/s moved (minimum
+bytes: permute reads T*h elements and writes N*h, unpermute reads N*h and writes T*h), tokens/s,
 ours/mcore speed ratio, and the fraction of the machine's copy bandwidth (a large tensor copy_
 measured in this run).  "ours(no pool)" is our CPU path with the output-buffer pool disabled, so
 the effect of the pool is visible separately.  On CUDA it also times megatron-core's fused
@@ -125,11 +126,31 @@ def bench_shape(name, T, h, E, k, dtype, pdtype, dev, reps, bw, te_ok):
                                                          probs=probs, routing_map=rmap,
                                                          fused=True)
 
+    grad_out = torch.randn(T, h, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev)
+
+    def roundtrip(perm_fn, unperm_fn):
+        def f():
+            a = tokens.detach().requires_grad_()
+            b = probs.detach().requires_grad_()
+            xp, _, si = perm_fn(a, rmap, probs=b, num_out_tokens=N)
+            unperm_fn(xp, si, a.shape, probs=b, routing_map=rmap).backward(grad_out)
+            return a.grad, b.grad
+        return f
+
+    rt = {"mcore": roundtrip(mu.permute, mu.unpermute),
+          "ours": roundtrip(kernels.permute, kernels.unpermute)}
+    ga, gb = rt["mcore"](), rt["ours"]()
+    same_g = torch.equal(ga[0], gb[0]) and torch.allclose(ga[1], gb[1], rtol=1e-4, atol=1e-4)
+    del ga, gb
+
     print(f"\n== {name}: tokens={T} hidden={h} experts={E} top-{k} dtype={dtype} "
-          f"probs={pdtype}  [equal to mcore: permute={same_p} unpermute={same_u}]")
+          f"probs={pdtype}  [equal to mcore: permute={same_p} unpermute={same_u} grads={same_g}]")
     ratios = {}
-    for op, fns, nbytes in (("permute", perm, 2 * N * h * es),
-                            ("unpermute+combine", unperm, (N + T) * h * es)):
+    # minimum DRAM traffic: each distinct row read once, each output row written once
+    # (permute: read T rows, write N; combine: read N, write T; round trip: both, twice)
+    for op, fns, nbytes in (("permute", perm, (T + N) * h * es),
+                            ("unpermute+combine", unperm, (N + T) * h * es),
+                            ("permute->unpermute fwd+bwd", rt, 4 * (N + T) * h * es)):
         t = timeit(fns, reps, dev)
         base = t["mcore"]
         print(f"  {op}:")
@@ -137,6 +158,7 @@ def bench_shape(name, T, h, E, k, dtype, pdtype, dev, reps, bw, te_ok):
             gbs = nbytes / s / 1e9
             print(f"    {k_:18s} {s * 1e3:8.2f} ms  {gbs:7.2f} GB/s  {T / s / 1e6:7.3f} Mtok/s  "
                   f"x{base / s:5.2f} vs mcore  {100 * nbytes / s / bw:5.1f}% of copy bw")
+        sys.stdout.flush()
         ratios[op] = base / t["ours"]
     return ratios
 

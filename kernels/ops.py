@@ -249,7 +249,10 @@ def _bcast(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return p.view((-1,) + (1,) * (x.dim() - 1))
 
 
-_CHUNK_BYTES = int(os.environ.get("MOE_KERNELS_CPU_CHUNK_BYTES", 1 << 20))
+# Working set of one chunk of the CPU combine: L3-sized.  Smaller chunks fit L2 but multiply the
+# number of ops, and every op is an OpenMP parallel region whose barrier stalls badly when the
+# cores are shared with other processes.
+_CHUNK_BYTES = int(os.environ.get("MOE_KERNELS_CPU_CHUNK_BYTES", 8 << 20))
 
 
 def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
@@ -313,11 +316,34 @@ def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
     return res.copy_(out if acc == op else out.to(acc))
 
 
-def _row_dot_torch(g: torch.Tensor, row_map: torch.Tensor, x: torch.Tensor, acc) -> torch.Tensor:
-    """d[r] = sum over features of g[row_map[r]] * x[r], in ``acc`` dtype."""
-    n, f = row_map.numel(), math.prod(x.shape[1:])
-    ga = _gather_torch(g, row_map).to(acc).reshape(n, 1, f)
-    return torch.bmm(ga, x.to(acc).reshape(n, f, 1)).view(n)
+def _combine_backward_torch(grad: torch.Tensor, row_map: torch.Tensor, x: torch.Tensor,
+                            p: torch.Tensor, need_gx: bool, need_gp: bool):
+    """grad_x[r] = (grad[row_map[r]] * p[r]) in the promoted dtype, cast to x.dtype (bit-identical
+    to autograd through megatron-core's unpermute); grad_p[r] = <grad[row_map[r]], x[r]>.  One
+    gather per chunk of rows serves both."""
+    acc = torch.promote_types(x.dtype, p.dtype)
+    N = row_map.numel()
+    feat = tuple(x.shape[1:])
+    gx = _POOL.empty((N,) + feat, x.dtype, x.device) if need_gx else None
+    gp = torch.empty(N, dtype=acc, device=x.device) if need_gp else None
+    esz = torch.empty((), dtype=acc).element_size()
+    C = max(1, min(N, _CHUNK_BYTES // (max(1, math.prod(feat)) * (grad.element_size() + 2 * esz))))
+    tmp = torch.empty((C,) + feat, dtype=grad.dtype, device=x.device)
+    tmp_acc = torch.empty((C,) + feat, dtype=acc, device=x.device) if acc != grad.dtype else None
+    tmp_x = torch.empty((C,) + feat, dtype=acc, device=x.device) if need_gp else None
+    pa = p.to(acc)
+    for r0 in range(0, N, C):
+        r1 = min(N, r0 + C)
+        n = r1 - r0
+        g = torch.index_select(grad, 0, row_map[r0:r1], out=tmp[:n])
+        if tmp_acc is not None:
+            g = tmp_acc[:n].copy_(g)
+        if need_gp:
+            xa = tmp_x[:n].copy_(x[r0:r1])
+            torch.sum(xa.mul_(g).reshape(n, -1), dim=1, out=gp[r0:r1])
+        if need_gx:
+            gx[r0:r1].copy_(g.mul_(_bcast(pa[r0:r1], g)))
+    return gx, gp
 
 
 # --------------------------------------------------------------------------- backend dispatch
@@ -372,23 +398,23 @@ class _Combine(torch.autograd.Function):
             return gx, None, None, None, None
         acc = torch.promote_types(x.dtype, p.dtype)
         gx = gp = None
+        need_gx, need_gp = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.backend == "triton":
             tk = _tk()
-            if ctx.needs_input_grad[0]:
+            if need_gx:
                 gx = tk.gather_rows(grad, row_map, scale=p, acc_dtype=acc).to(x.dtype)
-            if ctx.needs_input_grad[1]:
+            if need_gp:
                 gp = tk.row_dot(grad, row_map, x).to(p.dtype)
-            return gx, gp, None, None, None
-        if ctx.needs_input_grad[0]:
-            ga = _gather(grad, row_map, ctx.backend).to(acc)
-            gx = (ga * _bcast(p.to(acc), ga)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            if ctx.backend == "reference":
-                gp = (grad[row_map].to(acc) * x.to(acc)).reshape(
-                    x.shape[0], math.prod(x.shape[1:])).sum(-1)
-            else:
-                gp = _row_dot_torch(grad, row_map, x, acc)
-            gp = gp.to(p.dtype)
+        elif ctx.backend == "reference":
+            ga = grad[row_map].to(acc)
+            if need_gx:
+                gx = (ga * _bcast(p.to(acc), ga)).to(x.dtype)
+            if need_gp:
+                gp = (ga * x.to(acc)).reshape(x.shape[0], math.prod(x.shape[1:])).sum(-1)
+                gp = gp.to(p.dtype)
+        else:
+            gx, gp = _combine_backward_torch(grad, row_map, x, p, need_gx, need_gp)
+            gp = gp.to(p.dtype) if gp is not None else None
         return gx, gp, None, None, None
 
 
