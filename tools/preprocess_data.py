@@ -1,0 +1,383 @@
+#!/usr/bin/env python
+"""Tokenize a JSONL corpus into Megatron's indexed dataset (.bin/.idx), Megatron-LM's flags.
+
+    python tools/preprocess_data.py --input corpus.jsonl --json-keys text \
+        --output-prefix my-corpus --tokenizer-type SentencePieceTokenizer \
+        --tokenizer-model tok.model --workers 8 --append-eod
+    # -> my-corpus_text_document.bin/.idx   (--data-path my-corpus_text_document)
+
+Each input line is one JSON object; each ``--json-keys`` key gives one output dataset
+``{prefix}_{key}_{document|sentence}``. A key's value is a string, or a list of strings taken as
+the document's sentences (Megatron's convention). Blank lines are skipped. Documents that
+tokenize to nothing are skipped and counted.
+
+* Streaming: lines are read lazily and fed to ``--workers`` processes (``Pool.imap`` with a
+  chunksize) with a bound on the lines in flight, so memory does not grow with the corpus.
+  Results come back in input order, so the output does not depend on the number of workers.
+* ``--split-sentences``: every sentence is one sequence and a document's sentences form one
+  document (BERT's layout). nltk's punkt splitter is used when nltk and its punkt data are
+  installed; otherwise a regex splitter: a sentence ends at ``.``, ``!`` or ``?`` (plus closing
+  quotes/brackets) followed by whitespace and a character that is not lower case, or at a blank
+  line. ``--keep-newlines`` keeps each sentence's trailing whitespace/newlines.
+* ``--partitions`` is accepted for command-line compatibility; Megatron uses it to split a large
+  input into files processed separately and merged. Streaming makes that unnecessary, so the
+  output is always the single dataset above.
+* A malformed JSON line, a missing key or a non-string value fails with ``file:line``, unless
+  ``--skip-malformed`` (skipped lines are counted and the first few reported). Output is written to
+  temporary names and renamed at the end, so a failed run leaves no half-written .bin/.idx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import sys
+import threading
+import time
+
+if __package__ in (None, ""):  # run as a script: make megatron_moe importable from the checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+
+from megatron_moe.data.tokenizers import TokenizerError, add_tokenizer_args, build_tokenizer
+
+
+class PreprocessError(Exception):
+    """Bad input or settings; the message names the file:line or the flag."""
+
+
+# --------------------------------------------------------------------------- sentence splitting
+_SENT_END = re.compile(
+    r"""(?:[.!?]+["'”’)\]]*(?=\s+["'“‘(\[]*[^\s"'“‘(\[a-z])|\n[ \t]*\n)\s*""")
+
+
+def regex_split_sentences(text: str, keep_newlines: bool = False):
+    """The fallback splitter (see module doc). Returns the non-empty sentences, stripped unless
+    keep_newlines (then the trailing whitespace stays with its sentence)."""
+    out, start = [], 0
+    for m in _SENT_END.finditer(text):
+        out.append(text[start:m.end()])
+        start = m.end()
+    out.append(text[start:])
+    if keep_newlines:
+        return [s for s in out if s.strip()]
+    return [s.strip() for s in out if s.strip()]
+
+
+def _punkt_splitter(lang: str, keep_newlines: bool):
+    """nltk's punkt sentence tokenizer, or None when nltk or its punkt data are missing."""
+    try:
+        import nltk
+        from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
+    except ImportError:
+        return None
+    for resource in (f"tokenizers/punkt/{lang}.pickle", f"tokenizers/punkt_tab/{lang}/"):
+        try:
+            if resource.endswith(".pickle"):
+                splitter = nltk.data.load(resource)
+            else:
+                splitter = nltk.tokenize.PunktTokenizer(lang)
+            break
+        except Exception:  # LookupError, missing PunktTokenizer in older nltk, ...
+            continue
+    else:
+        return None
+    if keep_newlines:  # Megatron's CustomLanguageVars: keep the newline at the sentence end
+        class _Vars(PunktLanguageVars):
+            _period_context_fmt = r"""
+                \S*                          # some word material
+                %(SentEndChars)s             # a potential sentence ending
+                \s*                       #  <-- THIS is what I changed
+                (?=(?P<after_tok>
+                    %(NonWord)s              # either other punctuation
+                    |
+                    (?P<next_tok>\S+)     #  <-- Normally you would have \s+ here
+                ))"""
+
+        splitter = PunktSentenceTokenizer(splitter._params, lang_vars=_Vars())
+    return splitter
+
+
+# ------------------------------------------------------------------------------------ workers
+class Encoder:
+    """Per-process state: the tokenizer and the sentence splitter (built once per worker)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.tokenizer = None
+        self.splitter = None
+
+    def initialize(self):
+        self.tokenizer = build_tokenizer(self.args)
+        self.dtype = _token_dtype(self.tokenizer.vocab_size)
+        if self.args.split_sentences:
+            self.splitter = _punkt_splitter(self.args.lang, self.args.keep_newlines)
+
+    def split(self, text: str):
+        if self.splitter is not None:
+            return self.splitter.tokenize(text)
+        return regex_split_sentences(text, self.args.keep_newlines)
+
+    def encode(self, item):
+        """(lineno, line) -> (lineno, nbytes, {key: (ids, lengths)} | None, error | None)."""
+        lineno, line = item
+        nbytes = len(line.encode("utf-8")) if not line.isascii() else len(line)
+        if not line.strip():
+            return lineno, nbytes, None, None
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return lineno, nbytes, None, f"malformed JSON ({exc.msg} at column {exc.colno})"
+        if not isinstance(data, dict):
+            return lineno, nbytes, None, f"expected a JSON object, got {type(data).__name__}"
+        out = {}
+        for key in self.args.json_keys:
+            if key not in data:
+                return lineno, nbytes, None, f"missing key {key!r} (--json-keys)"
+            text = data[key]
+            if isinstance(text, str):
+                sentences = self.split(text) if self.args.split_sentences else [text]
+            elif isinstance(text, list) and all(isinstance(t, str) for t in text):
+                sentences = text
+            else:
+                return (lineno, nbytes, None,
+                        f"key {key!r} must be a string or a list of strings, got "
+                        f"{type(text).__name__}")
+            doc, lengths = [], []
+            for sentence in sentences:
+                ids = self.tokenizer.tokenize(sentence)
+                if len(ids) > 0:
+                    doc.extend(ids)
+                    lengths.append(len(ids))
+            if doc and self.args.append_eod:
+                doc.append(self.tokenizer.eod)
+                lengths[-1] += 1
+            # a compact array keeps the result pickle between processes small
+            out[key] = (np.asarray(doc, dtype=self.dtype), lengths)
+        return lineno, nbytes, out, None
+
+
+_ENCODER: Encoder | None = None
+
+
+def _worker_init(args):
+    global _ENCODER
+    _ENCODER = Encoder(args)
+    _ENCODER.initialize()
+
+
+def _worker_encode(item):
+    return _ENCODER.encode(item)
+
+
+def _token_dtype(vocab_size):
+    from megatron.core.datasets.indexed_dataset import DType
+
+    return DType.optimal_dtype(vocab_size)
+
+
+# ------------------------------------------------------------------------------------- driver
+def get_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="preprocess_data.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys to extract from each JSON object (default: text)")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence (sentence-level dataset, for BERT)")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="keep newlines between sentences when splitting")
+    g.add_argument("--skip-malformed", action="store_true",
+                   help="skip and count malformed lines instead of failing")
+    add_tokenizer_args(p)
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True,
+                   help="writes {prefix}_{key}_{document|sentence}.bin/.idx")
+    g.add_argument("--append-eod", action="store_true",
+                   help="append the tokenizer's end-of-document token to each document")
+    g.add_argument("--lang", default="english", help="language for nltk's punkt splitter")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="accepted for Megatron compatibility; input is streamed, so this does "
+                        "not change the output (always one dataset per key)")
+    g.add_argument("--log-interval", type=int, default=1000,
+                   help="print progress every N documents (0: only the tqdm bar)")
+    g.add_argument("--chunksize", type=int, default=32, help="lines per worker task")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1 (got {args.workers})")
+    if args.partitions < 1:
+        p.error(f"--partitions must be >= 1 (got {args.partitions})")
+    if args.chunksize < 1:
+        p.error(f"--chunksize must be >= 1 (got {args.chunksize})")
+    return args
+
+
+class _InFlight:
+    """Bounds the lines in flight. Pool.imap's feeder thread would otherwise read the whole file
+    ahead of the workers; `stop()` unblocks it so Pool.terminate() (which joins it) cannot hang."""
+
+    def __init__(self, limit: int):
+        self._sem = threading.Semaphore(limit)
+        self._stopped = False
+
+    def lines(self, f):
+        for item in enumerate(f, 1):
+            while not self._sem.acquire(timeout=0.2):
+                if self._stopped:
+                    return
+            if self._stopped:
+                return
+            yield item
+
+    def release(self):
+        self._sem.release()
+
+    def stop(self):
+        self._stopped = True
+
+
+def preprocess(args) -> dict:
+    """Run preprocessing for parsed ``args``; returns stats. Raises PreprocessError."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    if not os.path.isfile(args.input):
+        raise PreprocessError(f"--input: {args.input} does not exist")
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(out_dir):
+        raise PreprocessError(f"--output-prefix: directory {out_dir} does not exist")
+    try:
+        tokenizer = build_tokenizer(args)
+    except TokenizerError as exc:
+        raise PreprocessError(str(exc)) from None
+    if args.split_sentences and _punkt_splitter(args.lang, args.keep_newlines) is None:
+        print("preprocess_data: nltk punkt not available; using the regex sentence splitter",
+              file=sys.stderr)
+    if args.partitions > 1:
+        print(f"preprocess_data: --partitions {args.partitions}: input is streamed, writing one "
+              f"dataset per key", file=sys.stderr)
+    dtype = _token_dtype(tokenizer.vocab_size)
+    level = "sentence" if args.split_sentences else "document"
+    prefixes = {k: f"{args.output_prefix}_{k}_{level}" for k in args.json_keys}
+    tmp = {k: (f"{p}.bin.tmp{os.getpid()}", f"{p}.idx.tmp{os.getpid()}") for k, p in prefixes.items()}
+    stats = dict(documents=0, tokens=0, sequences=0, empty=0, skipped=0, bytes=0, lines=0)
+    skipped_examples = []
+    builders = {}
+    pool = in_flight = None
+    start = time.time()
+    try:
+        for k in args.json_keys:
+            builders[k] = IndexedDatasetBuilder(tmp[k][0], dtype=dtype)
+        total_bytes = os.path.getsize(args.input)
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess",
+                       disable=args.no_progress, mininterval=0.5, file=sys.stderr)
+        except ImportError:  # pragma: no cover
+            bar = None
+        with open(args.input, encoding="utf-8", errors="strict", newline="\n") as f:
+            if args.workers == 1:
+                encoder = Encoder(args)
+                encoder.initialize()
+                results = map(encoder.encode, enumerate(f, 1))
+                release = lambda: None  # noqa: E731
+            else:
+                in_flight = _InFlight(max(4 * args.workers * args.chunksize, 256))
+                pool = multiprocessing.Pool(args.workers, initializer=_worker_init,
+                                            initargs=(args,))
+                results = pool.imap(_worker_encode, in_flight.lines(f), args.chunksize)
+                release = in_flight.release
+            for lineno, nbytes, out, error in results:
+                release()
+                stats["lines"] = lineno
+                stats["bytes"] += nbytes
+                if bar is not None:
+                    bar.update(nbytes)
+                if error is not None:
+                    where = f"{args.input}:{lineno}"
+                    if not args.skip_malformed:
+                        raise PreprocessError(f"{where}: {error} (use --skip-malformed to skip "
+                                              f"such lines)")
+                    stats["skipped"] += 1
+                    if len(skipped_examples) < 5:
+                        skipped_examples.append(f"{where}: {error}")
+                    continue
+                if out is None:  # blank line
+                    continue
+                for k, (ids, lengths) in out.items():
+                    if not lengths:  # Megatron would add a zero-sequence document; skip it
+                        stats["empty"] += 1
+                        continue
+                    builders[k].add_document(ids, lengths)
+                    stats["tokens"] += len(ids)
+                    stats["sequences"] += len(lengths)
+                if any(lengths for _, lengths in out.values()):
+                    stats["documents"] += 1
+                if args.log_interval and stats["documents"] % args.log_interval == 0:
+                    el = time.time() - start
+                    msg = (f"Processed {stats['documents']} documents ({stats['documents'] / el:.1f} "
+                           f"docs/s, {stats['bytes'] / el / 1024 ** 2:.2f} MB/s).")
+                    (bar.write(msg, file=sys.stderr) if bar is not None
+                     else print(msg, file=sys.stderr))
+        if bar is not None:
+            bar.close()
+        if pool is not None:
+            pool.close()
+            pool.join()
+            pool = None
+        for k, b in builders.items():
+            b.finalize(tmp[k][1])
+        for k, p in prefixes.items():  # publish: .bin first, the .idx (what readers open) last
+            os.replace(tmp[k][0], p + ".bin")
+            os.replace(tmp[k][1], p + ".idx")
+    except UnicodeDecodeError as exc:
+        raise PreprocessError(f"{args.input}:{stats['lines'] + 1}: not valid UTF-8 ({exc.reason})") \
+            from None
+    finally:
+        if in_flight is not None:
+            in_flight.stop()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        for k, b in builders.items():
+            if not b.data_file.closed:
+                b.data_file.close()
+        for paths in tmp.values():
+            for path in paths:
+                if os.path.exists(path):
+                    os.remove(path)
+    stats["seconds"] = time.time() - start
+    stats["outputs"] = list(prefixes.values())
+    stats["skipped_examples"] = skipped_examples
+    return stats
+
+
+def main(argv=None) -> dict:
+    """Command-line entry; errors exit with a one-line message (no traceback)."""
+    args = get_args(argv)
+    try:
+        stats = preprocess(args)
+    except PreprocessError as exc:
+        raise SystemExit(f"preprocess_data.py: error: {exc}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("preprocess_data.py: interrupted; no output written") from None
+    for example in stats["skipped_examples"]:
+        print(f"skipped {example}", file=sys.stderr)
+    rate = stats["tokens"] / max(stats["seconds"], 1e-9)
+    print(f"Done: {stats['documents']} documents, {stats['sequences']} sequences, "
+          f"{stats['tokens']} tokens in {stats['seconds']:.2f}s ({rate:.0f} tokens/s); "
+          f"skipped {stats['skipped']} malformed lines, {stats['empty']} empty documents. "
+          f"Wrote {', '.join(p + '.bin/.idx' for p in stats['outputs'])}")
+    return stats
+
+
+if __name__ == "__main__":
+    main()
