@@ -1,0 +1,66 @@
+"""Tiny corpora and tokenizer files for the data tests (built on the fly, a second or two)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tools import make_corpus, train_tokenizer
+
+# A few hand-written documents: several sentences, unicode, a pre-split list, an empty text.
+EXTRA_DOCS = [
+    {"text": "The quick brown fox jumps over the lazy dog. It was not amused! Was it? Yes."},
+    {"text": "Ünïcödé text — with dashes, “quotes” and emoji 🙂 survives the round trip."},
+    {"text": ["A document given as a list.", "Each item is one sentence."]},
+    {"text": ""},
+    {"text": "Line one of a paragraph.\n\nA second paragraph starts here.\nAnd goes on."},
+]
+
+
+def write_corpus(path: str, max_docs: int = 120) -> list:
+    """Standard-library docstrings (make_corpus) plus EXTRA_DOCS; returns the documents."""
+    make_corpus.main(["--output", path, "--max-docs", str(max_docs)])
+    with open(path, encoding="utf-8") as f:
+        docs = [json.loads(line) for line in f]
+    with open(path, "a", encoding="utf-8") as f:
+        for d in EXTRA_DOCS:
+            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+    return docs + EXTRA_DOCS
+
+
+def train_sp(corpus: str, prefix: str, vocab_size: int = 600, extra=()) -> str:
+    return train_tokenizer.main(["--input", corpus, "--model-prefix", prefix, "--vocab-size",
+                                 str(vocab_size), "--character-coverage", "1.0",
+                                 "--num-threads", "1", *extra])
+
+
+def write_gpt2_files(directory: str):
+    """A small byte-level BPE vocab: all 256 byte symbols, a few merges, <|endoftext|>."""
+    from megatron_moe.data.tokenizers import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    merges = [("t", "h"), ("th", "e"), ("Ġ", "t"), ("i", "n"), ("Ġ", "a"), ("o", "n"),
+              ("e", "r"), ("Ġa", "n"), ("Ġan", "d"), ("in", "g"), ("Ġ", "the")]
+    vocab = {s: i for i, s in enumerate(symbols)}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    vocab["<|endoftext|>"] = len(vocab)
+    vocab_file = os.path.join(directory, "vocab.json")
+    merge_file = os.path.join(directory, "merges.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(merge_file, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    return vocab_file, merge_file
+
+
+BERT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick", "brown", "fox",
+              "jump", "##s", "##ed", "over", "lazy", "dog", ".", ",", "!", "cafe", "un", "##aff",
+              "##able", "a", "b", "c", "##b", "##c", "Hello", "hello", "中", "文"]
+
+
+def write_bert_vocab(directory: str) -> str:
+    path = os.path.join(directory, "vocab.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(BERT_VOCAB) + "\n")
+    return path
