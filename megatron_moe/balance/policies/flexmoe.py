@@ -1,0 +1,370 @@
+"""FlexMoE vExperts (Nie et al., SIGMOD'23) as a placement policy.
+
+Every EP rank has ``S`` expert slots (vExperts).  An expert may occupy several slots on one or more
+ranks; its inputs are split evenly over its vExperts by the flexible token router (Alg. 3, locality
+first, overflow proportional to spare capacity, with the design note's sign fix
+``spare = max(0, cap_e * n_eg - origin[g, e])``).  Replicas on different ranks sum their gradients
+over the replica group; same-rank vExperts share one weight copy.
+
+Scheduler (Alg. 1): if the balance ratio max/mean rank load exceeds ``threshold``, ask the policy
+maker (Alg. 2) for one (Expand e_hot, Shrink e_cold) pair at a time; accept it only if the modelled
+step time (Eq. 5: compute + 4 all-to-all receive terms + replica sync, max over ranks) strictly falls.
+Then greedy Migrate swaps tighten replica groups (lower total sync cost, max load not raised).
+
+Choices the paper leaves open (documented in docs/sim.md):
+* e_hot = argmax cap_e, e_cold = argmin cap_e over experts with n_e >= 2 and != e_hot (never
+  remove an expert's last copy); ties -> lower expert id.  A FREE slot is used by Expand alone.
+* The freed slot is the one of e_cold's ranks that gives the lowest modelled time; ties prefer a
+  rank already hosting e_hot, then the same node as a replica of e_hot, then the lower rank.
+* The copy source for Expand is the replica of e_hot with the cheapest link to the target.
+* Adjustment cost is not part of the accept test (paper-literal); the simulator charges the state
+  transfers on the comm resource (best effort) and the new placement applies from the next step.
+* Hard cap of ``max_steps`` (default G*S) accepted pairs per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["SlotTable", "FlexMoEPolicy", "route_real", "route_tokens", "flex_cost", "balance_ratio",
+           "initial_slots", "FREE"]
+
+FREE = -1
+
+
+def initial_slots(num_experts: int, num_ranks: int, slots_per_rank: int) -> np.ndarray:
+    """Plain-EP-like start: slot k (rank-major) holds expert k * E // (G * S); every expert gets
+    G*S/E consecutive slots, so with E = G and S = 2 each rank holds its own expert twice."""
+    total = num_ranks * slots_per_rank
+    if total < num_experts:
+        raise ValueError(f"flexmoe: {num_ranks} ranks x {slots_per_rank} slots < {num_experts} experts; "
+                         "raise --moe-flexmoe-slots")
+    return ((np.arange(total) * num_experts) // total).reshape(num_ranks, slots_per_rank)
+
+
+@dataclasses.dataclass
+class SlotTable:
+    """``slots[rank, slot]`` = expert id or FREE.  Identical on every rank; JSON-serialisable."""
+    slots: np.ndarray
+    num_experts: int
+    version: int = 0
+
+    def __post_init__(self):
+        self.slots = np.asarray(self.slots, dtype=np.int64)
+        if self.slots.ndim != 2:
+            raise ValueError(f"flexmoe slot table must be [ranks, slots], got {self.slots.shape}")
+        bad = (self.slots < FREE) | (self.slots >= self.num_experts)
+        if bad.any():
+            raise ValueError(f"flexmoe slot table: expert ids out of range at {np.argwhere(bad)[:3].tolist()}")
+        missing = set(range(self.num_experts)) - set(self.slots[self.slots >= 0].tolist())
+        if missing:
+            raise ValueError(f"flexmoe slot table: experts {sorted(missing)[:5]} have no vExpert")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.slots.shape[0]
+
+    def counts(self) -> np.ndarray:
+        """n[e, g] = vExperts of expert e on rank g."""
+        n = np.zeros((self.num_experts, self.num_ranks), dtype=np.int64)
+        g, _ = np.nonzero(self.slots >= 0)
+        np.add.at(n, (self.slots[self.slots >= 0], g), 1)
+        return n
+
+    def replica_groups(self) -> List[List[int]]:
+        n = self.counts()
+        return [np.nonzero(n[e])[0].tolist() for e in range(self.num_experts)]
+
+    def to_dict(self) -> Dict:
+        return {"format": "flexmoe-slots-v1", "num_experts": int(self.num_experts),
+                "version": int(self.version), "slots": self.slots.tolist()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Dict, num_ranks: Optional[int] = None,
+                  num_experts: Optional[int] = None) -> Optional["SlotTable"]:
+        """Restore a checkpointed table.  Returns None when the checkpoint's EP size or expert count
+        differs from the run's (the caller then falls back to :func:`initial_slots`)."""
+        if d.get("format") != "flexmoe-slots-v1":
+            raise ValueError(f"flexmoe slot table: unknown format {d.get('format')!r}")
+        t = cls(np.asarray(d["slots"]), int(d["num_experts"]), int(d.get("version", 0)))
+        if (num_ranks is not None and t.num_ranks != num_ranks) or \
+                (num_experts is not None and t.num_experts != num_experts):
+            return None
+        return t
+
+    @classmethod
+    def from_json(cls, s: str, **kw) -> Optional["SlotTable"]:
+        return cls.from_dict(json.loads(s), **kw)
+
+
+def route_real(origin: np.ndarray, n: np.ndarray):
+    """Alg. 3 in real numbers for all experts at once.
+
+    ``origin[g, e]`` gate counts, ``n[e, g]`` vExperts.  Returns ``keep[e, g]`` (computed at the
+    source), ``spill[e, g]`` (sent away) and ``frac[e, g]`` (share of every spill that rank g
+    receives, proportional to its spare room; rows sum to 1 where anything spills).
+    Every replica rank g then processes exactly cap_e * n[e, g] inputs of e.
+    """
+    o = np.asarray(origin, dtype=np.float64).T                  # [E, G]
+    tot = o.sum(axis=1)
+    ne = n.sum(axis=1)
+    cap = tot / np.maximum(ne, 1)
+    capacity = cap[:, None] * n
+    keep = np.minimum(capacity, o)
+    spill = o - keep
+    spare = capacity - keep                                     # sign-fixed: >= 0
+    s = spare.sum(axis=1, keepdims=True)
+    frac = np.divide(spare, s, out=np.zeros_like(spare), where=s > 0)
+    return keep, spill, frac
+
+
+def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split integer ``total`` proportionally to ``weights``; deterministic (ties -> lower index)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if total <= 0 or w.sum() <= 0:
+        return np.zeros(len(w), dtype=np.int64)
+    q = total * w / w.sum()
+    base = np.floor(q).astype(np.int64)
+    rem = int(total - base.sum())
+    if rem:
+        order = np.lexsort((np.arange(len(w)), -(q - base)))
+        base[order[:rem]] += 1
+    return base
+
+
+def route_tokens(origin: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Integer Alg. 3: ``send[e, src, dst]`` with exact row sums (nothing dropped).
+
+    Per-replica capacities are the largest-remainder split of I_e over vExperts; each source keeps
+    min(capacity, origin) locally and splits its overflow over the other replicas by largest
+    remainder on their spare room.  Identical on every rank (integer arithmetic, fixed order).
+    """
+    origin = np.asarray(origin, dtype=np.int64)
+    g_n, e_n = origin.shape
+    send = np.zeros((e_n, g_n, g_n), dtype=np.int64)
+    for e in range(e_n):
+        col = origin[:, e]
+        capacity = _largest_remainder(int(col.sum()), n[e])
+        keep = np.minimum(capacity, col)
+        spare = capacity - keep
+        for g in range(g_n):
+            send[e, g, g] = keep[g]
+            spill = int(col[g] - keep[g])
+            if spill:
+                w = spare.copy()
+                w[g] = 0
+                if w.sum() <= 0:
+                    raise AssertionError("flexmoe router: overflow with no spare capacity")
+                send[e, g] += _largest_remainder(spill, w)
+    return send
+
+
+def balance_ratio(loads: np.ndarray) -> float:
+    """max / mean rank load (Eq. 6); 1.0 for an all-zero load."""
+    loads = np.asarray(loads, dtype=np.float64)
+    m = loads.mean()
+    return float(loads.max() / m) if m > 0 else 1.0
+
+
+def flex_cost(origin: np.ndarray, n: np.ndarray, cost, details: bool = False):
+    """Eq. 5: max over ranks of compute + all-to-all receive (x4) + replica sync of hosted experts."""
+    from megatron_moe.sim.costs import sync_s_vec
+    keep, spill, frac = route_real(origin, n)
+    processed = keep + spill.sum(axis=1, keepdims=True) * frac        # [E, G]
+    load = processed.sum(axis=0)
+    t = cost.compute_s(load)
+    if cost.pair_s_per_input is not None:
+        t = t + 4.0 * (frac * (spill @ cost.pair_s_per_input)).sum(axis=0)
+    hosts = n > 0
+    t = t + (sync_s_vec(cost, hosts)[:, None] * hosts).sum(axis=0)
+    if details:
+        return float(t.max()), load, t
+    return float(t.max())
+
+
+class FlexMoEPolicy:
+    """``--moe-balance-policy flexmoe``: stateful; ``step(origin)`` adjusts the slot table."""
+
+    name = "flexmoe"
+
+    def __init__(self, cost, num_experts: int, num_ranks: int, slots_per_rank: Optional[int] = None,
+                 threshold: float = 1.15, max_steps: Optional[int] = None, migrate: bool = True,
+                 max_migrations: Optional[int] = None, table: Optional[SlotTable] = None):
+        if threshold < 1.0:
+            raise ValueError(f"flexmoe: --moe-flexmoe-threshold {threshold} must be >= 1")
+        if slots_per_rank is None:
+            slots_per_rank = 2 * max(1, -(-num_experts // num_ranks))
+        self.cost = cost
+        self.num_experts, self.num_ranks, self.slots_per_rank = num_experts, num_ranks, slots_per_rank
+        self.threshold = threshold
+        self.max_steps = num_ranks * slots_per_rank if max_steps is None else max_steps
+        self.migrate_enabled = migrate
+        self.max_migrations = num_ranks if max_migrations is None else max_migrations
+        self.table = table or SlotTable(initial_slots(num_experts, num_ranks, slots_per_rank), num_experts)
+        if self.table.slots.shape != (num_ranks, slots_per_rank):
+            raise ValueError(f"flexmoe: slot table shape {self.table.slots.shape} != "
+                             f"({num_ranks}, {slots_per_rank})")
+        self.calls = 0            # planner invocations (trigger fired)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def loads(self, origin: np.ndarray, n: Optional[np.ndarray] = None) -> np.ndarray:
+        n = self.table.counts() if n is None else n
+        keep, spill, frac = route_real(origin, n)
+        return (keep + spill.sum(axis=1, keepdims=True) * frac).sum(axis=0)
+
+    def cost_of(self, origin, n=None) -> float:
+        return flex_cost(origin, self.table.counts() if n is None else n, self.cost)
+
+    def _link(self, a: int, b: int) -> float:
+        if a == b:
+            return -1.0
+        if self.cost.link_s_per_byte is None:
+            return 0.0
+        return float(self.cost.link_s_per_byte[a, b])
+
+    # -- Alg. 2 -----------------------------------------------------------------------------------
+    def make_plan(self, origin: np.ndarray) -> List[Tuple]:
+        slots = self.table.slots
+        n = self.table.counts()
+        t0 = flex_cost(origin, n, self.cost)
+        tot = np.asarray(origin, dtype=np.float64).sum(axis=0)
+        ne = n.sum(axis=1)
+        cap = tot / ne
+        e_hot = int(np.argmax(cap))                         # argmax returns the lowest id on ties
+        hot_hosts = np.nonzero(n[e_hot])[0]
+        free = np.argwhere(slots == FREE)
+        cands = []                                          # (g, s, e_cold or FREE)
+        if len(free):
+            cands = [(int(g), int(s), FREE) for g, s in free]
+        else:
+            ok = (ne >= 2) & (np.arange(self.num_experts) != e_hot)
+            if not ok.any():
+                return []
+            c = np.where(ok, cap, np.inf)
+            e_cold = int(np.argmin(c))
+            for g in np.nonzero(n[e_cold])[0]:
+                s = int(np.nonzero(slots[g] == e_cold)[0][-1])
+                cands.append((int(g), s, e_cold))
+        node = self.cost.node
+        best = None
+        for g, s, e_cold in cands:
+            n1 = n.copy()
+            n1[e_hot, g] += 1
+            if e_cold != FREE:
+                n1[e_cold, g] -= 1
+            t1 = flex_cost(origin, n1, self.cost)
+            same_node = node is not None and bool((node[hot_hosts] == node[g]).any())
+            key = (t1, g not in hot_hosts, not same_node, g)
+            if best is None or key < best[0]:
+                best = (key, g, s, e_cold)
+        (t1, *_), g, s, e_cold = best
+        if not t1 < t0:
+            return []
+        src = int(min(hot_hosts, key=lambda h: (self._link(h, g), h)))
+        plan = [("expand", e_hot, src, g, s)]
+        if e_cold != FREE:
+            plan.insert(0, ("shrink", e_cold, g, s))
+        return plan
+
+    def _apply(self, plan: List[Tuple]) -> None:
+        for op in plan:
+            if op[0] == "shrink":
+                _, e, g, s = op
+                assert self.table.slots[g, s] == e
+                self.table.slots[g, s] = FREE
+            elif op[0] == "expand":
+                _, e, _src, g, s = op
+                assert self.table.slots[g, s] == FREE
+                self.table.slots[g, s] = e
+        n = self.table.counts()
+        assert (n.sum(axis=1) >= 1).all(), "flexmoe: an expert lost its last vExpert"
+
+    # -- Migrate (the paper gives no algorithm; greedy swaps, see module doc) ---------------------
+    def migrate(self, origin: np.ndarray) -> List[Tuple]:
+        from megatron_moe.sim.costs import sync_s_vec
+        ops: List[Tuple] = []
+        slots = self.table.slots
+        for _ in range(self.max_migrations):
+            n = self.table.counts()
+            hosts = n > 0
+            sync = sync_s_vec(self.cost, hosts).sum()
+            if sync <= 0:
+                break
+            t0 = flex_cost(origin, n, self.cost)
+            found = None
+            for e in np.nonzero(hosts.sum(axis=1) > 1)[0]:
+                hs = np.nonzero(n[e])[0]
+                a = int(min(hs, key=lambda h: (n[e, h], h)))          # e's thinnest host
+                sa = int(np.nonzero(slots[a] == e)[0][0])
+                for b in sorted(hs, key=lambda h: (-n[e, h], h)):
+                    if b == a:
+                        continue
+                    for sb in range(self.slots_per_rank):
+                        f = int(slots[b, sb])
+                        if f == e:
+                            continue
+                        n1 = n.copy()
+                        n1[e, a] -= 1
+                        n1[e, b] += 1
+                        if f != FREE:
+                            n1[f, b] -= 1
+                            n1[f, a] += 1
+                        s1 = sync_s_vec(self.cost, n1 > 0).sum()
+                        if s1 < sync and flex_cost(origin, n1, self.cost) <= t0:
+                            found = (a, sa, int(b), sb, int(e), f)
+                            break
+                    if found:
+                        break
+                if found:
+                    break
+            if not found:
+                break
+            a, sa, b, sb, e, f = found
+            slots[a, sa], slots[b, sb] = f, e
+            ops.append(("migrate", e, a, sa, f, b, sb))
+        return ops
+
+    # -- Alg. 1 -----------------------------------------------------------------------------------
+    def step(self, origin: np.ndarray) -> List[Tuple]:
+        origin = np.asarray(origin)
+        if origin.shape != (self.num_ranks, self.num_experts):
+            raise ValueError(f"flexmoe: counts shape {origin.shape} != ({self.num_ranks}, {self.num_experts})")
+        ops: List[Tuple] = []
+        r = balance_ratio(self.loads(origin))
+        steps = 0
+        if r > self.threshold:
+            self.calls += 1
+        while r > self.threshold and steps < self.max_steps:
+            plan = self.make_plan(origin)
+            if not plan:
+                break
+            self._apply(plan)
+            ops.extend(plan)
+            steps += 1
+            r = balance_ratio(self.loads(origin))
+        if self.migrate_enabled and ops:
+            ops.extend(self.migrate(origin))
+        if ops:
+            self.table.version += 1
+        return ops
+
+    def adjustment_bytes(self, ops: List[Tuple]) -> List[Tuple[int, int, float]]:
+        """(src, dst, bytes) transfers the ops need: Expand copies params + optimizer state from
+        the source replica (none on the same rank), Migrate swaps both states, Shrink is free."""
+        out = []
+        sb = float(getattr(self.cost, "state_bytes", 0.0))
+        for op in ops:
+            if op[0] == "expand" and op[2] != op[3]:
+                out.append((op[2], op[3], sb))
+            elif op[0] == "migrate":
+                _, e, a, _, f, b, _ = op
+                out.append((b, a, sb) if f != FREE else (b, a, 0.0))
+                out.append((a, b, sb))
+        return out

@@ -1,0 +1,161 @@
+"""Cluster description for the simulator and the planners' pricing of operations.
+
+``Cluster`` holds the machine (nodes x GPUs, link bandwidths and latencies) and the model constants
+(expert throughput, bytes per input, expert parameter / optimizer-state bytes, non-MoE block times).
+It is built from a topology JSON (same keys as ``megatron_moe/topology.py``'s ``--topology-file``) or
+from a calibration profile JSON (keys below), and it is the single place the simulator reads
+constants from; ``planner_cost()`` turns it into the cost object the policies consume.
+
+Profile / topology JSON keys (all optional; units in the names)::
+
+    ranks_per_node, intra_bandwidth_gbps, inter_bandwidth_gbps,   # GB/s per direction per rank
+    intra_latency_us, inter_latency_us,
+    expert_tokens_per_s,      # forward expert throughput of one device (inputs/s); backward = 2x time
+    bytes_per_input,          # hidden * dtype bytes
+    expert_param_bytes, expert_state_bytes (params + optimizer state), t_fnec_s, t_bnec_s,
+    hidden_size, ffn_hidden_size, dtype_bytes, device_flops   # used only when the above are absent
+
+Defaults model an A100-class node (8 GPUs, NVLink 150 GB/s, 25 GB/s NIC per GPU), hidden 1024,
+ffn 4096, bf16, 100 TFLOP/s achieved; they are placeholders to be replaced by a calibration run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Cluster", "load_cluster"]
+
+
+@dataclasses.dataclass
+class Cluster:
+    num_gpus: int
+    ranks_per_node: int = 8
+    intra_bw: float = 150e9          # bytes/s per direction
+    inter_bw: float = 25e9
+    intra_lat: float = 5e-6          # seconds per message
+    inter_lat: float = 10e-6
+    hidden_size: int = 1024
+    ffn_hidden_size: int = 4096
+    dtype_bytes: int = 2
+    device_flops: float = 100e12     # achieved GEMM FLOP/s
+    expert_tokens_per_s: Optional[float] = None
+    bytes_per_input: Optional[float] = None
+    expert_param_bytes: Optional[float] = None
+    expert_state_bytes: Optional[float] = None
+    t_fnec_s: Optional[float] = None
+    t_bnec_s: Optional[float] = None
+    inputs_per_rank: int = 8192      # only for the default non-MoE time estimate
+    source: str = "defaults"
+
+    def __post_init__(self):
+        if self.num_gpus < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"cluster ({self.source}): num_gpus and ranks_per_node must be >= 1")
+        if self.num_gpus % self.ranks_per_node and self.num_gpus > self.ranks_per_node:
+            raise ValueError(f"cluster ({self.source}): num_gpus={self.num_gpus} is not a multiple "
+                             f"of ranks_per_node={self.ranks_per_node}")
+        for f in ("intra_bw", "inter_bw", "device_flops"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"cluster ({self.source}): {f} must be > 0")
+        h, f, b = self.hidden_size, self.ffn_hidden_size, self.dtype_bytes
+        if self.expert_tokens_per_s is None:
+            self.expert_tokens_per_s = self.device_flops / (4.0 * h * f)   # 2 GEMMs, FMA = 2 flops
+        if self.bytes_per_input is None:
+            self.bytes_per_input = float(h * b)
+        if self.expert_param_bytes is None:
+            self.expert_param_bytes = float(2 * h * f * b)
+        if self.expert_state_bytes is None:
+            # params + fp32 master + Adam m, v (mixed precision): b + 12 bytes per parameter
+            self.expert_state_bytes = float(2 * h * f * (b + 12))
+        if self.t_fnec_s is None:
+            # attention block of a transformer layer: ~ 4*h^2 (qkv+proj) *2 flops per token, tokens =
+            # inputs_per_rank / top_k(2); a rough placeholder replaced by calibration
+            self.t_fnec_s = 8.0 * h * h * (self.inputs_per_rank / 2) / self.device_flops
+        if self.t_bnec_s is None:
+            self.t_bnec_s = 2.0 * self.t_fnec_s
+
+    # -- topology helpers (vectorised over rank index arrays) --------------------------------
+    def node_of(self, ranks):
+        return np.asarray(ranks) // self.ranks_per_node
+
+    def link_seconds_per_byte(self, ranks: np.ndarray) -> np.ndarray:
+        """[P, P] seconds per byte between the given global ranks (0 on the diagonal)."""
+        n = self.node_of(ranks)
+        same = n[:, None] == n[None, :]
+        c = np.where(same, 1.0 / self.intra_bw, 1.0 / self.inter_bw)
+        np.fill_diagonal(c, 0.0)
+        return c
+
+    def bottleneck_bw(self, ranks) -> float:
+        ranks = np.asarray(ranks)
+        if len(ranks) <= 1:
+            return math.inf
+        return self.intra_bw if len(np.unique(self.node_of(ranks))) == 1 else self.inter_bw
+
+    def max_lat(self, ranks) -> float:
+        ranks = np.asarray(ranks)
+        return self.intra_lat if len(np.unique(self.node_of(ranks))) <= 1 else self.inter_lat
+
+    # -- collective formulas ----------------------------------------------------------------
+    def broadcast_time(self, nbytes: float, ranks) -> float:
+        """Ring-pipelined broadcast (or reduce) of ``nbytes`` over ``ranks``: every ring link carries
+        ``nbytes`` once (FasterMoE note 2.3), the slowest link sets the rate."""
+        k = len(ranks)
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        return nbytes / self.bottleneck_bw(ranks) + (k - 1) * self.max_lat(ranks)
+
+    def allreduce_time(self, nbytes: float, ranks) -> float:
+        """Ring all-reduce: each rank sends 2(k-1)/k * nbytes."""
+        k = len(ranks)
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        return 2.0 * (k - 1) / k * nbytes / self.bottleneck_bw(ranks) + 2 * (k - 1) * self.max_lat(ranks)
+
+    def p2p_time(self, nbytes: float, a: int, b: int) -> float:
+        if a == b:
+            return 0.0
+        same = self.node_of(a) == self.node_of(b)
+        return nbytes / (self.intra_bw if same else self.inter_bw) + (self.intra_lat if same else self.inter_lat)
+
+    def planner_cost(self, ranks) -> "PlannerCost":
+        from .costs import PlannerCost
+        return PlannerCost.from_cluster(self, np.asarray(ranks))
+
+
+_GB = 1e9
+
+
+def load_cluster(num_gpus: int, path: Optional[str] = None, **overrides) -> Cluster:
+    """Cluster for ``num_gpus`` GPUs from a topology or calibration-profile JSON (or the defaults)."""
+    kw = {}
+    src = "defaults"
+    if path:
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--topology/--profile {path}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        src = path
+        conv = {"intra_bandwidth_gbps": ("intra_bw", _GB), "inter_bandwidth_gbps": ("inter_bw", _GB),
+                "intra_latency_us": ("intra_lat", 1e-6), "inter_latency_us": ("inter_lat", 1e-6)}
+        fields = {f.name for f in dataclasses.fields(Cluster)}
+        for k, v in raw.items():
+            if k in conv:
+                name, scale = conv[k]
+                kw[name] = float(v) * scale
+            elif k in fields and k not in ("num_gpus", "source"):
+                kw[k] = v
+            # unknown keys (comments, other tools' fields) are ignored on purpose
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    kw.setdefault("ranks_per_node", 8)
+    kw["ranks_per_node"] = min(int(kw["ranks_per_node"]), num_gpus)
+    return Cluster(num_gpus=num_gpus, source=src, **kw)
