@@ -1,0 +1,72 @@
+"""All-to-all time formulas for the simulator (flat, hierarchical 2DH, pipe), vectorised over EP groups.
+
+``traffic[g, src, dst]`` is bytes sent from group-local rank src to dst in EP group g.  Group ranks
+are contiguous global ranks, laid out node-major (``ranks_per_node`` per node), so a group of P
+ranks spans ``P / L`` nodes of ``L = min(P, ranks_per_node)`` ranks each.  Models (from the
+ScheMoE/Tutel notes; the comm engineer's ``megatron_moe/comm/alltoall.py`` counts bytes at runtime
+but exposes no closed-form formula, so the bytes are modelled here):
+
+* flat: every rank sends to every peer at once; intra-node bytes use the intra link and inter-node
+  bytes the NIC concurrently; a rank finishes when its slowest direction/link does, plus one
+  message latency per peer.  The collective ends when the slowest rank does.
+* hierarchical (2DH): phase 1 intra-node all-to-all regroups data by destination local index
+  (L-1 messages), phase 2 inter-node all-to-all between same-index ranks with node-aggregated
+  messages (N-1 messages); phases run back to back.
+* pipe: the two phases of 2DH pipelined over ``chunks`` chunks: max(phase1, phase2) plus one
+  chunk of the shorter phase.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ALGORITHMS", "alltoall_time"]
+
+ALGORITHMS = ("flat", "hierarchical", "pipe")
+
+
+def _layout(p: int, rpn: int):
+    l = min(p, rpn)
+    if p % l:
+        raise ValueError(f"sim: EP group size {p} is not a multiple of ranks_per_node {rpn} "
+                         "(or a divisor of it)")
+    return p // l, l
+
+
+def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat", chunks: int = 4) -> np.ndarray:
+    """Seconds per EP group for one all-to-all with the given byte matrix."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"sim: unknown all-to-all algorithm {algorithm!r}; choose from {ALGORITHMS}")
+    g, p, _ = traffic.shape
+    n, l = _layout(p, cluster.ranks_per_node)
+    t4 = traffic.reshape(g, n, l, n, l)                      # [g, src node, src local, dst node, dst local]
+    eye_n = np.eye(n, dtype=bool)
+    eye_l = np.eye(l, dtype=bool)
+    bi, be = cluster.intra_bw, cluster.inter_bw
+    li, le = cluster.intra_lat, cluster.inter_lat
+    # intra / inter bytes out of and into every rank (self excluded)
+    same = eye_n[None, :, None, :, None] & ~(eye_n[:, None, :, None] & eye_l[None, :, None, :])[None]
+    intra_t = np.where(same, t4, 0.0)
+    inter_t = np.where(~eye_n[None, :, None, :, None], t4, 0.0)
+    if algorithm == "flat":
+        out_i = intra_t.sum(axis=(3, 4)); in_i = intra_t.sum(axis=(1, 2))
+        out_e = inter_t.sum(axis=(3, 4)); in_e = inter_t.sum(axis=(1, 2))
+        t = np.maximum.reduce([out_i / bi, in_i / bi, out_e / be, in_e / be])
+        t = t + (l - 1) * li + (n - 1) * le
+        return t.reshape(g, -1).max(axis=1)
+    # phase 1: rank (a, l) sends to (a, l') everything whose destination local index is l' != l
+    diff_l = ~eye_l[None, None, :, None, :]
+    p1 = np.where(diff_l, t4, 0.0)
+    out1 = p1.sum(axis=(3, 4))                               # [g, a, l]
+    in1 = p1.sum(axis=(2, 3))                                # by dst local index, within src node: [g, a, l']
+    ph1 = np.maximum(out1, in1).reshape(g, -1).max(axis=1) / bi + (l - 1) * li
+    # phase 2: rank (a, l) forwards node a's data for (b, l), b != a
+    x = np.where(~eye_n[None, :, None, :, None], t4, 0.0).sum(axis=2)   # [g, a, b, l]
+    out2 = x.sum(axis=2)                                     # [g, a, l]
+    in2 = x.sum(axis=1)                                      # [g, b, l]
+    ph2 = np.maximum(out2, in2).reshape(g, -1).max(axis=1) / be + (n - 1) * le
+    if n == 1:
+        ph2 = np.zeros(g)
+    if algorithm == "hierarchical":
+        return ph1 + ph2
+    return np.maximum(ph1, ph2) + np.minimum(ph1, ph2) / max(1, chunks)

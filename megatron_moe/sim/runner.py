@@ -1,0 +1,173 @@
+"""Glue: replay a trace through a policy (per EP group and layer) and compare policies.
+
+The cluster's ``num_gpus`` ranks are split into EP groups of ``ep_size`` contiguous ranks (default
+``min(num_gpus, num_experts)``: with more GPUs than experts, plain EP runs expert-data-parallel
+copies of the EP group, as DeepSpeed-MoE and megatron-core do).  Every EP group routes its own rows
+of the trace and runs its own policy instance; all groups run concurrently on the modelled cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .cluster import Cluster
+from .engine import Assignment, IterationBreakdown, simulate_iterations
+from .traces import tile_sources
+
+__all__ = ["POLICIES", "available_policies", "simulate", "compare", "ep_layout"]
+
+POLICIES = ("none", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap")
+
+
+def _proprophet_module():
+    try:
+        from megatron_moe.balance.policies import proprophet  # noqa: F401  (balance engineer's planner)
+        return proprophet
+    except Exception:
+        return None
+
+
+def available_policies() -> List[str]:
+    pols = ["none", "fastermoe", "flexmoe"]
+    if _proprophet_module() is not None and hasattr(_proprophet_module(), "plan"):
+        pols += ["proprophet", "proprophet+overlap"]
+    return pols
+
+
+def ep_layout(num_gpus: int, num_experts: int, ep_size: Optional[int] = None):
+    p = min(num_gpus, num_experts) if ep_size is None else int(ep_size)
+    if p < 1 or num_gpus % p:
+        raise ValueError(f"sim: --ep-size {p} must divide --gpus {num_gpus}")
+    return num_gpus // p, p
+
+
+class _Timer:
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __call__(self, fn, *a, **kw):
+        t = time.perf_counter()
+        r = fn(*a, **kw)
+        dt = time.perf_counter() - t
+        return r, (dt if self.mode == "measured" else float(self.mode))
+
+
+def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorithm: str = "flat",
+             ep_size: Optional[int] = None, plan_time: Union[str, float] = 0.0,
+             policy_kwargs: Optional[Dict] = None) -> IterationBreakdown:
+    """Replay ``trace[iteration, layer, source, expert]`` through ``policy`` on ``cluster``."""
+    from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy, default_owner
+    from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy, route_real
+    from megatron_moe.sim.costs import sync_s_vec
+
+    if policy not in POLICIES:
+        raise ValueError(f"sim: unknown policy {policy!r}; choose from {POLICIES}")
+    if trace.ndim != 4:
+        raise ValueError(f"sim: trace must be [iterations, layers, sources, experts], got {trace.shape}")
+    iters, layers, d_src, n_exp = trace.shape
+    d = cluster.num_gpus
+    if d_src != d:
+        trace = tile_sources(trace, d)
+    groups, p = ep_layout(d, n_exp, ep_size)
+    kw = dict(policy_kwargs or {})
+    timer = _Timer(plan_time)
+    ranks = [np.arange(g * p, (g + 1) * p) for g in range(groups)]
+    costs = [cluster.planner_cost(r) for r in ranks]
+    owner = default_owner(n_exp, p)
+    onehot = np.zeros((n_exp, p)); onehot[np.arange(n_exp), owner] = 1.0
+    own_mask = (owner[None, :] == np.arange(p)[:, None])            # [P, E]
+    bcast = np.array([cluster.broadcast_time(cluster.expert_param_bytes, r) for r in ranks])
+    base = policy.split("+")[0]
+    overlap = policy.endswith("+overlap")
+    pols = {}
+    if base == "fastermoe":
+        pols = {(g, l): FasterMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
+    elif base == "flexmoe":
+        pols = {(g, l): FlexMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
+    elif base == "proprophet":
+        mod = _proprophet_module()
+        if mod is None or not hasattr(mod, "plan"):
+            raise ValueError("sim: policy 'proprophet' needs megatron_moe.balance.policies.proprophet.plan "
+                             "(the balance engineer's planner), which is not available")
+    prev = {}
+
+    def assign(it: int, l: int) -> Assignment:
+        c = trace[it, l].reshape(groups, p, n_exp).astype(np.float64)
+        z = np.zeros((groups, p))
+        plan_s = np.zeros(groups); plan_h = np.zeros(groups)
+        trans = z.copy(); agg = z.copy(); adj = z.copy()
+        if base == "none":
+            local = c * own_mask
+            traffic = (c * ~own_mask) @ onehot
+        elif base == "fastermoe":
+            local = np.empty_like(c); traffic = np.empty((groups, p, p))
+            for g in range(groups):
+                plan, dt = timer(pols[(g, l)].plan, c[g])
+                plan_s[g] = dt                                   # needs this iteration's counts
+                s = own_mask.copy(); s[:, plan.shadowed] = True
+                local[g] = c[g] * s
+                traffic[g] = (c[g] * ~s) @ onehot
+                trans[g] = len(plan.shadowed) * bcast[g]
+                agg[g] = len(plan.shadowed) * bcast[g]           # reduce = same ring volume
+        elif base == "flexmoe":
+            local = np.empty_like(c); traffic = np.empty((groups, p, p))
+            for g in range(groups):
+                pol = pols[(g, l)]
+                n = pol.table.counts()
+                keep, spill, frac = route_real(c[g], n)
+                local[g] = keep.T
+                traffic[g] = spill.T @ frac
+                hosts = n > 0
+                agg[g] = (sync_s_vec(costs[g], hosts)[:, None] * hosts).sum(axis=0)
+                ops, dt = timer(pol.step, c[g])                  # placement for the next step
+                plan_h[g] = 0.0                                  # host-side, overlaps GPU work
+                plan_s[g] = 0.0
+                pol.plan_seconds = getattr(pol, "plan_seconds", 0.0) + dt
+                for src, dst, nb in pol.adjustment_bytes(ops):
+                    t = cluster.p2p_time(nb, int(ranks[g][src]), int(ranks[g][dst]))
+                    adj[g, src] += t; adj[g, dst] += t
+        else:   # proprophet: plan from the previous iteration's counts (locality), applied now
+            mod = _proprophet_module()
+            local = np.empty_like(c); traffic = np.empty((groups, p, p))
+            for g in range(groups):
+                pred = prev.get((g, l), c[g])
+                sets, dt = timer(mod.plan, pred, costs[g], **kw)
+                plan_h[g] = dt
+                s = own_mask.copy()
+                nrep = 0
+                for e, rs in enumerate(sets):
+                    if len(rs) > 1:
+                        s[list(rs), e] = True
+                        nrep += 1
+                        trans[g, list(rs)] += cluster.broadcast_time(cluster.expert_param_bytes,
+                                                                     ranks[g][list(rs)])
+                agg[g] = trans[g]
+                local[g] = c[g] * s
+                traffic[g] = (c[g] * ~s) @ onehot
+                prev[(g, l)] = c[g]
+        return Assignment(local, traffic, trans, agg, plan_s, plan_h, adj)
+
+    res = simulate_iterations(cluster, assign, iters, layers, algorithm, overlap=overlap)
+    if base == "flexmoe":
+        res.values["plan_s"] += sum(getattr(pp, "plan_seconds", 0.0) for pp in pols.values()) / max(1, iters) / groups
+    return res
+
+
+def compare(trace: np.ndarray, cluster: Cluster, policies: Sequence[str], algorithms: Sequence[str],
+            **kw) -> Dict:
+    """Mean breakdown per (algorithm, policy) and speedup over plain EP with the same algorithm."""
+    rows = {}
+    for algo in algorithms:
+        base = simulate(trace, cluster, "none", algo, **kw)
+        b = base.mean()
+        rows[(algo, "none")] = dict(b, speedup=1.0, per_iter=base.values["iter_s"])
+        for pol in policies:
+            if pol == "none":
+                continue
+            r = simulate(trace, cluster, pol, algo, **kw)
+            m = r.mean()
+            rows[(algo, pol)] = dict(m, speedup=b["iter_s"] / m["iter_s"], per_iter=r.values["iter_s"])
+    return rows
