@@ -1,0 +1,1 @@
+"""Load balancing by lightweight expert replication (Pro-Prophet). See docs/balance.md."""

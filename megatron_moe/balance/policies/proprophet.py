@@ -1,0 +1,119 @@
+"""Pro-Prophet planner: Algorithm 1, the locality-based greedy search (design note 2.5).
+
+Candidates are the prefixes of one greedy sequence: repeatedly take the heaviest rank (most computed
+inputs, ties -> lowest rank), replicate one of its experts to every rank except the ``n`` non-owner
+ranks holding the fewest inputs for it (ties -> lowest rank), until the balance condition
+(Eq. 7: max H - min H < alpha * I / E) holds or the heaviest rank was already used. The returned
+plan is the prefix with the strictly smallest modelled time (Eq. 6, or Eq. 8 with ``eq8``), empty if
+nothing beats plain EP.
+
+Generalisation to E > D experts (ours, docs/balance.md): the heaviest rank picks, among its experts
+not yet selected, the one with the largest ``sum_{d != owner} C[d, e]`` (ties -> lowest expert); a
+rank counts as "used" once all its experts are selected. With E == D this is the paper's rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from megatron_moe.balance.cost_model import CostModel
+from megatron_moe.balance.policies.base import (BalancePolicy, Placement, balance_degree, default_owner,
+                                                loads, register_policy)
+
+__all__ = ["ProProphetPolicy", "SearchResult", "search"]
+
+
+@dataclasses.dataclass
+class SearchResult:
+    plan: List[Tuple[int, List[int]]]       # the chosen prefix: (expert, excluded ranks)
+    steps: List[Tuple[int, List[int]]]      # the whole greedy sequence evaluated
+    step_times: List[float]                 # modelled time after each step
+    time_s: float                           # modelled time of the chosen plan
+    noop_time_s: float                      # modelled time of plain EP
+    H_before: np.ndarray
+    H_after: np.ndarray
+    R_after: np.ndarray
+    stop: str                               # "balanced" | "used" | "exhausted"
+
+    @property
+    def balance_before(self) -> float:
+        return balance_degree(self.H_before)
+
+    @property
+    def balance_after(self) -> float:
+        return balance_degree(self.H_after)
+
+
+def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float] = None,
+           eq8: bool = False) -> SearchResult:
+    """Algorithm 1 on the count matrix ``C[d, e]``; ``num_inputs`` = I (default: C.sum())."""
+    C = np.asarray(C, dtype=np.float64)
+    if C.ndim != 2:
+        raise ValueError(f"proprophet: counts must be [ranks, experts], got shape {C.shape}")
+    D, E = C.shape
+    if not 0 <= n < D:
+        raise ValueError(f"--moe-balance-n {n}: must be in [0, {D - 1}] for {D} EP ranks")
+    owner = default_owner(E, D)
+    I = float(C.sum()) if num_inputs is None else float(num_inputs)
+    placement = Placement.plain(E, D)
+    H, R = loads(C, placement)
+    H0 = H.copy()
+    t_best = cost.layer_time(R, H, 0, 0, D, eq8)
+    t_noop = t_best
+    best_H, best_R, cnt = H, R, 0
+    steps: List[Tuple[int, List[int]]] = []
+    times: List[float] = []
+    selected = np.zeros(E, dtype=bool)
+    used = np.zeros(D, dtype=bool)
+    remote_load = C.sum(axis=0) - C[owner, np.arange(E)]     # sum_{d != owner} C[d, e]
+    stop = "exhausted"
+    while True:
+        if H.max() - H.min() < alpha * I / E:                  # Eq. 7
+            stop = "balanced"
+            break
+        if selected.all():
+            break
+        i = int(np.argmax(H))                                  # first maximum = lowest rank
+        if used[i]:
+            stop = "used"
+            break
+        mine = [e for e in np.nonzero(owner == i)[0] if not selected[e]]
+        e = int(min(mine, key=lambda x: (-remote_load[x], x)))
+        selected[e] = True
+        if all(selected[owner == i]):
+            used[i] = True
+        others = [d for d in range(D) if d != owner[e]]
+        nb = sorted(sorted(others, key=lambda d: (C[d, e], d))[:n])   # BottomK, ties -> lowest rank
+        placement.replica_sets[e] = [d for d in range(D) if d not in nb]
+        H, R = loads(C, placement)
+        steps.append((e, nb))
+        t = cost.layer_time(R, H, len(steps), n, D, eq8)
+        times.append(t)
+        if t < t_best:                                         # strict: ties keep the shorter prefix
+            t_best, cnt, best_H, best_R = t, len(steps), H, R
+    return SearchResult(steps[:cnt], steps, times, t_best, t_noop, H0, best_H, best_R, stop)
+
+
+@register_policy
+class ProProphetPolicy(BalancePolicy):
+    """``--moe-balance-policy proprophet``: ``plan(counts) -> Placement`` via Algorithm 1."""
+
+    name = "proprophet"
+
+    def __init__(self, num_experts: int, num_ranks: int, cost: Optional[CostModel] = None,
+                 alpha: float = 3.0, n: int = 0, eq8: bool = False, num_inputs: Optional[float] = None):
+        super().__init__(num_experts, num_ranks)
+        self.cost = cost if cost is not None else CostModel.from_profile(None)
+        self.alpha, self.n, self.eq8, self.num_inputs = float(alpha), int(n), bool(eq8), num_inputs
+        if self.alpha < 0:
+            raise ValueError(f"--moe-balance-alpha {alpha}: must be >= 0")
+        if not 0 <= self.n < num_ranks:
+            raise ValueError(f"--moe-balance-n {n}: must be in [0, {num_ranks - 1}] for {num_ranks} EP ranks")
+        self.last: Optional[SearchResult] = None
+
+    def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+        self.last = search(counts, self.cost, self.alpha, self.n, self.num_inputs, self.eq8)
+        return Placement.from_plan(self.last.plan, self.num_experts, self.num_ranks)
