@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from megatron_moe.compat import quiet_known_warnings
 
 quiet_known_warnings()
-from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer.enums import AttnMaskType
@@ -114,18 +113,12 @@ _BATCH_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mas
 
 
 def get_batch(data_iterator):
-    """This rank's micro-batch; middle pipeline stages take their input from the previous stage."""
-    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    if not (first or last):
-        return (None,) * 6
+    """This rank's micro-batch. Every pipeline stage reads it: the encoder needs the padding mask
+    on each stage, not only the embedding and loss stages."""
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    out = []
-    for key in _BATCH_KEYS:
-        value = batch[key]
-        value = torch.as_tensor(value).long().to(device, non_blocking=True)
-        out.append(value)
-    tokens, types, labels, sentence_order, loss_mask, padding_mask = out
+    tokens, types, labels, sentence_order, loss_mask, padding_mask = (
+        torch.as_tensor(batch[key]).long().to(device, non_blocking=True) for key in _BATCH_KEYS)
     return tokens, types, sentence_order, loss_mask, labels, padding_mask
 
 

@@ -205,8 +205,7 @@ class HiddenPartitionedEmbedding(torch.nn.Module):
             return F.embedding(ids, self.weight).view(*input_ids.shape, self.embedding_dim)
         # token counts of every rank (ranks may hold different numbers of tokens)
         counts = torch.empty(self.world, dtype=torch.int64, device=ids.device)
-        _all_gather(counts, torch.tensor([n_local], device=ids.device),
-                                    group=self.group)
+        _all_gather(counts, torch.tensor([n_local], device=ids.device), group=self.group)
         counts = counts.tolist()
         # all-to-all #1: my ids to every rank; I receive every rank's ids, in rank order
         all_ids = ids.new_empty(sum(counts))
