@@ -42,29 +42,33 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat", chunks:
     t4 = traffic.reshape(g, n, l, n, l)                      # [g, src node, src local, dst node, dst local]
     eye_n = np.eye(n, dtype=bool)
     eye_l = np.eye(l, dtype=bool)
-    bi, be = cluster.intra_bw, cluster.inter_bw
     li, le = cluster.intra_lat, cluster.inter_lat
     # intra / inter bytes out of and into every rank (self excluded)
     same = eye_n[None, :, None, :, None] & ~(eye_n[:, None, :, None] & eye_l[None, :, None, :])[None]
     intra_t = np.where(same, t4, 0.0)
     inter_t = np.where(~eye_n[None, :, None, :, None], t4, 0.0)
     if algorithm == "flat":
-        out_i = intra_t.sum(axis=(3, 4)); in_i = intra_t.sum(axis=(1, 2))
-        out_e = inter_t.sum(axis=(3, 4)); in_e = inter_t.sum(axis=(1, 2))
-        t = np.maximum.reduce([out_i / bi, in_i / bi, out_e / be, in_e / be])
+        # one message per peer; its rate may be capped by the calibrated bandwidth-by-size table
+        ti = cluster.transfer_time(intra_t, True)
+        te = cluster.transfer_time(inter_t, False)
+        out_i = ti.sum(axis=(3, 4)); in_i = ti.sum(axis=(1, 2))
+        out_e = te.sum(axis=(3, 4)); in_e = te.sum(axis=(1, 2))
+        t = np.maximum.reduce([out_i, in_i, out_e, in_e])
         t = t + (l - 1) * li + (n - 1) * le
         return t.reshape(g, -1).max(axis=1)
     # phase 1: rank (a, l) sends to (a, l') everything whose destination local index is l' != l
     diff_l = ~eye_l[None, None, :, None, :]
-    p1 = np.where(diff_l, t4, 0.0)
-    out1 = p1.sum(axis=(3, 4))                               # [g, a, l]
-    in1 = p1.sum(axis=(2, 3))                                # by dst local index, within src node: [g, a, l']
-    ph1 = np.maximum(out1, in1).reshape(g, -1).max(axis=1) / bi + (l - 1) * li
+    p1 = np.where(diff_l, t4, 0.0).sum(axis=3)               # [g, a, l(src), l'(dst local)]
+    p1t = cluster.transfer_time(p1, True)                    # one message per local peer
+    out1 = p1t.sum(axis=3)
+    in1 = p1t.sum(axis=2)
+    ph1 = np.maximum(out1, in1).reshape(g, -1).max(axis=1) + (l - 1) * li
     # phase 2: rank (a, l) forwards node a's data for (b, l), b != a
     x = np.where(~eye_n[None, :, None, :, None], t4, 0.0).sum(axis=2)   # [g, a, b, l]
-    out2 = x.sum(axis=2)                                     # [g, a, l]
-    in2 = x.sum(axis=1)                                      # [g, b, l]
-    ph2 = np.maximum(out2, in2).reshape(g, -1).max(axis=1) / be + (n - 1) * le
+    xt = cluster.transfer_time(x, False)                     # node-aggregated messages
+    out2 = xt.sum(axis=2)                                    # [g, a, l]
+    in2 = xt.sum(axis=1)                                     # [g, b, l]
+    ph2 = np.maximum(out2, in2).reshape(g, -1).max(axis=1) + (n - 1) * le
     if n == 1:
         ph2 = np.zeros(g)
     if algorithm == "hierarchical":

@@ -50,6 +50,7 @@ class Cluster:
     t_fnec_s: Optional[float] = None
     t_bnec_s: Optional[float] = None
     inputs_per_rank: int = 8192      # only for the default non-MoE time estimate
+    a2a_bw_table: Optional[list] = None   # [[max_msg_bytes|None, bytes/s], ...] from a calibration
     source: str = "defaults"
 
     def __post_init__(self):
@@ -77,6 +78,34 @@ class Cluster:
             self.t_fnec_s = 8.0 * h * h * (self.inputs_per_rank / 2) / self.device_flops
         if self.t_bnec_s is None:
             self.t_bnec_s = 2.0 * self.t_fnec_s
+
+    # -- bandwidth by message size (the calibration table caps the link rate for small messages)
+    def transfer_time(self, nbytes, intra) -> np.ndarray:
+        """Seconds to move ``nbytes`` (array) as single messages over intra/inter links."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        bw = np.where(intra, self.intra_bw, self.inter_bw)
+        if self.a2a_bw_table:
+            limits = np.array([np.inf if m is None else m for m, _ in self.a2a_bw_table])
+            rates = np.array([b for _, b in self.a2a_bw_table], dtype=np.float64)
+            idx = np.minimum(np.searchsorted(limits, nbytes, side="left"), len(rates) - 1)
+            bw = np.minimum(bw, rates[idx])
+        return nbytes / bw
+
+    @classmethod
+    def from_cost_model(cls, num_gpus: int, cm, ranks_per_node: int = 8, intra_bw: Optional[float] = None,
+                        inter_bw: Optional[float] = None, source: str = "cost model", **kw) -> "Cluster":
+        """Constants from the balance engineer's ``CostModel`` (the one cost model training uses):
+        expert throughput, input / expert bytes, FNEC/BNEC times and the A2A bandwidth-by-message-size
+        table.  Link rates default to the table's large-message bandwidth (no topology file)."""
+        table = [[m, b] for m, b in cm.to_dict()["a2a_bandwidth"]]
+        big = float(table[-1][1])
+        return cls(num_gpus=num_gpus, ranks_per_node=min(ranks_per_node, num_gpus),
+                   intra_bw=intra_bw or big, inter_bw=inter_bw or big,
+                   expert_tokens_per_s=float(cm.throughput), bytes_per_input=float(cm.input_bytes),
+                   expert_param_bytes=float(cm.expert_bytes),
+                   expert_state_bytes=float(cm.expert_bytes) * 4.0,   # params + fp32 Adam m, v, master
+                   t_fnec_s=float(cm.t_fnec), t_bnec_s=float(cm.t_bnec), a2a_bw_table=table,
+                   source=source, **kw)
 
     # -- topology helpers (vectorised over rank index arrays) --------------------------------
     def node_of(self, ranks):
@@ -130,8 +159,28 @@ class Cluster:
 _GB = 1e9
 
 
-def load_cluster(num_gpus: int, path: Optional[str] = None, **overrides) -> Cluster:
-    """Cluster for ``num_gpus`` GPUs from a topology or calibration-profile JSON (or the defaults)."""
+_BALANCE_KEYS = {"a2a_bandwidth", "trans_bandwidth", "throughput", "input_bytes", "expert_bytes",
+                 "t_fnec", "t_bnec"}
+
+
+def load_cluster(num_gpus: int, path: Optional[str] = None, profile: Optional[str] = None,
+                 **overrides) -> Cluster:
+    """Cluster for ``num_gpus`` GPUs.
+
+    ``path``: a topology JSON (``--topology``) or a simulator profile.  ``profile``: the balance
+    calibration profile (``--moe-balance-profile`` format, read by ``CostModel.from_profile``); when
+    given, compute/byte constants and the bandwidth-by-size table come from it and ``path`` only
+    supplies the node layout and link rates.
+    """
+    if profile is not None:
+        from megatron_moe.balance.cost_model import CostModel
+        cm = CostModel.from_profile(profile)
+        topo = load_cluster(num_gpus, path) if path else None
+        kw = {}
+        if topo is not None:
+            kw = dict(ranks_per_node=topo.ranks_per_node, intra_bw=topo.intra_bw, inter_bw=topo.inter_bw)
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return Cluster.from_cost_model(num_gpus, cm, source=profile, **kw)
     kw = {}
     src = "defaults"
     if path:
@@ -144,6 +193,8 @@ def load_cluster(num_gpus: int, path: Optional[str] = None, **overrides) -> Clus
             raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a JSON object")
+        if _BALANCE_KEYS & set(raw) and not {"intra_bandwidth_gbps", "inter_bandwidth_gbps"} & set(raw):
+            return load_cluster(num_gpus, None, profile=path, **overrides)
         src = path
         conv = {"intra_bandwidth_gbps": ("intra_bw", _GB), "inter_bandwidth_gbps": ("inter_bw", _GB),
                 "intra_latency_us": ("intra_lat", 1e-6), "inter_latency_us": ("inter_lat", 1e-6)}

@@ -84,9 +84,12 @@ def sync_s_vec(cost: PlannerCost, hosts: np.ndarray) -> np.ndarray:
     if cost.grad_bytes <= 0:
         return out
     if cost.node is not None:
-        nodes = np.unique(cost.node)
-        onehot = (cost.node[None, :] == nodes[:, None]).astype(np.float64)   # [nodes, P]
-        spans = (hosts.astype(np.float64) @ onehot.T > 0).sum(axis=1)
+        onehot = getattr(cost, "_node_onehot", None)
+        if onehot is None:
+            nodes = np.unique(cost.node)
+            onehot = (cost.node[:, None] == nodes[None, :]).astype(np.float64)   # [P, nodes]
+            cost._node_onehot = onehot
+        spans = (hosts.astype(np.float64) @ onehot > 0).sum(axis=1)
     else:
         spans = np.ones(hosts.shape[0])
     bw = np.where(spans > 1, cost.inter_bw, cost.intra_bw)

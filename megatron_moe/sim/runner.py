@@ -157,9 +157,11 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
 
 
 def compare(trace: np.ndarray, cluster: Cluster, policies: Sequence[str], algorithms: Sequence[str],
-            **kw) -> Dict:
-    """Mean breakdown per (algorithm, policy) and speedup over plain EP with the same algorithm."""
+            policy_kwargs: Optional[Dict[str, Dict]] = None, **kw) -> Dict:
+    """Mean breakdown per (algorithm, policy) and speedup over plain EP with the same algorithm.
+    ``policy_kwargs`` maps a policy name to its constructor keyword arguments."""
     rows = {}
+    pk = policy_kwargs or {}
     for algo in algorithms:
         base = simulate(trace, cluster, "none", algo, **kw)
         b = base.mean()
@@ -167,7 +169,7 @@ def compare(trace: np.ndarray, cluster: Cluster, policies: Sequence[str], algori
         for pol in policies:
             if pol == "none":
                 continue
-            r = simulate(trace, cluster, pol, algo, **kw)
+            r = simulate(trace, cluster, pol, algo, policy_kwargs=pk.get(pol.split("+")[0]), **kw)
             m = r.mean()
             rows[(algo, pol)] = dict(m, speedup=b["iter_s"] / m["iter_s"], per_iter=r.values["iter_s"])
     return rows

@@ -287,7 +287,8 @@ class FlexMoEPolicy:
         assert (n.sum(axis=1) >= 1).all(), "flexmoe: an expert lost its last vExpert"
 
     # -- Migrate (the paper gives no algorithm; greedy swaps, see module doc) ---------------------
-    def migrate(self, origin: np.ndarray) -> List[Tuple]:
+    def migrate(self, origin: np.ndarray, experts: Optional[List[int]] = None) -> List[Tuple]:
+        """Greedy swaps for ``experts`` (default: all replicated experts), ascending id."""
         from megatron_moe.sim.costs import sync_s_vec
         ops: List[Tuple] = []
         slots = self.table.slots
@@ -299,7 +300,10 @@ class FlexMoEPolicy:
                 break
             t0 = flex_cost(origin, n, self.cost)
             found = None
-            for e in np.nonzero(hosts.sum(axis=1) > 1)[0]:
+            multi = np.nonzero(hosts.sum(axis=1) > 1)[0]
+            if experts is not None:
+                multi = [e for e in multi if e in experts]
+            for e in multi:
                 hs = np.nonzero(n[e])[0]
                 a = int(min(hs, key=lambda h: (n[e, h], h)))          # e's thinnest host
                 sa = int(np.nonzero(slots[a] == e)[0][0])
@@ -350,7 +354,7 @@ class FlexMoEPolicy:
             steps += 1
             r = balance_ratio(self.loads(origin))
         if self.migrate_enabled and ops:
-            ops.extend(self.migrate(origin))
+            ops.extend(self.migrate(origin, sorted({op[1] for op in ops if op[0] == "expand"})))
         if ops:
             self.table.version += 1
         return ops
