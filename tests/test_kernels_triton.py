@@ -56,6 +56,7 @@ mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
 
 @pytest.fixture(autouse=True)
 def triton_backend():
+    torch.manual_seed(0)
     if not IN_PROCESS:
         yield
         return
