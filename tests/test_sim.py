@@ -1,0 +1,151 @@
+"""Simulator: all-to-all formulas, engine invariants, policy sanity (balanced -> no speedup,
+skewed -> speedup), trace loading, 1024-GPU run, CLI."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_moe.sim.alltoall import alltoall_time
+from megatron_moe.sim.cluster import Cluster, load_cluster
+from megatron_moe.sim.engine import Assignment, simulate_iterations
+from megatron_moe.sim.runner import compare, ep_layout, simulate
+from megatron_moe.sim.traces import balanced_trace, load_trace_dir, synthetic_trace, tile_sources
+
+
+def test_alltoall_uniform_and_directional():
+    cl = load_cluster(16, ranks_per_node=8, intra_lat=0.0, inter_lat=0.0)
+    t = np.full((1, 16, 16), 1e6)
+    flat = alltoall_time(t, cl, "flat")[0]
+    # each rank sends 7 MB intra and 8 MB inter concurrently: the NIC side dominates
+    assert flat == pytest.approx(max(7e6 / cl.intra_bw, 8e6 / cl.inter_bw))
+    assert alltoall_time(t, cl, "pipe")[0] <= alltoall_time(t, cl, "hierarchical")[0]
+    # a one-directional flow does not load the reverse direction
+    one = np.zeros((1, 16, 16)); one[0, 0, 8] = 1e9
+    both = one.copy(); both[0, 8, 0] = 1e9
+    assert alltoall_time(one, cl, "flat")[0] == pytest.approx(alltoall_time(both, cl, "flat")[0])
+    # inside one node every algorithm is the same intra-node exchange
+    small = load_cluster(8, ranks_per_node=8)
+    u = np.random.default_rng(0).uniform(0, 1e6, size=(2, 8, 8))
+    ref = alltoall_time(u, small, "flat")
+    for algo in ("hierarchical", "pipe"):
+        assert alltoall_time(u, small, algo) == pytest.approx(ref, rel=0.5)
+    with pytest.raises(ValueError, match="unknown all-to-all"):
+        alltoall_time(t, cl, "ring")
+
+
+def _assignment(groups, p, e, load, trans=0.0, agg=0.0):
+    local = np.zeros((groups, p, e)); local[:, :, 0] = load
+    return Assignment(local, np.zeros((groups, p, p)), np.full((groups, p), trans), np.full((groups, p), agg),
+                      np.zeros(groups), np.zeros(groups), np.zeros((groups, p)))
+
+
+def test_engine_invariants_and_overlap():
+    cl = load_cluster(8, ranks_per_node=8)
+    a = _assignment(1, 8, 2, np.arange(8) * 100.0, trans=1e-3, agg=1e-3)
+    sync = simulate_iterations(cl, lambda it, l: a, 2, 3, overlap=False).mean()
+    ov = simulate_iterations(cl, lambda it, l: a, 2, 3, overlap=True).mean()
+    fwd = 1.0 / cl.expert_tokens_per_s
+    comp = 3 * (3 * fwd * 700 + cl.t_fnec_s + cl.t_bnec_s)   # 3 layers, busiest rank
+    assert sync["iter_s"] >= sync["expert_s"] and sync["expert_s"] == pytest.approx(3 * 3 * fwd * 700)
+    assert sync["iter_s"] >= comp - 1e-12
+    assert ov["iter_s"] <= sync["iter_s"] + 1e-12
+    assert ov["hidden_comm_s"] > 0 and sync["hidden_comm_s"] == pytest.approx(0.0, abs=1e-12)
+    assert sync["iter_s"] <= comp + sync["comm_s"] + 1e-12          # makespan <= sum of all work
+
+
+def test_ep_layout():
+    assert ep_layout(1024, 64) == (16, 64)
+    assert ep_layout(8, 64) == (1, 8)
+    with pytest.raises(ValueError, match="--ep-size"):
+        ep_layout(12, 64, 5)
+
+
+def test_balanced_trace_gives_no_speedup():
+    tr = balanced_trace(16, 32, 4, 2, 4096)
+    rows = compare(tr, load_cluster(16), ["fastermoe", "flexmoe"], ["flat", "pipe"])
+    for (algo, pol), r in rows.items():
+        assert r["speedup"] == pytest.approx(1.0, abs=1e-9), (algo, pol)
+        assert r["trans_agg_s"] == 0.0 and r["adjust_s"] == 0.0
+
+
+def test_skewed_trace_gives_speedup_and_is_deterministic():
+    tr = synthetic_trace(32, 32, 6, 1, 8192, zipf_s=1.2, seed=3)
+    np.testing.assert_array_equal(tr, synthetic_trace(32, 32, 6, 1, 8192, zipf_s=1.2, seed=3))
+    assert (tr.sum(axis=3) == 8192).all()
+    cl = load_cluster(32)
+    rows = compare(tr, cl, ["fastermoe", "flexmoe"], ["flat", "hierarchical"])
+    for (algo, pol), r in rows.items():
+        if pol != "none":
+            assert r["speedup"] > 1.05, (algo, pol, r["speedup"])
+            assert r["max_load"] < rows[(algo, "none")]["max_load"]
+    again = compare(tr, cl, ["flexmoe"], ["flat"])
+    assert again[("flat", "flexmoe")]["iter_s"] == rows[("flat", "flexmoe")]["iter_s"]
+
+
+def test_1024_gpus_64_experts_100_iterations_runs():
+    tr = synthetic_trace(1024, 64, 100, 1, 4096, seed=0)
+    cl = load_cluster(1024)
+    res = simulate(tr, cl, "fastermoe", "flat")
+    assert res.values["iter_s"].shape == (100,)
+    assert np.isfinite(res.values["iter_s"]).all() and (res.values["iter_s"] > 0).all()
+    flex = simulate(tr[:5], cl, "flexmoe", "pipe")
+    assert (flex.values["iter_s"] > 0).all()
+
+
+def _write_trace(d, counts):
+    os.makedirs(d, exist_ok=True)
+    for it in range(counts.shape[0]):
+        with open(os.path.join(d, f"iter_{it:07d}.json"), "w") as f:
+            json.dump({"iteration": it, "layers": {str(l): counts[it, l].tolist()
+                                                   for l in range(counts.shape[1])}}, f)
+
+
+def test_trace_dir_round_trip_and_errors(tmp_path):
+    c = synthetic_trace(2, 4, 3, 2, 64, seed=1)
+    _write_trace(str(tmp_path / "t"), c)
+    np.testing.assert_array_equal(load_trace_dir(str(tmp_path / "t")), c)
+    # jsonl, one layer per line
+    p = tmp_path / "j"; p.mkdir()
+    with open(p / "trace.jsonl", "w") as f:
+        for it in range(3):
+            for l in range(2):
+                f.write(json.dumps({"iteration": it, "layer": l, "counts": c[it, l].tolist()}) + "\n")
+    np.testing.assert_array_equal(load_trace_dir(str(p)), c)
+    bad = tmp_path / "bad"; bad.mkdir()
+    (bad / "x.json").write_text("{\"iteration\": 0, \"counts\": [1, 2")
+    with pytest.raises(ValueError, match="x.json:1: invalid JSON"):
+        load_trace_dir(str(bad))
+    with pytest.raises(FileNotFoundError, match="--trace-dir"):
+        load_trace_dir(str(tmp_path / "missing"))
+    assert tile_sources(c, 5).shape == (3, 2, 5, 4)
+
+
+def test_profile_feeds_cost_model(tmp_path):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"throughput": 2e6, "input_bytes": 2048, "expert_bytes": 1e6,
+                                "t_fnec": 1e-3, "t_bnec": 2e-3}))
+    cl = load_cluster(8, str(prof))
+    assert cl.expert_tokens_per_s == 2e6 and cl.bytes_per_input == 2048 and cl.t_bnec_s == 2e-3
+    assert cl.a2a_bw_table is not None
+    topo = tmp_path / "topo.json"
+    topo.write_text(json.dumps({"ranks_per_node": 4, "intra_bandwidth_gbps": 100, "inter_bandwidth_gbps": 10}))
+    c2 = load_cluster(8, str(topo), profile=str(prof))
+    assert c2.ranks_per_node == 4 and c2.inter_bw == 10e9 and c2.expert_tokens_per_s == 2e6
+    (tmp_path / "bad.json").write_text("[1]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        load_cluster(8, str(tmp_path / "bad.json"))
+
+
+def test_cli_smoke(tmp_path, capsys):
+    from tools.simulate import main
+    res = main(["--gpus", "8", "16", "--experts", "16", "--iterations", "3", "--layers", "1",
+                "--inputs-per-rank", "1024", "--algorithms", "flat", "pipe", "--plot-dir",
+                str(tmp_path), "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert "speedup" in out and "fastermoe" in out and "flexmoe" in out
+    assert (16, "pipe", "flexmoe") in res
+    for name in ("sim_speedup.png", "sim_breakdown.png", "sim_iterations.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    assert len(json.loads((tmp_path / "r.json").read_text())) == 12
