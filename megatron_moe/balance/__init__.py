@@ -1,1 +1,189 @@
-"""Load balancing by lightweight expert replication (Pro-Prophet). See docs/balance.md."""
+"""Load balancing by lightweight expert replication (Pro-Prophet). See docs/balance.md.
+
+Integration (the training loop calls exactly these):
+
+    balance.add_arguments(parser)
+    spec = balance.install(args, spec)                 # MoELayer -> BalancedMoELayer in the layer spec
+    mgr = balance.BalanceManager(args, model_chunks)   # after the model is built
+    ... forward/backward of all micro-batches ...
+    mgr.before_finalize_grads()                        # Agg: before finalize_model_grads / clip / step
+    ... optimizer.step() ...
+    mgr.after_step(iteration)                          # stats, next plan, trace files
+    log.update(mgr.metrics())
+    ckpt["balance"] = mgr.state_dict(); mgr.load_state_dict(ckpt["balance"])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import numpy as np
+
+__all__ = ["add_arguments", "install", "BalanceManager"]
+
+
+def add_arguments(parser):
+    g = parser.add_argument_group("MoE load balancing (Pro-Prophet)")
+    g.add_argument("--moe-balance-policy", choices=["none", "proprophet"], default="none",
+                   help="Placement policy: none = plain expert parallelism.")
+    g.add_argument("--moe-balance-alpha", type=float, default=3.0,
+                   help="Balance tolerance alpha of Eq. 7 (stop when max H - min H < alpha*I/E).")
+    g.add_argument("--moe-balance-n", type=int, default=0,
+                   help="Ranks a selected expert is NOT replicated to (0 = all ranks get a replica).")
+    g.add_argument("--moe-balance-interval", type=int, default=1, help="Re-plan every N iterations.")
+    g.add_argument("--moe-balance-overlap", action="store_true",
+                   help="Block-wise scheduler (Trans/Agg overlapped) and the Eq. 8 cost model.")
+    g.add_argument("--moe-balance-profile", type=str, default=None,
+                   help="Calibration JSON (tools/calibrate_balance.py); default: documented constants.")
+    g.add_argument("--moe-balance-predictor", choices=["last", "ema"], default="last",
+                   help="Locality predictor of the next iteration's routing.")
+    g.add_argument("--moe-routing-trace-dir", type=str, default=None,
+                   help="Write per-layer/iteration count matrices (JSON lines) here.")
+    return parser
+
+
+def _check_args(args):
+    if args.moe_balance_interval < 1:
+        raise ValueError(f"--moe-balance-interval {args.moe_balance_interval}: must be >= 1")
+    if args.moe_balance_alpha < 0:
+        raise ValueError(f"--moe-balance-alpha {args.moe_balance_alpha}: must be >= 0")
+    if args.moe_balance_n < 0:
+        raise ValueError(f"--moe-balance-n {args.moe_balance_n}: must be >= 0")
+
+
+def install(args, layer_spec, force: bool = False):
+    """Swap megatron-core's MoELayer for BalancedMoELayer in a GPT layer spec (0.16.x ModuleSpec
+    or a TransformerBlockSubmodules with ``layer_specs``). A no-op with policy none and no trace dir
+    unless ``force``."""
+    _check_args(args)
+    if not force and args.moe_balance_policy == "none" and not args.moe_routing_trace_dir:
+        return layer_spec
+    if args.moe_balance_policy != "none" and getattr(args, "moe_grouped_gemm", False):
+        raise ValueError("--moe-balance-policy needs SequentialMLP experts: drop --moe-grouped-gemm")
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_moe.balance.layer import BalancedMoELayer
+
+    specs = getattr(layer_spec, "layer_specs", None) or [layer_spec]
+    for spec in specs:
+        mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
+        if mlp is not None and getattr(mlp, "module", None) is MoELayer:
+            mlp.module = BalancedMoELayer
+    return layer_spec
+
+
+class BalanceManager:
+    """Owns the stats, the policy, the scheduler and the trace writer for every BalancedMoELayer."""
+
+    def __init__(self, args, model_chunks, num_microbatches: Optional[int] = None, log=None):
+        import torch.distributed as dist
+
+        from megatron_moe.balance.cost_model import CostModel
+        from megatron_moe.balance.layer import BalancedMoELayer
+        from megatron_moe.balance.policies.base import make_policy
+        from megatron_moe.balance.scheduler import BalanceScheduler, EventLog
+        from megatron_moe.balance.stats import RoutingStats
+
+        _check_args(args)
+        self.args = args
+        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        layers = [m for c in chunks for m in c.modules() if isinstance(m, BalancedMoELayer)]
+        if args.moe_balance_policy != "none":
+            bad = [m.layer_number for m in layers if m.balance is None]
+            if bad:
+                raise ValueError(f"--moe-balance-policy {args.moe_balance_policy}: MoE layers {bad} are "
+                                 "unsupported (needs TP=1, expert TP=1, SequentialMLP, no latent/shared overlap)")
+        self.layers = [m for m in layers if m.balance is not None]
+        self.log = log if log is not None else EventLog(enabled=False)
+        self.scheduler = BalanceScheduler(overlap=bool(args.moe_balance_overlap), log=self.log)
+        if num_microbatches is None:
+            mb, gb = getattr(args, "micro_batch_size", None), getattr(args, "global_batch_size", None)
+            dp = getattr(args, "data_parallel_size", None)
+            num_microbatches = gb // (mb * dp) if mb and gb and dp else 1
+        self.scheduler.num_microbatches = int(num_microbatches)
+        for m in self.layers:
+            m.balance.layer_number = m.layer_number
+            m.balance.log = self.log
+            self.scheduler.register(m.balance)
+        self.stats = RoutingStats(predictor=getattr(args, "moe_balance_predictor", "last"))
+        self.policy = None
+        self.metrics_: Dict[str, float] = {}
+        if self.layers:
+            st = self.layers[0].balance
+            cfg = self.layers[0].config
+            elem = 4 if cfg.params_dtype is None else (2 if "16" in str(cfg.params_dtype) else
+                                                        8 if "64" in str(cfg.params_dtype) else 4)
+            self.cost = CostModel.from_profile(args.moe_balance_profile, input_bytes=cfg.hidden_size * elem,
+                                               expert_bytes=st.numel * elem)
+            kw = {}
+            if args.moe_balance_policy == "proprophet":
+                kw = dict(cost=self.cost, alpha=args.moe_balance_alpha, n=args.moe_balance_n,
+                          eq8=bool(args.moe_balance_overlap))
+            self.policy = make_policy(args.moe_balance_policy, st.num_experts, st.D, **kw)
+        self.trace_path = None
+        if args.moe_routing_trace_dir and self.layers and self.layers[0].balance.rank == 0:
+            os.makedirs(args.moe_routing_trace_dir, exist_ok=True)
+            g = dist.get_rank() if dist.is_initialized() else 0
+            self.trace_path = os.path.join(args.moe_routing_trace_dir, f"counts_rank{g:05d}.jsonl")
+
+    def before_finalize_grads(self) -> None:
+        """Agg: every replica gradient summed into its owner's grad (call before finalize_model_grads)."""
+        self.scheduler.finish_agg()
+
+    def after_step(self, iteration: int) -> None:
+        """After the optimizer step: record counts, plan the next placement, write the trace."""
+        from megatron_moe.balance.stats import imbalance
+
+        replan = iteration % self.args.moe_balance_interval == 0
+        rows, before, after, rmm0, rmm1, replicated = [], [], [], [], [], 0
+        for m in self.layers:
+            st = m.balance
+            C = st.counts.numpy().copy()
+            st.counts.zero_()
+            if C.sum() == 0:
+                continue
+            used = st._active_placement
+            fig = imbalance(C, used)
+            before.append(fig["balance_before"]); after.append(fig["balance_after"])
+            rmm0.append(fig["rank_max_over_mean"]); rmm1.append(fig["rank_max_over_mean_after"])
+            replicated += len(used.replicated())
+            self.stats.add(st.layer_number, iteration, C)
+            if self.trace_path:
+                rows.append({"iteration": int(iteration), "layer": int(st.layer_number),
+                             "counts": C.astype(np.int64).tolist(), "placement": used.to_plan()})
+            if replan and self.policy is not None:
+                st.placement = self.policy.plan(self.stats.predict(st.layer_number), used)
+        self.scheduler.end_iteration()
+        if rows:
+            with open(self.trace_path, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+        if before:
+            self.metrics_ = {
+                "balance/std_before": float(np.mean(before)), "balance/std_after": float(np.mean(after)),
+                "balance/rank_max_over_mean_before": float(np.mean(rmm0)),
+                "balance/rank_max_over_mean_after": float(np.mean(rmm1)),
+                "balance/replicated_experts": float(replicated),
+                "balance/trans_bytes": float(sum(m.balance.bytes_trans_sent for m in self.layers)),
+            }
+
+    def metrics(self) -> Dict[str, float]:
+        return dict(self.metrics_)
+
+    def state_dict(self) -> dict:
+        return {"stats": self.stats.state_dict(), "iteration": self.scheduler.iteration,
+                "placements": {int(m.balance.layer_number): m.balance.placement.to_dict() for m in self.layers}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from megatron_moe.balance.policies.base import Placement
+
+        self.stats.load_state_dict(sd["stats"])
+        self.scheduler.iteration = int(sd.get("iteration", 0))
+        pl = {int(k): v for k, v in sd.get("placements", {}).items()}
+        for m in self.layers:
+            if int(m.balance.layer_number) in pl:
+                p = Placement.from_dict(pl[int(m.balance.layer_number)])
+                if p.num_experts == m.balance.num_experts and p.num_ranks == m.balance.D:
+                    m.balance.placement = p     # a different EP size re-plans from plain EP

@@ -1,0 +1,162 @@
+"""``BalancedMoELayer``: megatron-core 0.16.1's ``MoELayer`` with lightweight expert replication.
+
+The router, the experts (``SequentialMLP``) and the shared experts are megatron-core's; only the
+token dispatch is ours (all-to-all over the EP group with autograd), because a token whose source
+rank holds a replica of its expert must be computed there and never sent:
+
+1. route (megatron-core router, aux losses unchanged); all-gather the local per-expert counts over
+   the EP group -> C[D, E] (the planner's statistics and the all-to-all split sizes);
+2. (token, expert) pairs whose expert has a replica (or the owner) on this rank stay local, the
+   others go to the owner (all_to_all of tokens and probs, as megatron-core's alltoall dispatcher);
+3. each computed expert runs once on [its local pairs ; pairs received from each source rank]:
+   owned experts with their own parameters, replicas with ``torch.func.functional_call`` on the
+   Trans'd tensors; the probs are passed as the expert's per-token scale exactly as SequentialMLP;
+4. the outputs go back (reverse all_to_all) and are summed per token.
+
+With an empty placement this is plain EP (tested against the stock layer).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import all_to_all
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+from megatron_moe.balance.placement import LayerBalance
+
+__all__ = ["BalancedMoELayer"]
+
+
+class BalancedMoELayer(MoELayer):
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kw):
+        # TransformerLayer passes no pg_collection to MoELayer subclasses (identity check in 0.16.1).
+        pg_collection = pg_collection or get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection, **kw)
+        self.ep_group = pg_collection.ep
+        self.balance_supported = (
+            pg_collection.tp.size() == 1 and getattr(pg_collection, "expt_tp", pg_collection.tp).size() == 1
+            and not config.moe_latent_size and hasattr(self.experts, "local_experts")
+            and not getattr(self, "shared_expert_overlap", False))
+        self.balance: Optional[LayerBalance] = None
+        if self.balance_supported:
+            self.balance = LayerBalance(self.experts, layer_number, config.num_moe_experts, self.ep_group)
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        st = self.balance
+        if st is None:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if st.layer_number is None:
+            st.layer_number = self.layer_number
+        sched = st.scheduler
+        if sched is not None:
+            sched.on_layer_forward(st)
+        else:
+            st.begin_forward(None)
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        shared = self.shared_experts_compute(hidden_states) if self.use_shared_expert else None
+        out = self._experts(hidden_states, probs, routing_map)
+        if shared is not None:
+            out = out + shared
+        return out, None
+
+    def _experts(self, hidden_states, probs, routing_map):
+        st = self.balance
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        D, r, E, L = st.D, st.rank, st.num_experts, st.num_local
+        local_counts = routing_map.sum(dim=0).to(torch.int64).reshape(1, E)
+        if D > 1:
+            gathered = [torch.empty_like(local_counts) for _ in range(D)]
+            dist.all_gather(gathered, local_counts, group=self.ep_group)
+            C = torch.cat(gathered).cpu()
+        else:
+            C = local_counts.cpu()
+        if self.training:
+            st.counts += C.to(torch.float64)
+        Cn = C.numpy()
+        mask = st._active_placement.mask()                  # [D, E]: d computes its own e-inputs
+
+        # (token, expert) pairs in expert-major order, like megatron-core's permute
+        pe, pt = routing_map.t().nonzero(as_tuple=True)
+        pprobs = probs.t()[pe, pt]
+        is_local = torch.from_numpy(mask[r])[pe]
+        lsel = is_local.nonzero(as_tuple=True)[0]
+        rsel = (~is_local).nonzero(as_tuple=True)[0]
+        owner = np.arange(E) // L
+        remote = np.where(mask, 0, Cn)                      # [D, E]: inputs shipped to the owner
+        in_splits = [int(remote[r, owner == d].sum()) for d in range(D)]
+        out_splits = [int(remote[d, r * L:(r + 1) * L].sum()) for d in range(D)]
+        send_x = x[pt[rsel]]
+        send_p = pprobs[rsel]
+        if D > 1:
+            recv_x = all_to_all(self.ep_group, send_x, out_splits, in_splits)
+            recv_p = all_to_all(self.ep_group, send_p, out_splits, in_splits)
+        else:
+            recv_x, recv_p = send_x, send_p
+        st.a2a_rows_recv += int(sum(out_splits)) - int(out_splits[r])
+
+        # compute order: for each computed expert, [local pairs ; received rows by source rank]
+        nloc = int(lsel.numel())
+        loc_counts = np.where(mask[r], Cn[r], 0)
+        loc_start = np.concatenate([[0], np.cumsum(loc_counts)])
+        recv_start = np.zeros((D, L), dtype=np.int64)       # offset of (source d, local expert) rows
+        off = 0
+        for d in range(D):
+            for le in range(L):
+                recv_start[d, le] = off
+                off += int(remote[d, r * L + le])
+        segments, index = [], []
+        for e in range(E):
+            mine = owner[e] == r
+            if not (mine or mask[r, e]):
+                continue
+            idx = [torch.arange(loc_start[e], loc_start[e + 1])]
+            if mine:
+                le = e - r * L
+                for d in range(D):
+                    k = int(remote[d, e])
+                    if k:
+                        idx.append(nloc + torch.arange(recv_start[d, le], recv_start[d, le] + k))
+            idx = torch.cat(idx).to(torch.int64)
+            segments.append((e, int(idx.numel())))
+            index.append(idx)
+        index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
+        all_x = torch.cat([x[pt[lsel]], recv_x])
+        all_p = torch.cat([pprobs[lsel], recv_p])
+        comp_x, comp_p = all_x[index], all_p[index]
+
+        if st.scheduler is not None:
+            st.scheduler.before_expert_compute(st)
+        else:
+            st.wait_trans(None)
+        if self.config.moe_apply_probs_on_input:       # as SequentialMLP
+            comp_x = (comp_p.unsqueeze(-1) * comp_x).to(comp_x.dtype)
+            comp_p = torch.ones_like(comp_p)
+        outs, start = [], 0
+        for e, k in segments:
+            xe, pe_ = comp_x[start:start + k], comp_p[start:start + k]
+            start += k
+            if owner[e] == r:
+                y, _ = self.experts.local_experts[e - r * L](xe, pe_)
+            else:
+                y, _ = torch.func.functional_call(st.template, st.replica_params(e), (xe, pe_))
+            outs.append(y)
+        comp_y = torch.cat(outs) if outs else x.new_zeros(0, shape[-1])
+        # back to [local pairs ; received rows] order, then return the received rows to their source
+        all_y = torch.zeros(all_x.shape[0], comp_y.shape[-1], dtype=comp_y.dtype, device=comp_y.device)
+        all_y = all_y.index_copy(0, index, comp_y)
+        loc_y, back_y = all_y[:nloc], all_y[nloc:]
+        if D > 1:
+            got_y = all_to_all(self.ep_group, back_y, in_splits, out_splits)
+        else:
+            got_y = back_y
+        out = torch.zeros(x.shape[0], comp_y.shape[-1], dtype=probs.dtype, device=x.device)
+        out = out.index_add(0, torch.cat([pt[lsel], pt[rsel]]), torch.cat([loc_y, got_y]).to(probs.dtype))
+        return out.to(hidden_states.dtype).view(shape)

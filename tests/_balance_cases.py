@@ -1,0 +1,150 @@
+"""Spawned-rank bodies for tests/test_balance*.py (BalancedMoELayer vs stock megatron-core EP)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+E = 4
+VOCAB = 64
+SEQ = 8
+MBS = 2
+
+
+def _args(**kw):
+    from megatron_moe.balance import add_arguments
+
+    a = add_arguments(argparse.ArgumentParser()).parse_args([])
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def _build(topk, balanced, dtype, seed=1234, num_layers=2, skew=0.0):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_moe.balance import install
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    ep = dist.get_world_size()
+    cfg = TransformerConfig(num_layers=num_layers, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
+                            num_moe_experts=E, moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+                            moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep, moe_router_pre_softmax=topk == 1,
+                            use_cpu_initialization=True, params_dtype=dtype, add_bias_linear=False,
+                            hidden_dropout=0.0, attention_dropout=0.0, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=E)
+    if balanced:
+        spec = install(_args(), spec, force=True)
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = model.to(dtype)
+    return model
+
+
+def _batch(it, rank):
+    g = torch.Generator().manual_seed(100 * it + rank)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+    mask = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)).logical_not().view(1, 1, SEQ, SEQ)
+    return tokens, pos, mask, labels
+
+
+def _iteration(model, opt, it, rank, mgr=None):
+    opt.zero_grad(set_to_none=False)
+    tokens, pos, mask, labels = _batch(it, rank)
+    loss = model(tokens, pos, mask, labels=labels).mean()
+    loss.backward()
+    if mgr is not None:
+        mgr.before_finalize_grads()
+    # plain EP semantics: dense grads all-reduced (averaged) over the data-parallel world,
+    # expert grads are local to their owner (expert-DP size 1)
+    for name, p in model.named_parameters():
+        if p.grad is not None and not getattr(p, "allreduce", True) is False:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    if mgr is not None:
+        mgr.after_step(it)
+    return float(loss.detach()), grads
+
+
+def _random_placement(seed, n_ranks):
+    from megatron_moe.balance.policies.base import Placement
+
+    rng = np.random.default_rng(seed)
+    p = Placement.plain(E, n_ranks)
+    for e in range(E):
+        extra = [d for d in range(n_ranks) if rng.random() < 0.6]
+        p.replica_sets[e] = sorted(set(p.replica_sets[e]) | set(extra))
+    return p
+
+
+def equivalence_rank(rank, world, cases):
+    """Each case: dict(topk, plans=[spec per iteration], overlap, n). Returns per-case max diffs."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_moe.balance import BalanceManager
+    from megatron_moe.balance.placement import LayerBalance
+    from megatron_moe.balance.policies.base import Placement
+    from megatron_moe.balance.scheduler import EventLog
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    dtype = torch.float64
+    results = []
+    for case in cases:
+        topk, iters = case["topk"], case["iters"]
+        ref = _build(topk, False, dtype)
+        ours = _build(topk, True, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), ours.state_dict().values()
+                                                      ) if torch.is_tensor(a))
+        log = EventLog()
+        args = _args(moe_balance_policy=case.get("policy", "proprophet"), moe_balance_alpha=0.0,
+                     moe_balance_n=case.get("n", 0), moe_balance_overlap=case.get("overlap", False))
+        mgr = BalanceManager(args, [ours], num_microbatches=1, log=log)
+        opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        opt_o = torch.optim.Adam(ours.parameters(), lr=1e-2)
+        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+        replicated = 0
+        for it in range(iters):
+            spec = case["plans"][it] if it < len(case["plans"]) else "planned"
+            for m in mgr.layers:
+                st = m.balance
+                if spec == "empty":
+                    st.placement = Placement.plain(E, world)
+                elif spec == "random":
+                    st.placement = _random_placement(1000 * it + (st.layer_number or 0), world)
+                elif spec == "all":
+                    st.placement = Placement([list(range(world))] * E, world)
+                # "planned": keep what mgr.after_step planned from the previous iteration (stale)
+                replicated += len(st.placement.replicated())
+            lr, gr = _iteration(ref, opt_r, it, rank)
+            lo, go = _iteration(ours, opt_o, it, rank, mgr)
+            worst["loss"] = max(worst["loss"], abs(lr - lo))
+            assert gr.keys() == go.keys(), (sorted(gr), sorted(go))
+            worst["grad"] = max(worst["grad"], max(float((gr[k] - go[k]).abs().max()) for k in gr))
+            pr, po = dict(ref.named_parameters()), dict(ours.named_parameters())
+            worst["param"] = max(worst["param"], max(float((pr[k] - po[k]).abs().max()) for k in pr))
+        # replicas never leak into parameters, optimizer or checkpoint
+        n_params = sum(1 for _ in ours.parameters())
+        assert n_params == sum(1 for _ in ref.parameters())
+        assert sum(len(g["params"]) for g in opt_o.param_groups) == n_params
+        assert set(ours.state_dict().keys()) == set(ref.state_dict().keys())
+        tb = sum(m.balance.bytes_trans_sent for m in mgr.layers)
+        ab = sum(m.balance.bytes_agg_recv for m in mgr.layers)
+        results.append(dict(worst, replicated=replicated, trans_bytes=tb, agg_bytes=ab,
+                            events=[(e["op"], e["layer"], e["iteration"]) for e in log.events],
+                            expected_trans=_expected_bytes(case, mgr, world)))
+    return results
+
+
+def _expected_bytes(case, mgr, world):
+    return None
