@@ -108,8 +108,28 @@ def test_multi_expert_subtraction_rule():
 
 
 def test_policy_replica_sets_and_bad_input():
-    pol = FasterMoEPolicy(paper_cost(), 4, 4)
-    sets = pol.replica_sets(np.array([[2560, 512, 512, 512]] * 4))
-    assert sets == [[0, 1, 2, 3], [1], [2], [3]]
+    pol = FasterMoEPolicy(4, 4, paper_cost())
+    placement = pol.plan(np.array([[2560, 512, 512, 512]] * 4))
+    assert placement.replica_sets == [[0, 1, 2, 3], [1], [2], [3]]
+    assert placement.replicated() == [0]
     with pytest.raises(ValueError, match="counts must be"):
         pol.plan(np.zeros(4))
+
+
+def test_registered_with_the_balance_interface_and_its_cost_model():
+    from megatron_moe.balance.cost_model import CostModel
+    from megatron_moe.balance.policies.base import make_policy, loads as bal_loads
+    cm = CostModel.from_profile(None)
+    pol = make_policy("fastermoe", 4, 4, cost=cm)
+    assert isinstance(pol, FasterMoEPolicy)
+    counts = np.array([[25600, 512, 512, 512]] * 4)
+    placement = pol.plan(counts)
+    assert placement.replicated() == [0]
+    H, R = bal_loads(counts, placement)
+    np.testing.assert_array_equal(H, pol.last_plan.loads_after)
+    # the decision is priced by the CostModel: its own Trans/Agg and A2A formulas
+    sp = pol.last_plan
+    expect = 3 * sp.loads_after.max() / cm.throughput + 4 * cm.t_a2a(np.array([sp.loads_after.max()])) \
+        + cm.t_trans(1, 0, 4) + cm.t_agg(1, 0, 4)
+    assert sp.time_s == pytest.approx(expect)
+    assert make_policy("fastermoe", 4, 4).plan(np.full((4, 4), 64)).is_plain()

@@ -210,3 +210,25 @@ def test_expand_adjustment_bytes():
     assert all(m[2] == cl.expert_state_bytes for m in moves[:n_expand_remote])
     # Shrink issues no transfer
     assert pol.adjustment_bytes([op for op in ops if op[0] == "shrink"]) == []
+
+
+def test_balance_interface_and_checkpoint_fallback():
+    from megatron_moe.balance.cost_model import CostModel
+    from megatron_moe.balance.policies.base import loads as bal_loads, make_policy
+    pol = make_policy("flexmoe", 4, 4, cost=CostModel.from_profile(None), threshold=1.0)
+    assert isinstance(pol, FlexMoEPolicy)
+    counts = np.array([[10, 2, 2, 2]] * 4) * 4000
+    placement = pol.plan(counts)
+    n = pol.table.counts()
+    for e, s in enumerate(placement.replica_sets):
+        assert set(np.nonzero(n[e])[0]) <= set(s) and e in s        # owner always present
+    assert placement.replicated() == [0]
+    H, _ = bal_loads(counts, placement)
+    assert H.max() < counts.sum(axis=0).max()                         # locality-only still helps
+    sd = pol.state_dict()
+    other = make_policy("flexmoe", 4, 4, threshold=1.0)
+    assert other.load_state_dict(json.loads(json.dumps(sd)))
+    np.testing.assert_array_equal(other.table.slots, pol.table.slots)
+    smaller = make_policy("flexmoe", 4, 2)
+    assert smaller.load_state_dict(sd) is False                       # EP 4 -> 2: clean fallback
+    np.testing.assert_array_equal(smaller.table.slots, initial_slots(4, 2, smaller.slots_per_rank))

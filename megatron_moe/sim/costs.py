@@ -96,3 +96,39 @@ def sync_s_vec(cost: PlannerCost, hosts: np.ndarray) -> np.ndarray:
     m = k > 1
     out[m] = 2.0 * (k[m] - 1) / k[m] * cost.grad_bytes / bw[m] + 2 * (k[m] - 1) * cost.lat
     return out
+
+
+def planner_cost_from_cost_model(cm, num_ranks: int) -> PlannerCost:
+    """PlannerCost priced by the balance engineer's ``CostModel`` (the one training uses):
+    forward compute 1/t, all-to-all via ``cm.t_a2a`` (bandwidth by message size), one expert's
+    parameter broadcast = ``cm.t_trans(1, 0, D)`` (and the gradient reduce = ``cm.t_agg``)."""
+    big = cm.bandwidth(float("inf"))
+    pair = np.full((num_ranks, num_ranks), cm.input_bytes / big)
+    np.fill_diagonal(pair, 0.0)
+    pc = PlannerCost(fwd_s_per_input=1.0 / cm.throughput, a2a_s_per_input=cm.input_bytes / big,
+                     param_collective_s=cm.t_trans(1, 0, num_ranks), pair_s_per_input=pair,
+                     grad_bytes=float(cm.expert_bytes), state_bytes=4.0 * float(cm.expert_bytes),
+                     link_s_per_byte=pair / cm.input_bytes, node=np.zeros(num_ranks, dtype=np.int64),
+                     intra_bw=cm._trans_bw() if hasattr(cm, "_trans_bw") else big,
+                     inter_bw=cm._trans_bw() if hasattr(cm, "_trans_bw") else big)
+    pc.cost_model = cm
+    return pc
+
+
+def as_planner_cost(cost, num_ranks: int) -> PlannerCost:
+    """Accept a PlannerCost, a balance ``CostModel`` or None (the CostModel's documented defaults)."""
+    if isinstance(cost, PlannerCost):
+        return cost
+    if cost is None:
+        from megatron_moe.balance.cost_model import CostModel
+        cost = CostModel.from_profile(None)
+    return planner_cost_from_cost_model(cost, num_ranks)
+
+
+def a2a_s(cost, inputs: float) -> float:
+    """One all-to-all round for a rank receiving ``inputs`` inputs (the CostModel's Eq. 1 when the
+    PlannerCost was built from it, else the linear per-input rate)."""
+    cm = getattr(cost, "cost_model", None)
+    if cm is not None:
+        return cm.t_a2a(np.array([inputs]))
+    return cost.a2a_s_per_input * inputs

@@ -84,7 +84,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     overlap = policy.endswith("+overlap")
     pols = {}
     if base == "fastermoe":
-        pols = {(g, l): FasterMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
+        pols = {(g, l): FasterMoEPolicy(n_exp, p, costs[g], **kw) for g in range(groups) for l in range(layers)}
     elif base == "flexmoe":
         pols = {(g, l): FlexMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
     elif base == "proprophet":
@@ -105,7 +105,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         elif base == "fastermoe":
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):
-                plan, dt = timer(pols[(g, l)].plan, c[g])
+                plan, dt = timer(pols[(g, l)].select, c[g])
                 plan_s[g] = dt                                   # needs this iteration's counts
                 s = own_mask.copy(); s[:, plan.shadowed] = True
                 local[g] = c[g] * s

@@ -29,6 +29,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from megatron_moe.balance.policies.base import BalancePolicy, Placement, register_policy
+from megatron_moe.sim.costs import a2a_s, as_planner_cost
+
 __all__ = ["FasterMoEPolicy", "ShadowPlan", "default_owner", "lat_imbl", "lat_shadow", "select_shadow"]
 
 
@@ -38,13 +41,13 @@ def default_owner(num_experts: int, num_ranks: int) -> np.ndarray:
 
 
 def lat_imbl(b_max: float, cost) -> float:
-    return 3.0 * cost.fwd_s_per_input * b_max + 4.0 * cost.a2a_s_per_input * b_max
+    return 3.0 * cost.fwd_s_per_input * b_max + 4.0 * a2a_s(cost, b_max)
 
 
 def lat_shadow(r: int, b_max: float, cost, paper_literal: bool = False) -> float:
     t = 3.0 * cost.fwd_s_per_input * b_max + 2.0 * r * cost.param_collective_s
     if not paper_literal:
-        t += 4.0 * cost.a2a_s_per_input * b_max
+        t += 4.0 * a2a_s(cost, b_max)
     return t
 
 
@@ -110,23 +113,30 @@ def select_shadow(counts: np.ndarray, cost, owner: Optional[np.ndarray] = None,
     return ShadowPlan(chosen, best, noop, b, cur)
 
 
-class FasterMoEPolicy:
-    """``--moe-balance-policy fastermoe``: re-plans every iteration from the current counts."""
+@register_policy
+class FasterMoEPolicy(BalancePolicy):
+    """``--moe-balance-policy fastermoe``: re-plans from the given counts every call.
+
+    ``cost``: the balance ``CostModel`` (training), a ``PlannerCost`` (simulator) or None (defaults).
+    ``plan`` returns a Pro-Prophet-style ``Placement`` (shadowed experts replicated to every rank), so
+    the balance engineer's layer executes it: Trans = broadcast from the owner, Agg = reduce to it.
+    """
 
     name = "fastermoe"
 
-    def __init__(self, cost, num_experts: int, num_ranks: int, paper_literal: bool = False,
-                 max_shadow: Optional[int] = None, owner: Optional[np.ndarray] = None):
-        self.cost = cost
-        self.num_experts, self.num_ranks = num_experts, num_ranks
+    def __init__(self, num_experts: int, num_ranks: int, cost=None, paper_literal: bool = False,
+                 max_shadow: Optional[int] = None, owner: Optional[np.ndarray] = None, **_ignored):
+        super().__init__(num_experts, num_ranks)
+        self.cost = as_planner_cost(cost, num_ranks)
         self.owner = default_owner(num_experts, num_ranks) if owner is None else np.asarray(owner)
-        self.paper_literal = paper_literal
+        self.paper_literal = bool(paper_literal)
         self.max_shadow = max_shadow
         self.last_plan: Optional[ShadowPlan] = None
 
-    def plan(self, counts: np.ndarray) -> ShadowPlan:
+    def select(self, counts: np.ndarray) -> ShadowPlan:
         self.last_plan = select_shadow(counts, self.cost, self.owner, self.paper_literal, self.max_shadow)
         return self.last_plan
 
-    def replica_sets(self, counts: np.ndarray) -> List[List[int]]:
-        return self.plan(counts).replica_sets(self.owner, self.num_ranks)
+    def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+        sp = self.select(np.asarray(counts))
+        return Placement(sp.replica_sets(self.owner, self.num_ranks), self.num_ranks).validate()

@@ -30,6 +30,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from megatron_moe.balance.policies.base import BalancePolicy, Placement, default_owner, register_policy
+from megatron_moe.sim.costs import as_planner_cost
+
 __all__ = ["SlotTable", "FlexMoEPolicy", "route_real", "route_tokens", "flex_cost", "balance_ratio",
            "initial_slots", "FREE"]
 
@@ -189,14 +192,27 @@ def flex_cost(origin: np.ndarray, n: np.ndarray, cost, details: bool = False):
     return float(t.max())
 
 
-class FlexMoEPolicy:
-    """``--moe-balance-policy flexmoe``: stateful; ``step(origin)`` adjusts the slot table."""
+@register_policy
+class FlexMoEPolicy(BalancePolicy):
+    """``--moe-balance-policy flexmoe``: stateful; ``step(origin)`` adjusts the slot table.
+
+    ``plan(counts, current)`` (the balance interface) runs ``step`` and returns the slot table as a
+    Pro-Prophet ``Placement`` (replica set = ranks holding a vExpert, plus the owner).  The balance
+    layer executes that with locality-only routing: a rank holding a vExpert computes its own inputs,
+    everything else goes to the owner.  FlexMoE's overflow split across replicas (``route_tokens``),
+    persistent replica optimizer state and Expand/Migrate state moves need execution support the
+    layer does not have (see docs/sim.md); the simulator models the full FlexMoE semantics.
+    """
 
     name = "flexmoe"
 
-    def __init__(self, cost, num_experts: int, num_ranks: int, slots_per_rank: Optional[int] = None,
+    def __init__(self, cost=None, num_experts: int = 0, num_ranks: int = 0, slots_per_rank: Optional[int] = None,
                  threshold: float = 1.15, max_steps: Optional[int] = None, migrate: bool = True,
-                 max_migrations: Optional[int] = None, table: Optional[SlotTable] = None):
+                 max_migrations: Optional[int] = None, table: Optional[SlotTable] = None, **_ignored):
+        super().__init__(num_experts, num_ranks)
+        if num_experts < 1 or num_ranks < 1:
+            raise ValueError(f"flexmoe: num_experts={num_experts} and num_ranks={num_ranks} must be >= 1")
+        cost = as_planner_cost(cost, num_ranks)
         if threshold < 1.0:
             raise ValueError(f"flexmoe: --moe-flexmoe-threshold {threshold} must be >= 1")
         if slots_per_rank is None:
@@ -358,6 +374,32 @@ class FlexMoEPolicy:
         if ops:
             self.table.version += 1
         return ops
+
+    # -- balance interface -------------------------------------------------------------------
+    def placement(self) -> Placement:
+        owner = default_owner(self.num_experts, self.num_ranks)
+        n = self.table.counts()
+        sets = [sorted(set(np.nonzero(n[e])[0].tolist()) | {int(owner[e])}) for e in range(self.num_experts)]
+        return Placement(sets, self.num_ranks).validate()
+
+    def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+        self.step(np.asarray(counts))
+        return self.placement()
+
+    def state_dict(self) -> Dict:
+        """Checkpointable planner state: the slot table (identical on every rank)."""
+        return {"table": self.table.to_dict()}
+
+    def load_state_dict(self, d: Dict) -> bool:
+        """Restore the slot table; a checkpoint from another EP size / expert count falls back to
+        the initial table (returns False) instead of failing."""
+        t = SlotTable.from_dict(d["table"], num_ranks=self.num_ranks, num_experts=self.num_experts)
+        if t is None or t.slots.shape[1] != self.slots_per_rank:
+            self.table = SlotTable(initial_slots(self.num_experts, self.num_ranks, self.slots_per_rank),
+                                   self.num_experts)
+            return False
+        self.table = t
+        return True
 
     def adjustment_bytes(self, ops: List[Tuple]) -> List[Tuple[int, int, float]]:
         """(src, dst, bytes) transfers the ops need: Expand copies params + optimizer state from
