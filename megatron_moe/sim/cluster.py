@@ -151,6 +151,18 @@ class Cluster:
         same = self.node_of(a) == self.node_of(b)
         return nbytes / (self.intra_bw if same else self.inter_bw) + (self.intra_lat if same else self.inter_lat)
 
+    def cost_model(self, ranks):
+        """The balance ``CostModel`` with this cluster's constants for an EP group (Pro-Prophet's
+        planner prices with it): the group's bottleneck link rate, capped by the calibrated
+        bandwidth-by-size table when there is one."""
+        from megatron_moe.balance.cost_model import CostModel
+        bw = self.bottleneck_bw(ranks)
+        bw = self.intra_bw if not np.isfinite(bw) else bw
+        table = [[m, min(b, bw)] for m, b in self.a2a_bw_table] if self.a2a_bw_table else bw
+        return CostModel(input_bytes=self.bytes_per_input, expert_bytes=self.expert_param_bytes,
+                         throughput=self.expert_tokens_per_s, a2a_bandwidth=table, trans_bandwidth=bw,
+                         t_fnec=self.t_fnec_s, t_bnec=self.t_bnec_s)
+
     def planner_cost(self, ranks) -> "PlannerCost":
         from .costs import PlannerCost
         return PlannerCost.from_cluster(self, np.asarray(ranks))

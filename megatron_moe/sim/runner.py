@@ -22,17 +22,17 @@ __all__ = ["POLICIES", "available_policies", "simulate", "compare", "ep_layout"]
 POLICIES = ("none", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap")
 
 
-def _proprophet_module():
+def _proprophet_cls():
     try:
-        from megatron_moe.balance.policies import proprophet  # noqa: F401  (balance engineer's planner)
-        return proprophet
+        from megatron_moe.balance.policies.proprophet import ProProphetPolicy  # balance engineer's planner
+        return ProProphetPolicy
     except Exception:
         return None
 
 
 def available_policies() -> List[str]:
     pols = ["none", "fastermoe", "flexmoe"]
-    if _proprophet_module() is not None and hasattr(_proprophet_module(), "plan"):
+    if _proprophet_cls() is not None:
         pols += ["proprophet", "proprophet+overlap"]
     return pols
 
@@ -88,10 +88,13 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     elif base == "flexmoe":
         pols = {(g, l): FlexMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
     elif base == "proprophet":
-        mod = _proprophet_module()
-        if mod is None or not hasattr(mod, "plan"):
-            raise ValueError("sim: policy 'proprophet' needs megatron_moe.balance.policies.proprophet.plan "
-                             "(the balance engineer's planner), which is not available")
+        cls = _proprophet_cls()
+        if cls is None:
+            raise ValueError("sim: policy 'proprophet' needs megatron_moe.balance.policies.proprophet."
+                             "ProProphetPolicy (the balance engineer's planner), which is not importable")
+        kw.setdefault("eq8", overlap)
+        pols = {(g, l): cls(num_experts=n_exp, num_ranks=p, cost=cluster.cost_model(ranks[g]), **kw)
+                for g in range(groups) for l in range(layers)}
     prev = {}
 
     def assign(it: int, l: int) -> Assignment:
@@ -130,20 +133,18 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                     t = cluster.p2p_time(nb, int(ranks[g][src]), int(ranks[g][dst]))
                     adj[g, src] += t; adj[g, dst] += t
         else:   # proprophet: plan from the previous iteration's counts (locality), applied now
-            mod = _proprophet_module()
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):
-                pred = prev.get((g, l), c[g])
-                sets, dt = timer(mod.plan, pred, costs[g], **kw)
-                plan_h[g] = dt
+                pred = prev.get((g, l))                          # iteration 0: plain EP
+                plan_h[g] = 0.0
                 s = own_mask.copy()
-                nrep = 0
-                for e, rs in enumerate(sets):
-                    if len(rs) > 1:
-                        s[list(rs), e] = True
-                        nrep += 1
-                        trans[g, list(rs)] += cluster.broadcast_time(cluster.expert_param_bytes,
-                                                                     ranks[g][list(rs)])
+                if pred is not None:
+                    placement, dt = timer(pols[(g, l)].plan, pred)
+                    plan_h[g] = dt                               # plan j+1 overlaps dispatch of j
+                    for e in placement.replicated():
+                        rs = placement.replica_sets[e]
+                        s[rs, e] = True
+                        trans[g, rs] += cluster.broadcast_time(cluster.expert_param_bytes, ranks[g][rs])
                 agg[g] = trans[g]
                 local[g] = c[g] * s
                 traffic[g] = (c[g] * ~s) @ onehot
