@@ -11,8 +11,9 @@ Each input line is one JSON object; each ``--json-keys`` key gives one output da
 the document's sentences (Megatron's convention). Blank lines are skipped. Documents that
 tokenize to nothing are skipped and counted.
 
-* Streaming: lines are read lazily and fed to ``--workers`` processes (``Pool.imap`` with a
-  chunksize) with a bound on the lines in flight, so memory does not grow with the corpus.
+* Streaming: lines are read lazily in batches of ``--chunksize`` and fed to ``--workers``
+  processes (``Pool.imap``), at most 4 batches per worker in flight, so memory does not grow
+  with the corpus.
   Results come back in input order, so the output does not depend on the number of workers.
 * ``--split-sentences``: every sentence is one sequence and a document's sentences form one
   document (BERT's layout). nltk's punkt splitter is used when nltk and its punkt data are
@@ -30,6 +31,7 @@ tokenize to nothing are skipped and counted.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -156,9 +158,45 @@ class Encoder:
             if doc and self.args.append_eod:
                 doc.append(self.tokenizer.eod)
                 lengths[-1] += 1
-            # a compact array keeps the result pickle between processes small
-            out[key] = (np.asarray(doc, dtype=self.dtype), lengths)
+            out[key] = (doc, lengths)
         return lineno, nbytes, out, None
+
+    def encode_batch(self, batch):
+        """(first_lineno, lines) -> one result for the batch, so the main process handles one
+        message (and one write per key) per batch instead of per line:
+        (last_lineno, nbytes, {key: (token_bytes, seq_lengths, seqs_per_doc)}, docs, empty,
+         skipped [(lineno, error)], fatal (lineno, error) | None). A fatal error ends the batch."""
+        first, lines = batch
+        ids = {k: [] for k in self.args.json_keys}
+        lens = {k: [] for k in self.args.json_keys}
+        per_doc = {k: [] for k in self.args.json_keys}
+        nbytes = docs = empty = 0
+        skipped, fatal, lineno = [], None, first - 1
+        for lineno, line in enumerate(lines, first):
+            _, n, out, error = self.encode((lineno, line))
+            nbytes += n
+            if error is not None:
+                if not self.args.skip_malformed:
+                    fatal = (lineno, error)
+                    break
+                skipped.append((lineno, error))
+                continue
+            if out is None:  # blank line
+                continue
+            any_tokens = False
+            for k, (doc, lengths) in out.items():
+                if not lengths:  # Megatron would add a zero-sequence document; skip it
+                    empty += 1
+                    continue
+                ids[k].extend(doc)
+                lens[k].extend(lengths)
+                per_doc[k].append(len(lengths))
+                any_tokens = True
+            docs += any_tokens
+        # raw bytes of the token dtype: the smallest and fastest thing to send back
+        result = {k: (np.asarray(ids[k], dtype=self.dtype).tobytes(), lens[k], per_doc[k])
+                  for k in self.args.json_keys}
+        return lineno, nbytes, result, docs, empty, skipped, fatal
 
 
 _ENCODER: Encoder | None = None
@@ -170,8 +208,8 @@ def _worker_init(args):
     _ENCODER.initialize()
 
 
-def _worker_encode(item):
-    return _ENCODER.encode(item)
+def _worker_encode(batch):
+    return _ENCODER.encode_batch(batch)
 
 
 def _token_dtype(vocab_size):
@@ -209,7 +247,8 @@ def get_args(argv=None):
                         "not change the output (always one dataset per key)")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="print progress every N documents (0: only the tqdm bar)")
-    g.add_argument("--chunksize", type=int, default=32, help="lines per worker task")
+    g.add_argument("--chunksize", type=int, default=64,
+                   help="lines per worker task (at most 4 tasks per worker are in flight)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = p.parse_args(argv)
     if args.workers < 1:
@@ -222,21 +261,27 @@ def get_args(argv=None):
 
 
 class _InFlight:
-    """Bounds the lines in flight. Pool.imap's feeder thread would otherwise read the whole file
+    """Bounds the batches of lines in flight. Pool.imap's feeder thread would otherwise read the whole file
     ahead of the workers; `stop()` unblocks it so Pool.terminate() (which joins it) cannot hang."""
 
     def __init__(self, limit: int):
         self._sem = threading.Semaphore(limit)
         self._stopped = False
 
-    def lines(self, f):
-        for item in enumerate(f, 1):
+    def lines(self, f, batch_lines: int = 1):
+        """(first_lineno, [lines]) batches of f; one unit of the limit per batch."""
+        lineno = 1
+        while True:
+            batch = list(itertools.islice(f, batch_lines))
+            if not batch:
+                return
             while not self._sem.acquire(timeout=0.2):
                 if self._stopped:
                     return
             if self._stopped:
                 return
-            yield item
+            yield lineno, batch
+            lineno += len(batch)
 
     def release(self):
         self._sem.release()
@@ -287,41 +332,41 @@ def preprocess(args) -> dict:
             if args.workers == 1:
                 encoder = Encoder(args)
                 encoder.initialize()
-                results = map(encoder.encode, enumerate(f, 1))
-                release = lambda: None  # noqa: E731
+                in_flight = _InFlight(1)
+                results = map(encoder.encode_batch, in_flight.lines(f, args.chunksize))
             else:
-                in_flight = _InFlight(max(4 * args.workers * args.chunksize, 256))
+                in_flight = _InFlight(4 * args.workers)
                 pool = multiprocessing.Pool(args.workers, initializer=_worker_init,
                                             initargs=(args,))
-                results = pool.imap(_worker_encode, in_flight.lines(f), args.chunksize)
-                release = in_flight.release
-            for lineno, nbytes, out, error in results:
-                release()
+                results = pool.imap(_worker_encode, in_flight.lines(f, args.chunksize))
+            for lineno, nbytes, out, docs, empty, skipped, fatal in results:
+                in_flight.release()
                 stats["lines"] = lineno
                 stats["bytes"] += nbytes
                 if bar is not None:
                     bar.update(nbytes)
-                if error is not None:
-                    where = f"{args.input}:{lineno}"
-                    if not args.skip_malformed:
-                        raise PreprocessError(f"{where}: {error} (use --skip-malformed to skip "
-                                              f"such lines)")
-                    stats["skipped"] += 1
-                    if len(skipped_examples) < 5:
-                        skipped_examples.append(f"{where}: {error}")
-                    continue
-                if out is None:  # blank line
-                    continue
-                for k, (ids, lengths) in out.items():
-                    if not lengths:  # Megatron would add a zero-sequence document; skip it
-                        stats["empty"] += 1
-                        continue
-                    builders[k].add_document(ids, lengths)
-                    stats["tokens"] += len(ids)
+                if fatal is not None:
+                    raise PreprocessError(f"{args.input}:{fatal[0]}: {fatal[1]} (use "
+                                          f"--skip-malformed to skip such lines)")
+                stats["skipped"] += len(skipped)
+                for bad_line, error in skipped[:max(0, 5 - len(skipped_examples))]:
+                    skipped_examples.append(f"{args.input}:{bad_line}: {error}")
+                for k, (blob, lengths, per_doc) in out.items():
+                    tokens = np.frombuffer(blob, dtype=dtype)
+                    start_tok = start_seq = 0
+                    for n_seq in per_doc:
+                        seq_lens = lengths[start_seq:start_seq + n_seq]
+                        n_tok = sum(seq_lens)
+                        builders[k].add_document(tokens[start_tok:start_tok + n_tok], seq_lens)
+                        start_tok += n_tok
+                        start_seq += n_seq
+                    stats["tokens"] += len(tokens)
                     stats["sequences"] += len(lengths)
-                if any(lengths for _, lengths in out.values()):
-                    stats["documents"] += 1
-                if args.log_interval and stats["documents"] % args.log_interval == 0:
+                stats["empty"] += empty
+                before = stats["documents"]
+                stats["documents"] += docs
+                if args.log_interval and before // args.log_interval != \
+                        stats["documents"] // args.log_interval:
                     el = time.time() - start
                     msg = (f"Processed {stats['documents']} documents ({stats['documents'] / el:.1f} "
                            f"docs/s, {stats['bytes'] / el / 1024 ** 2:.2f} MB/s).")

@@ -1,0 +1,214 @@
+#!/usr/bin/env python
+"""Preprocessing throughput and memory: tools/preprocess_data.py (--workers 2) vs the peer,
+megatron-core's own ``IndexedDatasetBuilder`` fed by the same tokenizer in one process.
+
+    python bench/preprocess.py [--target-mb 6] [--workers 2] [--repeats 2] [--work-dir DIR]
+
+Corpus: tools/make_corpus.py (standard-library docstrings and comments) repeated to about
+``--target-mb``; tokenizer: a sentencepiece model trained on it (tools/train_tokenizer.py, vocab
+4000) unless ``--tokenizer-model`` is given. Both sides run as child processes doing the same
+work (read JSONL, json.loads, tokenize, append eod, write .bin/.idx with the same dtype):
+
+* tokens/s over the processing time each reports (from opening the input to the finished .idx),
+  and over the child's wall time (imports included);
+* peak memory: the largest sum of PSS (proportional set size, so pages shared by forked workers
+  are not counted twice) over the child's process tree, sampled every 20 ms
+  (from /proc/PID/smaps_rollup);
+* ours is also run on half the corpus, to show its peak memory does not grow with the input.
+
+The outputs of both are compared byte for byte. Best of ``--repeats`` runs per side, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# ------------------------------------------------------------------------------------- peer
+def run_peer(args) -> None:
+    """One process: megatron-core's IndexedDatasetBuilder fed line by line by our tokenizer."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    from megatron_moe.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=args.tokenizer_model)
+    dtype = DType.optimal_dtype(tok.vocab_size)
+    start = time.time()
+    builder = IndexedDatasetBuilder(args.output_prefix + ".bin", dtype=dtype)
+    tokens = docs = 0
+    with open(args.input, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            ids = tok.tokenize(json.loads(line)["text"])
+            if not ids:
+                continue
+            ids.append(tok.eod)
+            builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
+            tokens += len(ids)
+            docs += 1
+    builder.finalize(args.output_prefix + ".idx")
+    print(f"Done: {docs} documents, {tokens} tokens in {time.time() - start:.2f}s")
+
+
+# ---------------------------------------------------------------------------------- measure
+def _pss(pid: int) -> int:
+    """PSS in bytes from /proc/PID/smaps_rollup (cheap, unlike a full smaps walk, so the sampler
+    does not steal the CPU it measures); RSS where that file does not exist."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.Error:
+        return 0
+
+
+def _tree_pss(proc) -> int:
+    import psutil
+
+    try:
+        pids = [proc.pid] + [c.pid for c in proc.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    return sum(_pss(pid) for pid in pids)
+
+
+def measure(cmd) -> dict:
+    """Run cmd; wall time, peak tree PSS, and the 'N tokens in S s' it prints."""
+    import psutil
+
+    start = time.time()
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = psutil.Process(child.pid)
+    peak = [0]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _tree_pss(proc))
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = child.communicate()
+    wall = time.time() - start
+    done.set()
+    sampler.join()
+    if child.returncode != 0:
+        raise SystemExit(f"bench/preprocess.py: {' '.join(cmd[:3])} failed:\n{err[-2000:]}")
+    m = re.search(r"(\d+) tokens in ([0-9.]+)s", out)
+    tokens, secs = int(m.group(1)), float(m.group(2))
+    return dict(wall=wall, peak_mb=peak[0] / 2 ** 20, tokens=tokens, seconds=secs)
+
+
+def prepare(work, target_mb, tokenizer_model):
+    from tools import make_corpus, train_tokenizer
+
+    base = os.path.join(work, "stdlib.jsonl")
+    if not os.path.exists(base):
+        make_corpus.main(["--output", base])
+    with open(base, encoding="utf-8") as f:
+        lines = f.readlines()
+    size = sum(len(line.encode("utf-8")) for line in lines)
+    reps = max(1, round(target_mb * 1e6 / size))
+    corpus = os.path.join(work, f"corpus_x{reps}.jsonl")
+    half = os.path.join(work, f"corpus_half.jsonl")
+    with open(corpus, "w", encoding="utf-8") as f:
+        for _ in range(reps):
+            f.writelines(lines)
+    with open(half, "w", encoding="utf-8") as f:
+        for _ in range(max(1, reps // 2)):
+            f.writelines(lines)
+    if tokenizer_model is None:
+        tokenizer_model = os.path.join(work, "tok.model")
+        if not os.path.exists(tokenizer_model):
+            train_tokenizer.main(["--input", base, "--model-prefix", tokenizer_model[:-6],
+                                  "--vocab-size", "4000"])
+    return corpus, half, tokenizer_model
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target-mb", type=float, default=6.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--tokenizer-model", default=None)
+    # internal: the peer's child process
+    p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--input", help=argparse.SUPPRESS)
+    p.add_argument("--output-prefix", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.peer:
+        return run_peer(args)
+
+    work = args.work_dir or tempfile.mkdtemp(prefix="bench_preprocess_")
+    os.makedirs(work, exist_ok=True)
+    corpus, half, model = prepare(work, args.target_mb, args.tokenizer_model)
+    py = sys.executable
+    ours_prefix, peer_prefix = os.path.join(work, "ours"), os.path.join(work, "peer")
+    ours_cmd = [py, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
+                "--output-prefix", ours_prefix, "--tokenizer-type", "SentencePieceTokenizer",
+                "--tokenizer-model", model, "--workers", str(args.workers), "--append-eod",
+                "--no-progress", "--log-interval", "0"]
+    peer_cmd = [py, os.path.abspath(__file__), "--peer", "--input", corpus, "--output-prefix",
+                peer_prefix + "_text_document", "--tokenizer-model", model]
+    half_cmd = ours_cmd[:]
+    half_cmd[half_cmd.index(corpus)] = half
+    half_cmd[half_cmd.index(ours_prefix)] = os.path.join(work, "half")
+
+    ours, peer, ours_half = [], [], []
+    for _ in range(args.repeats):
+        ours.append(measure(ours_cmd))
+        peer.append(measure(peer_cmd))
+    ours_half.append(measure(half_cmd))
+
+    identical = all(filecmp.cmp(f"{ours_prefix}_text_document{e}", f"{peer_prefix}_text_document{e}",
+                                shallow=False) for e in (".bin", ".idx"))
+    best = lambda runs, k: min(r[k] for r in runs)  # noqa: E731
+    mb = os.path.getsize(corpus) / 1e6
+    tokens = ours[0]["tokens"]
+    rows = [
+        ("ours (--workers %d)" % args.workers, ours),
+        ("peer (IndexedDatasetBuilder, 1 proc)", peer),
+    ]
+    print(f"corpus: {mb:.1f} MB, {tokens} tokens (sentencepiece vocab 4000), cpus={os.cpu_count()}")
+    print(f"{'':38s} {'tokens/s':>11s} {'tokens/s wall':>14s} {'peak PSS MB':>12s}")
+    for name, runs in rows:
+        print(f"{name:38s} {tokens / best(runs, 'seconds'):11.0f} {tokens / best(runs, 'wall'):14.0f} "
+              f"{best(runs, 'peak_mb'):12.1f}")
+    speed = best(peer, "seconds") / best(ours, "seconds")
+    speed_wall = best(peer, "wall") / best(ours, "wall")
+    mem = best(ours, "peak_mb") / best(peer, "peak_mb")
+    print(f"ratio ours/peer: throughput x{speed:.2f} (processing), x{speed_wall:.2f} (wall); "
+          f"peak memory x{mem:.2f}")
+    print(f"ours on half the corpus ({os.path.getsize(half) / 1e6:.1f} MB): peak PSS "
+          f"{best(ours_half, 'peak_mb'):.1f} MB vs {best(ours, 'peak_mb'):.1f} MB on the full one")
+    print(f"outputs token-identical (byte-identical .bin/.idx): {identical}")
+    if not identical:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
