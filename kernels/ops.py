@@ -126,7 +126,9 @@ class _CpuBufferPool:
                     return torch.empty(shape, dtype=dtype, device=device)
                 best = torch.empty(nbytes, dtype=torch.uint8)
                 self._bufs.append((best, self._uses(best)))
-            return best[:nbytes].view(dtype).view(shape)
+            # set_ (not a view): autograd treats views made inside a custom Function as
+            # non-modifiable in place, which would break callers that update the output in place
+            return torch.empty(0, dtype=dtype).set_(best.untyped_storage(), 0, shape)
 
     def clear(self) -> None:
         with self._lock:

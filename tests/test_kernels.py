@@ -302,6 +302,20 @@ def test_pool_never_hands_out_a_held_buffer():
     kernels.empty_cache()
 
 
+@pytest.mark.parametrize("h", [4, 1024])  # unpooled and pooled outputs
+def test_outputs_can_be_modified_in_place(h):
+    T = 600
+    _, _, rmap, dense = make_routing(T, 4, 2, seed=3)
+    x = torch.randn(T, h, requires_grad=True)
+    xp, _, si = kernels.permute(x, rmap, dense)
+    xp.mul_(2)
+    y = kernels.unpermute(xp, si, x.shape, probs=dense, routing_map=rmap)
+    y.add_(1)
+    y.sum().backward()
+    # d/dx of sum_t sum_copies 2 * x[t] * p = 2 * sum of the token's probs
+    torch.testing.assert_close(x.grad, 2 * dense.sum(1, keepdim=True).expand(T, h))
+
+
 def test_bad_inputs_raise_clear_errors():
     idx = torch.tensor([[0, 1], [1, 1]])
     with pytest.raises(ValueError, match="same expert twice"):
