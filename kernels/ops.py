@@ -158,19 +158,24 @@ def empty_cache() -> None:
 
 
 # --------------------------------------------------------------------------- fast torch path
-def _layout_torch_dense_pad(mask: torch.Tensor, pidx_of_pair, topk, capacity, experts_per_rank):
-    """Pad mode: megatron-core's descending stable argsort of each 0/1 column."""
+def _layout_torch_dense_pad(mask: torch.Tensor, capacity: int, choice: Optional[torch.Tensor],
+                            k: int = 0):
+    """Pad mode: megatron-core's descending stable argsort of each 0/1 column (routed tokens
+    first in token order, then unrouted ones).  ``choice`` [T, E]: top-k slot of each pair
+    (top-k form; padding rows get prob index -1), None for the routing-map form (padding rows
+    read probs[t, e], as megatron-core does)."""
     T, E = mask.shape
     cap = min(capacity, T)
     m_t = mask.to(torch.int8).t().contiguous()
     sel = m_t.argsort(dim=-1, descending=True, stable=True)[:, :cap]  # [E, cap]
     e = torch.arange(E, device=mask.device).unsqueeze(1).expand(E, cap)
-    routed = m_t.gather(1, sel).bool()
-    pidx = torch.where(routed, pidx_of_pair(sel, e), torch.full_like(sel, -1))
-    if topk is None:  # routing-map form: padding rows read probs[t, e] like megatron-core
+    if choice is None:
         pidx = sel * E + e
-    return sel.reshape(-1), pidx.reshape(-1), torch.full((E,), cap, dtype=torch.long,
-                                                          device=mask.device)
+    else:
+        routed = m_t.gather(1, sel).bool()
+        pidx = torch.where(routed, sel * k + choice[sel, e], torch.full_like(sel, -1))
+    tpe = torch.full((E,), cap, dtype=torch.long, device=mask.device)
+    return sel.reshape(-1), pidx.reshape(-1), tpe
 
 
 def _drop(order_e_sorted: torch.Tensor, counts: torch.Tensor, capacity: int):
@@ -190,8 +195,7 @@ def _layout_torch_topk(idx: torch.Tensor, E: int, capacity, pad, epr) -> Routing
         t = torch.arange(T, device=idx.device).unsqueeze(1).expand(T, k)
         mask[t, e_flat.view(T, k)] = True
         choice[t, e_flat.view(T, k)] = torch.arange(k, device=idx.device).expand(T, k)
-        row_map, pidx, tpe = _layout_torch_dense_pad(
-            mask, lambda s, e: s * k + choice[s, e], k, capacity, epr)
+        row_map, pidx, tpe = _layout_torch_dense_pad(mask, capacity, choice, k)
     else:
         sorted_e, order = torch.sort(e_flat, stable=True)
         tpe = counts
@@ -208,8 +212,7 @@ def _layout_torch_map(mask: torch.Tensor, capacity, pad, epr) -> RoutingLayout:
     T, E = mask.shape
     counts = mask.sum(0).long()
     if pad:
-        row_map, pidx, tpe = _layout_torch_dense_pad(mask, lambda s, e: s * E + e, None,
-                                                     capacity, epr)
+        row_map, pidx, tpe = _layout_torch_dense_pad(mask, capacity, None)
     else:
         nz = mask.t().nonzero()  # (expert, token) pairs, expert-major, tokens ascending
         e, row_map = nz[:, 0], nz[:, 1]
