@@ -39,3 +39,21 @@ def policy_equivalence_rank(rank, world, cases):
 
     out = _balance_cases.equivalence_rank(rank, world, cases)
     return out
+
+
+def record_trace_rank(rank, world, trace_dir, iters):
+    """Train the balance tests' tiny GPT-MoE with ``--moe-routing-trace-dir`` (the real writer)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_moe.balance import BalanceManager
+    from tests import _balance_cases as bc
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    model = bc._build(2, True, torch.float32)
+    args = bc._args(moe_balance_policy="none", moe_routing_trace_dir=trace_dir)
+    mgr = BalanceManager(args, [model], num_microbatches=1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for it in range(iters):
+        bc._iteration(model, opt, it, rank, mgr)
+    return len(mgr.layers)
