@@ -120,6 +120,16 @@ def test_trace_dir_round_trip_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="--trace-dir"):
         load_trace_dir(str(tmp_path / "missing"))
     assert tile_sources(c, 5).shape == (3, 2, 5, 4)
+    # one counts_rank<R>.jsonl per EP group: source rows of the groups are concatenated
+    m = tmp_path / "groups"; m.mkdir()
+    for g in (0, 2):
+        with open(m / f"counts_rank{g:05d}.jsonl", "w") as f:
+            for it in range(2):
+                f.write(json.dumps({"iteration": it, "layer": 1, "counts": c[it, 0].tolist(),
+                                    "placement": []}) + "\n")
+    t = load_trace_dir(str(m))
+    assert t.shape == (2, 1, 4, 4)
+    np.testing.assert_array_equal(t[1, 0], np.concatenate([c[1, 0], c[1, 0]]))
 
 
 def test_profile_feeds_cost_model(tmp_path):

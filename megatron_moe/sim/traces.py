@@ -146,7 +146,7 @@ def load_trace_dir(path: str, max_iterations: Optional[int] = None) -> np.ndarra
         raise ValueError(f"--trace-dir {path}: no *.json / *.jsonl files")
     recs = {}
     seq = 0
-    for fn in files:
+    for fi, fn in enumerate(files):
         with open(fn) as f:
             text = f.read()
         objs: List = []
@@ -168,8 +168,12 @@ def load_trace_dir(path: str, max_iterations: Optional[int] = None) -> np.ndarra
                 if it is None:
                     mm = _ITER_RE.findall(os.path.basename(fn))
                     it = int(mm[-1]) if mm else seq
-                recs[(int(it), layer)] = (m, where)
+                # one file per EP group (counts_rank<R>.jsonl): the same (iteration, layer) in several
+                # files is several groups' source rows; within one file the last record wins
+                recs.setdefault((int(it), layer), {})[fi] = (m, where)
             seq += 1
+    recs = {k: (np.concatenate([v[f][0] for f in sorted(v)], axis=0), v[min(v)][1])
+            for k, v in recs.items()}
     layers = sorted({l for _, l in recs})
     iters = sorted({i for i, _ in recs})
     iters = [i for i in iters if all((i, l) in recs for l in layers)]
