@@ -64,3 +64,46 @@ def write_bert_vocab(directory: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(BERT_VOCAB) + "\n")
     return path
+
+
+def write_bert_vocab_for(docs, directory: str, words: int = 400) -> str:
+    """A WordPiece vocab covering `docs`: specials, every character (alone and as ##suffix)
+    and the most frequent lower-cased words, so nothing tokenizes to [UNK]."""
+    from collections import Counter
+
+    from megatron_moe.data.tokenizers import BertWordPieceTokenizer
+
+    basic = BertWordPieceTokenizer.__new__(BertWordPieceTokenizer)
+    basic.lower_case = True
+    counts = Counter()
+    for d in docs:
+        for text in (d["text"] if isinstance(d["text"], list) else [d["text"]]):
+            counts.update(basic._basic(text))
+    chars = sorted({c for w in counts for c in w})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars]
+    vocab += [w for w, _ in counts.most_common(words) if len(w) > 1]
+    path = os.path.join(directory, "bert_vocab.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(dict.fromkeys(vocab)) + "\n")
+    return path
+
+
+def bert_sample(rank, world_size, prefix, vocab, cache):
+    """Build megatron-core's BERT datasets (our data/bert.py) on a sentence-level dataset and
+    return the first training sample. The masked datasets need a process group (run_distributed)."""
+    import types
+
+    import numpy as np
+
+    from megatron_moe.data.bert import build_bert_datasets
+    from megatron_moe.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer(tokenizer_type="BertWordPieceLowerCase", vocab_file=vocab)
+    args = types.SimpleNamespace(
+        seed=1, seq_length=64, data_path=[prefix], train_data_path=None, valid_data_path=None,
+        test_data_path=None, split="100,0,0", data_cache_path=cache, mask_prob=0.15,
+        short_seq_prob=0.1, bert_binary_head=True)
+    train, _, _ = build_bert_datasets(args, tok, [32, 0, 0])
+    s = train[0]
+    return dict(n=len(train),
+                **{k: np.asarray(s[k]).tolist() for k in ("text", "loss_mask", "is_random")})

@@ -225,3 +225,22 @@ def test_reader_stays_a_bounded_number_of_lines_ahead():
     fl.stop()
     feeder.join(timeout=10)
     assert not feeder.is_alive() and len(taken) == 8
+
+
+def test_bert_dataset_builds_on_sentence_level_output(data, tmp_path):
+    """megatron-core's BERTMaskedWordPieceDataset (our data/bert.py) over --split-sentences
+    output tokenized with BertWordPieceLowerCase (one gloo rank: the dataset needs a group)."""
+    from megatron_moe.testing import run_distributed
+
+    vocab = H.write_bert_vocab_for(data.docs, str(tmp_path))
+    tok = build_tokenizer(tokenizer_type="BertWordPieceLowerCase", vocab_file=vocab)
+    prefix = str(tmp_path / "b")
+    preprocess_data.main(["--input", data.corpus, "--output-prefix", prefix, "--tokenizer-type",
+                          "BertWordPieceLowerCase", "--vocab-file", vocab, "--split-sentences",
+                          "--workers", "2", "--no-progress", "--log-interval", "0"])
+    ds = IndexedDataset(prefix + "_text_sentence")
+    assert tok.vocab["[UNK]"] not in np.concatenate([ds[i] for i in range(len(ds))]).tolist()
+    s = run_distributed(H.bert_sample, 1, prefix + "_text_sentence", vocab,
+                        str(tmp_path / "cache"), timeout_s=180)[0]
+    assert s["n"] >= 32 and len(s["text"]) == 64 and s["text"][0] == tok.cls
+    assert tok.sep in s["text"] and sum(s["loss_mask"]) > 0 and s["is_random"] in (0, 1)
