@@ -17,7 +17,12 @@ Hierarchical all-to-all::
 
     y, new_splits = kernels.hierarchical_layout(x, split_sizes, nodes, local, inverse=False)
 
-Backends: see ``kernels/ops.py`` (``set_backend``, ``MOE_KERNELS_BACKEND``).
+Backends: see ``kernels/ops.py`` (``set_backend``, ``MOE_KERNELS_BACKEND``=auto|triton|torch|
+reference; auto = Triton on CUDA tensors, the fast torch path on CPU).  CPU knobs:
+``MOE_KERNELS_CPU_POOL=0`` disables the output-buffer pool (``empty_cache()`` frees it;
+``MOE_KERNELS_CPU_POOL_BYTES`` caps it), ``MOE_KERNELS_CPU_CHUNK_BYTES`` sets the combine's chunk.
+Pooled outputs are ordinary tensors sharing a larger storage (``untyped_storage().nbytes()`` may
+exceed the tensor's size).
 """
 
 from .layout import RoutingLayout
