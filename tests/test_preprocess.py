@@ -244,3 +244,17 @@ def test_bert_dataset_builds_on_sentence_level_output(data, tmp_path):
                         str(tmp_path / "cache"), timeout_s=180)[0]
     assert s["n"] >= 32 and len(s["text"]) == 64 and s["text"][0] == tok.cls
     assert tok.sep in s["text"] and sum(s["loss_mask"]) > 0 and s["is_random"] in (0, 1)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_invalid_utf8_and_tokenizer_failures_are_clear_errors(tmp_path, workers):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(b'{"text": "1 2 3"}\n' * 10 + b'{"text": "\xff\xfe"}\n')
+    argv = ["--input", str(corpus), "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+            "--workers", workers, "--no-progress", "--chunksize", "4"]
+    with pytest.raises(SystemExit, match=r"c.jsonl:11: not valid UTF-8 \(invalid start byte"):
+        preprocess_data.main(argv + ["--output-prefix", str(tmp_path / "u")])
+    corpus.write_text('{"text": "1 2 3"}\n' * 10 + '{"text": "1 two 3"}\n')
+    with pytest.raises(SystemExit, match=r"c.jsonl:11: key 'text': NullTokenizer failed"):
+        preprocess_data.main(argv + ["--output-prefix", str(tmp_path / "n")])
+    assert _outputs(tmp_path, "u") == [] and _outputs(tmp_path, "n") == []

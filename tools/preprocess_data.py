@@ -125,9 +125,13 @@ class Encoder:
         return regex_split_sentences(text, self.args.keep_newlines)
 
     def encode(self, item):
-        """(lineno, line) -> (lineno, nbytes, {key: (ids, lengths)} | None, error | None)."""
-        lineno, line = item
-        nbytes = len(line.encode("utf-8")) if not line.isascii() else len(line)
+        """(lineno, raw line bytes) -> (lineno, nbytes, {key: (ids, lengths)} | None, error)."""
+        lineno, raw = item
+        nbytes = len(raw)
+        try:  # decoded here, per line, so a bad byte is reported with its line
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return lineno, nbytes, None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
         if not line.strip():
             return lineno, nbytes, None, None
         try:
@@ -151,7 +155,11 @@ class Encoder:
                         f"{type(text).__name__}")
             doc, lengths = [], []
             for sentence in sentences:
-                ids = self.tokenizer.tokenize(sentence)
+                try:
+                    ids = self.tokenizer.tokenize(sentence)
+                except Exception as exc:  # report it with file:line, not as a worker traceback
+                    return (lineno, nbytes, None,
+                            f"key {key!r}: {type(self.tokenizer).__name__} failed: {exc}")
                 if len(ids) > 0:
                     doc.extend(ids)
                     lengths.append(len(ids))
@@ -328,7 +336,7 @@ def preprocess(args) -> dict:
                        disable=args.no_progress, mininterval=0.5, file=sys.stderr)
         except ImportError:  # pragma: no cover
             bar = None
-        with open(args.input, encoding="utf-8", errors="strict", newline="\n") as f:
+        with open(args.input, "rb") as f:
             if args.workers == 1:
                 encoder = Encoder(args)
                 encoder.initialize()
@@ -383,9 +391,6 @@ def preprocess(args) -> dict:
         for k, p in prefixes.items():  # publish: .bin first, the .idx (what readers open) last
             os.replace(tmp[k][0], p + ".bin")
             os.replace(tmp[k][1], p + ".idx")
-    except UnicodeDecodeError as exc:
-        raise PreprocessError(f"{args.input}:{stats['lines'] + 1}: not valid UTF-8 ({exc.reason})") \
-            from None
     finally:
         if in_flight is not None:
             in_flight.stop()
