@@ -57,11 +57,14 @@ def _batch(it, rank):
     return tokens, pos, mask, labels
 
 
-def _iteration(model, opt, it, rank, mgr=None):
+def _iteration(model, opt, it, rank, mgr=None, microbatches=1):
     opt.zero_grad(set_to_none=False)
-    tokens, pos, mask, labels = _batch(it, rank)
-    loss = model(tokens, pos, mask, labels=labels).mean()
-    loss.backward()
+    total = 0.0
+    for mb in range(microbatches):
+        tokens, pos, mask, labels = _batch(10 * it + mb, rank)
+        loss = model(tokens, pos, mask, labels=labels).mean() / microbatches
+        loss.backward()
+        total += float(loss.detach())
     if mgr is not None:
         mgr.before_finalize_grads()
     # plain EP semantics: dense grads all-reduced (averaged) over the data-parallel world,
@@ -74,7 +77,7 @@ def _iteration(model, opt, it, rank, mgr=None):
     opt.step()
     if mgr is not None:
         mgr.after_step(it)
-    return float(loss.detach()), grads
+    return total, grads
 
 
 def _random_placement(seed, n_ranks):
@@ -108,12 +111,16 @@ def equivalence_rank(rank, world, cases):
                                                       ) if torch.is_tensor(a))
         log = EventLog()
         args = _args(moe_balance_policy=case.get("policy", "proprophet"), moe_balance_alpha=0.0,
-                     moe_balance_n=case.get("n", 0), moe_balance_overlap=case.get("overlap", False))
+                     moe_balance_n=case.get("n", 0), moe_balance_overlap=case.get("overlap", False),
+                     moe_routing_trace_dir=case.get("trace_dir"))
         mgr = BalanceManager(args, [ours], num_microbatches=1, log=log)
         opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
         opt_o = torch.optim.Adam(ours.parameters(), lr=1e-2)
         worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
         replicated = 0
+        expected = {"trans_sent": 0, "agg_recv": 0}
+        mbs = case.get("microbatches", 1)
+        mgr.scheduler.num_microbatches = mbs
         for it in range(iters):
             spec = case["plans"][it] if it < len(case["plans"]) else "planned"
             for m in mgr.layers:
@@ -126,8 +133,12 @@ def equivalence_rank(rank, world, cases):
                     st.placement = Placement([list(range(world))] * E, world)
                 # "planned": keep what mgr.after_step planned from the previous iteration (stale)
                 replicated += len(st.placement.replicated())
-            lr, gr = _iteration(ref, opt_r, it, rank)
-            lo, go = _iteration(ours, opt_o, it, rank, mgr)
+                for e, S in enumerate(st.placement.replica_sets):
+                    if st.owner(e) == rank:      # note 5.3 item 18: (|S_e| - 1) * size(params)
+                        expected["trans_sent"] += (len(S) - 1) * st.numel * 8
+                        expected["agg_recv"] += (len(S) - 1) * st.numel * 8
+            lr, gr = _iteration(ref, opt_r, it, rank, microbatches=mbs)
+            lo, go = _iteration(ours, opt_o, it, rank, mgr, microbatches=mbs)
             worst["loss"] = max(worst["loss"], abs(lr - lo))
             assert gr.keys() == go.keys(), (sorted(gr), sorted(go))
             worst["grad"] = max(worst["grad"], max(float((gr[k] - go[k]).abs().max()) for k in gr))
@@ -138,13 +149,38 @@ def equivalence_rank(rank, world, cases):
         assert n_params == sum(1 for _ in ref.parameters())
         assert sum(len(g["params"]) for g in opt_o.param_groups) == n_params
         assert set(ours.state_dict().keys()) == set(ref.state_dict().keys())
-        tb = sum(m.balance.bytes_trans_sent for m in mgr.layers)
-        ab = sum(m.balance.bytes_agg_recv for m in mgr.layers)
-        results.append(dict(worst, replicated=replicated, trans_bytes=tb, agg_bytes=ab,
+        # checkpoint round trip: a fresh manager plans exactly as the uninterrupted one
+        sd = copy.deepcopy(mgr.state_dict())
+        mgr2 = BalanceManager(args, [ours], num_microbatches=1)
+        mgr2.load_state_dict(sd)
+        for m in mgr.layers:
+            a, b = mgr.stats.predict(m.balance.layer_number), mgr2.stats.predict(m.balance.layer_number)
+            assert np.array_equal(a, b)
+            if mgr.policy is not None and mgr.args.moe_balance_policy != "none":
+                assert mgr.policy.plan(a).replica_sets == mgr2.policy.plan(b).replica_sets
+        assert mgr2.state_dict() == sd
+        got = {"trans_sent": sum(m.balance.bytes_trans_sent for m in mgr.layers),
+               "agg_recv": sum(m.balance.bytes_agg_recv for m in mgr.layers)}
+        results.append(dict(worst, replicated=replicated, bytes=got, expected_bytes=expected,
                             events=[(e["op"], e["layer"], e["iteration"]) for e in log.events],
-                            expected_trans=_expected_bytes(case, mgr, world)))
+                            metrics=mgr.metrics()))
+    results.append({"plans": plan_determinism_rank(rank, world, 7)})   # saves a spawn
     return results
 
 
-def _expected_bytes(case, mgr, world):
-    return None
+def plan_determinism_rank(rank, world, seed):
+    """Every rank plans the same (all-gathered) counts, built with rank-dependent tie noise in the
+    order of operations: the plans must be identical (note 5.2 item 11)."""
+    from megatron_moe.balance.cost_model import CostModel
+    from megatron_moe.balance.policies.proprophet import search
+
+    rng = np.random.default_rng(seed)
+    C = rng.integers(0, 5, size=(world, 8)).astype(np.float64) * 100   # many equal-valued ties
+    local = torch.from_numpy(C[rank].copy())
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    C = torch.stack(parts).numpy()
+    cost = CostModel(input_bytes=4096, expert_bytes=1 << 16, throughput=4e6, a2a_bandwidth=12.5e9)
+    plans = [search(C, cost, alpha, n, eq8=eq8).plan for alpha in (0.0, 0.5) for n in (0, 1)
+             for eq8 in (False, True)]
+    return [(int(e), [int(x) for x in nb]) for p in plans for e, nb in p]

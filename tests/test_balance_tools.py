@@ -1,0 +1,98 @@
+"""tools/plan_placement.py (issue item 7), tools/routing_report.py (item 8), the flags and stats."""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_moe.balance import add_arguments, install
+from megatron_moe.balance.policies.base import Placement
+from megatron_moe.balance.stats import RoutingStats, imbalance
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLD = [[2500, 800, 500, 296], [2200, 1200, 400, 296], [1800, 900, 900, 496], [1500, 700, 700, 1196]]
+
+
+def _plan(tmp_path, *extra, counts=GOLD):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(counts))
+    cmd = [sys.executable, str(ROOT / "tools/plan_placement.py"), "--counts", str(path), "--policy",
+           "proprophet", "--num-inputs", "16384", "--input-bytes", "4096", "--expert-bytes", "16777216",
+           "--bandwidth", "12.5e9", "--throughput", "4255771.64", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+
+
+def test_plan_placement_golden(tmp_path):
+    r = _plan(tmp_path, "--alpha", "1", "--n", "1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["plan"] == [[0, [3]]]
+    assert out["time_s"] == pytest.approx(9.2476e-3, abs=1e-7)
+    assert out["noop_time_s"] == pytest.approx(12.8484e-3, abs=1e-7)
+    assert out["balance_before"] == pytest.approx(2308.56, abs=0.01)
+    assert out["balance_before"] / out["balance_after"] == pytest.approx(1.849, abs=1e-3)
+    r = _plan(tmp_path, "--alpha", "0.25", "--n", "0", "--overlap", "--t-fnec", "0.0005", "--t-bnec", "0.001")
+    assert json.loads(r.stdout)["plan"] == [[0, []], [1, []]]
+
+
+def test_plan_placement_errors(tmp_path):
+    r = _plan(tmp_path, "--n", "4")
+    assert r.returncode != 0 and "--n 4" in r.stderr
+    r = _plan(tmp_path, counts=[[1, 2], [3]])
+    assert r.returncode != 0 and "different lengths" in r.stderr
+
+
+def test_routing_report_synthetic(tmp_path):
+    from tools import routing_report
+
+    d = tmp_path / "trace"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    with open(d / "counts_rank00000.jsonl", "w") as f:
+        for it in range(5):
+            for layer in (1, 2):
+                C = rng.integers(0, 100, (2, 4)).tolist()
+                f.write(json.dumps({"iteration": it, "layer": layer, "counts": C,
+                                    "placement": [[0, []]] if it % 2 else []}) + "\n")
+    lines = routing_report.main([str(d), "--out", str(tmp_path / "x.png"), "--summary", str(tmp_path / "s.txt")])
+    assert len(lines) == 2 and (tmp_path / "x.png").exists() and "replicated experts/iter 0.40" in lines[0]
+    with open(d / "counts_rank00000.jsonl", "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(SystemExit, match="counts_rank00000.jsonl:11"):
+        routing_report.main([str(d), "--out", str(tmp_path / "y.png")])
+
+
+def test_flags_and_install_noop():
+    p = add_arguments(argparse.ArgumentParser())
+    a = p.parse_args(["--moe-balance-policy", "proprophet", "--moe-balance-alpha", "0.5", "--moe-balance-n", "1",
+                      "--moe-balance-interval", "2", "--moe-balance-overlap", "--moe-balance-profile", "x.json",
+                      "--moe-routing-trace-dir", "t"])
+    assert (a.moe_balance_policy, a.moe_balance_alpha, a.moe_balance_n, a.moe_balance_interval,
+            a.moe_balance_overlap, a.moe_balance_profile, a.moe_routing_trace_dir) == \
+        ("proprophet", 0.5, 1, 2, True, "x.json", "t")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--moe-balance-policy", "bogus"])
+    spec = object()
+    assert install(p.parse_args([]), spec) is spec        # policy none: the stock layer stays
+    bad = p.parse_args(["--moe-balance-interval", "0"])
+    with pytest.raises(ValueError, match="--moe-balance-interval"):
+        install(bad, spec)
+
+
+def test_stats_predictor_and_checkpoint():
+    s = RoutingStats(history=2, predictor="ema", beta=0.5)
+    s.add(1, 0, [[2, 0], [0, 2]])
+    s.add(1, 1, [[4, 0], [0, 0]])
+    assert np.allclose(s.predict(1), [[3, 0], [0, 1]]) and np.allclose(s.last(1), [[4, 0], [0, 0]])
+    s.add(1, 2, [[0, 0], [0, 0]])
+    assert len(s.history[1]) == 2
+    t = RoutingStats(history=2, predictor="ema", beta=0.5)
+    t.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert np.allclose(t.predict(1), s.predict(1)) and [i for i, _ in t.history[1]] == [1, 2]
+    f = imbalance(np.array(GOLD), Placement.from_plan([(0, [])], 4, 4))
+    assert f["balance_before"] == pytest.approx(2308.56, abs=0.01)
+    assert f["balance_after"] == pytest.approx(1182.14, abs=0.01)

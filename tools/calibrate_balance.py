@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Measure the Pro-Prophet cost-model constants on this machine and write the JSON profile that
+``--moe-balance-profile`` reads.
+
+    python tools/calibrate_balance.py --hidden-size 256 --ffn-hidden-size 1024 --out profile.json
+
+* ``throughput``: expert forward inputs/s (a 2-GEMM GELU MLP of the given shape, one rank's threads);
+* ``a2a_bandwidth``: a bandwidth-by-message-size table from timed point-to-point messages between two
+  gloo ranks (the backend the layer's all-to-all, Trans and Agg use here);
+* ``trans_bandwidth``: the table's value at one expert's size;
+* ``t_fnec``/``t_bnec``: forward/backward of one dense attention block of the given shape
+  (seq x batch tokens), measured; BNEC from a real backward, not 2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _best(fn, reps):
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_compute(hidden, ffn, tokens, seq, dtype_name="float32", reps=3):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    w1 = torch.randn(ffn, hidden, dtype=dtype) * 0.02
+    w2 = torch.randn(hidden, ffn, dtype=dtype) * 0.02
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    t_exp = _best(lambda: torch.nn.functional.gelu(x @ w1.t()) @ w2.t(), reps)
+    attn = torch.nn.MultiheadAttention(hidden, max(1, hidden // 64), dtype=dtype)
+    xs = torch.randn(seq, max(1, tokens // seq), hidden, dtype=dtype, requires_grad=True)
+
+    def fwd():
+        return attn(xs, xs, xs, need_weights=False)[0]
+
+    t_f = _best(fwd, reps)
+
+    def fb():
+        fwd().sum().backward()
+
+    t_fb = _best(fb, reps)
+    return {"throughput": tokens / t_exp, "t_fnec": t_f, "t_bnec": max(t_fb - t_f, 0.0)}
+
+
+def _bandwidth_rank(rank, world, sizes, reps):
+    import torch
+    import torch.distributed as dist
+
+    table = []
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        best = float("inf")
+        for _ in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            best = min(best, (time.perf_counter() - t0) / 2)
+        table.append([nbytes, buf.numel() * 4 / best])
+    return table
+
+
+def calibrate(hidden, ffn, tokens, seq, sizes=None, reps=3):
+    from megatron_moe.testing import run_distributed
+
+    sizes = sizes or [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
+    prof = measure_compute(hidden, ffn, tokens, seq, reps=reps)
+    table = run_distributed(_bandwidth_rank, 2, sizes, reps, timeout_s=300)[0]
+    expert_bytes = 2 * hidden * ffn * 4
+    rows = [[m, bw] for m, bw in table[:-1]] + [[None, table[-1][1]]]
+    trans = next((bw for m, bw in rows if m is None or expert_bytes <= m), rows[-1][1])
+    prof.update({"a2a_bandwidth": rows, "trans_bandwidth": trans, "input_bytes": hidden * 4,
+                 "expert_bytes": expert_bytes,
+                 "meta": {"hidden": hidden, "ffn": ffn, "tokens": tokens, "seq": seq, "backend": "gloo",
+                          "host_cpus": os.cpu_count()}})
+    return prof
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="calibrate_balance.py", description=__doc__.splitlines()[0])
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--ffn-hidden-size", type=int, default=1024)
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per expert GEMM timing")
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    prof = calibrate(a.hidden_size, a.ffn_hidden_size, a.tokens, a.seq_length, reps=a.reps)
+    with open(a.out, "w") as f:
+        json.dump(prof, f, indent=1)
+    print(json.dumps(prof))
+    return prof
+
+
+if __name__ == "__main__":
+    main()
