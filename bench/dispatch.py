@@ -187,7 +187,8 @@ def main(argv=None):
     except Exception:
         te_ok = False
     bw = copy_bandwidth(dev, 512 << 20 if dev.type == "cuda" else 256 << 20, args.reps)
-    print(f"device={dev} threads={torch.get_num_threads()} backend={kernels.get_backend(torch.empty(0, device=dev))} "
+    backend = kernels.get_backend(torch.empty(0, device=dev))
+    print(f"device={dev} threads={torch.get_num_threads()} backend={backend} "
           f"copy bandwidth (read+write) = {bw / 1e9:.2f} GB/s  TE fused permute: {te_ok}")
     summary = {}
     for name in args.shapes.split(","):

@@ -273,7 +273,8 @@ def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
     out = _POOL.empty(shape, op, x.device)
     if plan is None:
         plan = _combine_plan(row_map, num_tokens)
-    row_bytes = max(1, math.prod(feat)) * (x.element_size() + 2 * torch.empty((), dtype=op).element_size())
+    op_size = torch.empty((), dtype=op).element_size()
+    row_bytes = max(1, math.prod(feat)) * (x.element_size() + 2 * op_size)
     C = max(1, min(num_tokens, _CHUNK_BYTES // row_bytes))
     starts = list(range(0, num_tokens, C))
     bounds_t = torch.tensor(starts + [num_tokens], dtype=row_map.dtype, device=row_map.device)
@@ -380,7 +381,8 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (row_map,) = ctx.saved_tensors
-        return _combine(grad.contiguous(), row_map, ctx.num_src, None, ctx.backend), None, None, None
+        gx = _combine(grad.contiguous(), row_map, ctx.num_src, None, ctx.backend)
+        return gx, None, None, None
 
 
 class _Combine(torch.autograd.Function):

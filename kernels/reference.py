@@ -119,7 +119,8 @@ def hierarchical_order(nodes: int, local: int, inverse: bool = False) -> List[in
 
 def hierarchical_layout(x: torch.Tensor, split_sizes: Union[Sequence[int], torch.Tensor],
                         nodes: int, local: int, inverse: bool = False):
-    sizes = [int(s) for s in (split_sizes.tolist() if torch.is_tensor(split_sizes) else split_sizes)]
+    is_t = torch.is_tensor(split_sizes)
+    sizes = [int(s) for s in (split_sizes.tolist() if is_t else split_sizes)]
     order = hierarchical_order(nodes, local, inverse)
     chunks = torch.split(x, sizes, dim=0)
     y = torch.cat([chunks[i] for i in order], dim=0) if chunks else x
