@@ -63,12 +63,16 @@ class RoutingLayout:
     def probs_per_row(self, probs: torch.Tensor) -> torch.Tensor:
         """Gather the prob of every permuted row (0 where ``prob_index`` is -1)."""
         flat = probs.reshape(-1)
+        if flat.numel() != self.num_tokens * (self.topk or self.num_experts):
+            raise ValueError(f"probs has shape {tuple(probs.shape)}, expected "
+                             f"[{self.num_tokens}, {self.topk or self.num_experts}] for this layout")
+        if not (self.topk is not None and self.pad_to_capacity):
+            return flat.index_select(0, self.prob_index)
+        # only top-k padding rows have no prob (-1): they get 0
         valid = self.prob_index >= 0
         safe = torch.where(valid, self.prob_index, torch.zeros_like(self.prob_index))
         out = flat.index_select(0, safe)
-        if not bool(valid.all()):
-            out = torch.where(valid, out, torch.zeros_like(out))
-        return out
+        return torch.where(valid, out, torch.zeros_like(out))
 
 
 def check_experts_per_rank(num_experts: int, experts_per_rank: Optional[int]) -> None:

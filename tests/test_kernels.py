@@ -333,5 +333,10 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="routing_map must be given"):
         kernels.unpermute(torch.zeros(2, 1), torch.tensor([0, 1]), torch.Size([2, 1]),
                           probs=torch.ones(2, 2))
+    lay = kernels.routing_layout(torch.tensor([[0, 1], [1, 2]]), 3)
+    with pytest.raises(ValueError, match="expected \\[2, 2\\]"):
+        kernels.permute_tokens(torch.zeros(2, 4), lay, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="expert_out has 3 rows, expected 4"):
+        kernels.unpermute_tokens(torch.zeros(3, 4), lay)
     with pytest.raises(ValueError, match="MOE_KERNELS_BACKEND|expected one of"):
         kernels.set_backend("cuda-magic")
