@@ -170,8 +170,8 @@ class Encoder:
         return lineno, nbytes, out, None
 
     def encode_batch(self, batch):
-        """(first_lineno, lines) -> one result for the batch, so the main process handles one
-        message (and one write per key) per batch instead of per line:
+        """(first_lineno, lines) -> one result for the batch, so the main process receives one
+        message per batch instead of per line:
         (last_lineno, nbytes, {key: (token_bytes, seq_lengths, seqs_per_doc)}, docs, empty,
          skipped [(lineno, error)], fatal (lineno, error) | None). A fatal error ends the batch."""
         first, lines = batch
