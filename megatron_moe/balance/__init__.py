@@ -28,8 +28,9 @@ def add_arguments(parser):
     g = parser.add_argument_group("MoE load balancing (Pro-Prophet)")
     g.add_argument("--moe-balance-policy", choices=["none", "proprophet"], default="none",
                    help="Placement policy: none = plain expert parallelism.")
-    g.add_argument("--moe-balance-alpha", type=float, default=3.0,
-                   help="Balance tolerance alpha of Eq. 7 (stop when max H - min H < alpha*I/E).")
+    g.add_argument("--moe-balance-alpha", type=float, default=1.0,
+                   help="Balance tolerance alpha of Eq. 7: stop the search when max H - min H < alpha*I/E "
+                        "(default 1.0; the paper artifact hard-codes 3, which never triggers for few experts).")
     g.add_argument("--moe-balance-n", type=int, default=0,
                    help="Ranks a selected expert is NOT replicated to (0 = all ranks get a replica).")
     g.add_argument("--moe-balance-interval", type=int, default=1, help="Re-plan every N iterations.")

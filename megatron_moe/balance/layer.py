@@ -85,7 +85,7 @@ class BalancedMoELayer(MoELayer):
 
         # (token, expert) pairs in expert-major order, like megatron-core's permute
         pe, pt = routing_map.t().nonzero(as_tuple=True)
-        pprobs = probs.t()[pe, pt]
+        pprobs = probs.t().contiguous().masked_select(routing_map.t().contiguous())
         is_local = torch.from_numpy(mask[r])[pe]
         lsel = is_local.nonzero(as_tuple=True)[0]
         rsel = (~is_local).nonzero(as_tuple=True)[0]
@@ -93,8 +93,8 @@ class BalancedMoELayer(MoELayer):
         remote = np.where(mask, 0, Cn)                      # [D, E]: inputs shipped to the owner
         in_splits = [int(remote[r, owner == d].sum()) for d in range(D)]
         out_splits = [int(remote[d, r * L:(r + 1) * L].sum()) for d in range(D)]
-        send_x = x[pt[rsel]]
-        send_p = pprobs[rsel]
+        send_x = x.index_select(0, pt[rsel])   # index_select: its backward is a fast index_add
+        send_p = pprobs.index_select(0, rsel)
         if D > 1:
             recv_x = all_to_all(self.ep_group, send_x, out_splits, in_splits)
             recv_p = all_to_all(self.ep_group, send_p, out_splits, in_splits)
@@ -128,9 +128,9 @@ class BalancedMoELayer(MoELayer):
             segments.append((e, int(idx.numel())))
             index.append(idx)
         index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
-        all_x = torch.cat([x[pt[lsel]], recv_x])
-        all_p = torch.cat([pprobs[lsel], recv_p])
-        comp_x, comp_p = all_x[index], all_p[index]
+        all_x = torch.cat([x.index_select(0, pt[lsel]), recv_x])
+        all_p = torch.cat([pprobs.index_select(0, lsel), recv_p])
+        comp_x, comp_p = all_x.index_select(0, index), all_p.index_select(0, index)
 
         if st.scheduler is not None:
             st.scheduler.before_expert_compute(st)
