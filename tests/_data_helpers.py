@@ -88,7 +88,7 @@ def write_bert_vocab_for(docs, directory: str, words: int = 400) -> str:
     return path
 
 
-def bert_sample(rank, world_size, prefix, vocab, cache):
+def bert_sample(rank, world_size, prefix, tokenizer_kwargs, cache):
     """Build megatron-core's BERT datasets (our data/bert.py) on a sentence-level dataset and
     return the first training sample. The masked datasets need a process group (run_distributed)."""
     import types
@@ -98,7 +98,7 @@ def bert_sample(rank, world_size, prefix, vocab, cache):
     from megatron_moe.data.bert import build_bert_datasets
     from megatron_moe.data.tokenizers import build_tokenizer
 
-    tok = build_tokenizer(tokenizer_type="BertWordPieceLowerCase", vocab_file=vocab)
+    tok = build_tokenizer(**tokenizer_kwargs)
     args = types.SimpleNamespace(
         seed=1, seq_length=64, data_path=[prefix], train_data_path=None, valid_data_path=None,
         test_data_path=None, split="100,0,0", data_cache_path=cache, mask_prob=0.15,

@@ -177,7 +177,7 @@ def test_train_tokenizer_model_is_usable_and_reports_bad_lines(data, tmp_path):
                       extra=["--model-type", "unigram"])
     assert path == str(tmp_path / "t.model") and os.path.isfile(path)
     tok = build_tokenizer(tokenizer_model=path)
-    assert tok.vocab_size == 300 and (tok.eod, tok.pad) == (2, 3)
+    assert tok.vocab_size == 300 + 3 and (tok.eod, tok.pad) == (2, 3)  # + <CLS> <SEP> <MASK>
     text = "Return a new list of the items."
     assert tok.detokenize(tok.tokenize(text)) == text
     bad = tmp_path / "bad.jsonl"
@@ -227,20 +227,29 @@ def test_reader_stays_a_bounded_number_of_lines_ahead():
     assert not feeder.is_alive() and len(taken) == 8
 
 
-def test_bert_dataset_builds_on_sentence_level_output(data, tmp_path):
+@pytest.mark.parametrize("kind", ["BertWordPieceLowerCase", "SentencePieceTokenizer"])
+def test_bert_dataset_builds_on_sentence_level_output(data, tmp_path, kind):
     """megatron-core's BERTMaskedWordPieceDataset (our data/bert.py) over --split-sentences
-    output tokenized with BertWordPieceLowerCase (one gloo rank: the dataset needs a group)."""
+    output, with a WordPiece vocab file or the sentencepiece model (one gloo rank: the dataset
+    needs a process group)."""
     from megatron_moe.testing import run_distributed
 
-    vocab = H.write_bert_vocab_for(data.docs, str(tmp_path))
-    tok = build_tokenizer(tokenizer_type="BertWordPieceLowerCase", vocab_file=vocab)
+    if kind == "SentencePieceTokenizer":
+        kwargs = dict(tokenizer_type=kind, tokenizer_model=data.model)
+        flags = ["--tokenizer-model", data.model]
+    else:
+        vocab = H.write_bert_vocab_for(data.docs, str(tmp_path))
+        kwargs = dict(tokenizer_type=kind, vocab_file=vocab)
+        flags = ["--vocab-file", vocab]
+    tok = build_tokenizer(**kwargs)
     prefix = str(tmp_path / "b")
     preprocess_data.main(["--input", data.corpus, "--output-prefix", prefix, "--tokenizer-type",
-                          "BertWordPieceLowerCase", "--vocab-file", vocab, "--split-sentences",
-                          "--workers", "2", "--no-progress", "--log-interval", "0"])
-    ds = IndexedDataset(prefix + "_text_sentence")
-    assert tok.vocab["[UNK]"] not in np.concatenate([ds[i] for i in range(len(ds))]).tolist()
-    s = run_distributed(H.bert_sample, 1, prefix + "_text_sentence", vocab,
+                          kind, *flags, "--split-sentences", "--workers", "2", "--no-progress",
+                          "--log-interval", "0"])
+    if kind != "SentencePieceTokenizer":
+        ds = IndexedDataset(prefix + "_text_sentence")
+        assert tok.vocab["[UNK]"] not in np.concatenate([ds[i] for i in range(len(ds))]).tolist()
+    s = run_distributed(H.bert_sample, 1, prefix + "_text_sentence", kwargs,
                         str(tmp_path / "cache"), timeout_s=180)[0]
     assert s["n"] >= 32 and len(s["text"]) == 64 and s["text"][0] == tok.cls
     assert tok.sep in s["text"] and sum(s["loss_mask"]) > 0 and s["is_random"] in (0, 1)

@@ -35,9 +35,10 @@ def files(tmp_path_factory):
 def test_sentencepiece_round_trip_and_specials(files):
     tok = T.build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=files["sp"])
     assert isinstance(tok, T._TokenizerBase)
-    assert tok.vocab_size == 400
     assert (tok.eod, tok.pad) == (2, 3)  # train_tokenizer's eos and pad ids
-    assert len({tok.eod, tok.pad}) == 2
+    # BERT's specials are added after the model's 400 pieces (Megatron's SentencePieceTokenizer)
+    assert (tok.cls, tok.sep, tok.mask, tok.vocab_size) == (400, 401, 402, 403)
+    assert tok.inv_vocab[401] == "<SEP>" and tok.vocab["<MASK>"] == 402
     for text in TEXTS:
         ids = tok.tokenize(text)
         assert ids and all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
@@ -56,12 +57,13 @@ def test_sentencepiece_round_trip_and_specials(files):
 
 def test_sentencepiece_adds_missing_eod_and_pad(files):
     tok = T.build_tokenizer(tokenizer_model=files["noeos"])
-    assert tok.vocab_size == 302 and (tok.eod, tok.pad) == (300, 301)
+    assert tok.vocab_size == 305 and (tok.eod, tok.pad) == (303, 304)
     assert tok.detokenize(tok.tokenize(TEXTS[0]) + [tok.eod]) == TEXTS[0]
     with pytest.raises(T.TokenizerError, match="no eos"):
         T.build_tokenizer(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=files["noeos"])
     gpt = T.build_tokenizer(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=files["sp"])
-    assert (gpt.vocab_size, gpt.eod, gpt.pad) == (400, 2, 3)
+    assert (gpt.vocab_size, gpt.eod, gpt.pad) == (400, 2, 3)  # Megatron's GPT variant adds nothing
+    assert not hasattr(gpt, "cls")  # so the BERT dataset's check names the tokenizer
 
 
 def test_gpt2_bpe_merges_and_round_trip(files):

@@ -9,8 +9,9 @@ field names (``tokenizer_type``, ``tokenizer_model``, ``vocab_file``, ``merge_fi
 
 Types:
   SentencePieceTokenizer (default)  --tokenizer-model m.model. eod = the model's eos id (``</s>``),
-      pad = the model's pad id; a missing eos/pad is added after the model's pieces (``<EOD>``,
-      ``<PAD>``), which grows ``vocab_size``.
+      pad = the model's pad id; for BERT also cls/sep/mask (``<CLS>``, ``<SEP>``, ``<MASK>``).
+      Pieces the model lacks (those three, and ``<EOD>``/``<PAD>`` without eos/pad) are added
+      after its vocabulary, as Megatron does, which grows ``vocab_size`` by up to 5.
   GPTSentencePieceTokenizer         --tokenizer-model; Megatron's variant: nothing is added,
       eod = eos id, pad = the model's pad id (-1 when the model has none).
   GPT2BPETokenizer                  --vocab-file vocab.json --merge-file merges.txt (byte-level BPE,
@@ -103,12 +104,24 @@ class SentencePieceTokenizer(_Tokenizer):
         self._added: "OrderedDict[str, int]" = OrderedDict()
         self._eod = self._sp.eos_id()
         self._pad = self._sp.pad_id()
-        if self._add_missing:
-            if self._eod < 0:
-                self._eod = self._added.setdefault("<EOD>", n + len(self._added))
-            if self._pad < 0:
-                self._pad = self._added.setdefault("<PAD>", n + len(self._added))
         self._n_model = n
+        self._cls = self._sep = self._mask = None
+        if self._add_missing:
+            # Megatron's SentencePieceTokenizer: BERT's specials are the model's pieces when it
+            # has them, else new ids after its vocabulary (so BERT runs on sentencepiece too)
+            self._cls = self._special("<CLS>")
+            self._sep = self._special("<SEP>")
+            self._mask = self._special("<MASK>")
+            if self._eod < 0:
+                self._eod = self._special("<EOD>")
+            if self._pad < 0:
+                self._pad = self._special("<PAD>")
+
+    def _special(self, piece: str) -> int:
+        i = self._sp.PieceToId(piece)
+        if i != self._sp.unk_id() or piece == self._sp.IdToPiece(i):
+            return i
+        return self._added.setdefault(piece, self._n_model + len(self._added))
 
     def __getstate__(self):  # the C++ processor does not pickle; reload from the file instead
         return {"model_file": self._model_file}
@@ -152,6 +165,17 @@ class SentencePieceTokenizer(_Tokenizer):
     @property
     def pad(self) -> int:
         return self._pad
+
+    def _bert_special(self, name):
+        value = getattr(self, "_" + name)
+        if value is None:
+            raise AttributeError(f"{type(self).__name__} has no {name} token "
+                                      f"(use SentencePieceTokenizer)")
+        return value
+
+    cls = property(lambda self: self._bert_special("cls"))
+    sep = property(lambda self: self._bert_special("sep"))
+    mask = property(lambda self: self._bert_special("mask"))
 
 
 class GPTSentencePieceTokenizer(SentencePieceTokenizer):
