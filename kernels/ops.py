@@ -258,6 +258,24 @@ def _bcast(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 # number of ops, and every op is an OpenMP parallel region whose barrier stalls badly when the
 # cores are shared with other processes.
 _CHUNK_BYTES = int(os.environ.get("MOE_KERNELS_CPU_CHUNK_BYTES", 8 << 20))
+# Intra-op threads for the chunk loops (0 = leave torch's setting).  The loops are memory-bound,
+# so one thread moves nearly as many bytes as several, and it avoids the per-op OpenMP barrier
+# that stalls for a scheduler time slice whenever a core is busy with another process.
+_CHUNK_THREADS = int(os.environ.get("MOE_KERNELS_CPU_THREADS", 1))
+
+
+@contextlib.contextmanager
+def _chunk_threads():
+    prev = torch.get_num_threads()
+    n = _CHUNK_THREADS
+    if n <= 0 or n == prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
@@ -289,6 +307,16 @@ def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
     tmp = torch.empty((C,) + feat, dtype=x.dtype, device=x.device)
     tmp_acc = torch.empty((C,) + feat, dtype=acc, device=x.device) if acc != x.dtype else None
     tmp_op = torch.empty((C,) + feat, dtype=op, device=x.device) if op != acc else None
+    with _chunk_threads():
+        _combine_chunks(x, out, starts, C, num_tokens, levels, tmp, tmp_acc, tmp_op)
+    if op == x.dtype:
+        return out
+    res = _POOL.empty(shape, x.dtype, x.device)
+    return res.copy_(out if acc == op else out.to(acc))
+
+
+def _combine_chunks(x, out, starts, C, num_tokens, levels, tmp, tmp_acc, tmp_op):
+    op = out.dtype
     for ci, c0 in enumerate(starts):
         c1 = min(num_tokens, c0 + C)
         o = out[c0:c1]
@@ -316,10 +344,6 @@ def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
             else:
                 sub = toks[a:z] - c0
                 o.index_copy_(0, sub, o.index_select(0, sub).add_(g))
-    if op == x.dtype:
-        return out
-    res = _POOL.empty(shape, x.dtype, x.device)
-    return res.copy_(out if acc == op else out.to(acc))
 
 
 def _combine_backward_torch(grad: torch.Tensor, row_map: torch.Tensor, x: torch.Tensor,
@@ -338,18 +362,23 @@ def _combine_backward_torch(grad: torch.Tensor, row_map: torch.Tensor, x: torch.
     tmp_acc = torch.empty((C,) + feat, dtype=acc, device=x.device) if acc != grad.dtype else None
     tmp_x = torch.empty((C,) + feat, dtype=acc, device=x.device) if need_gp else None
     pa = p.to(acc)
-    for r0 in range(0, N, C):
-        r1 = min(N, r0 + C)
-        n = r1 - r0
-        g = torch.index_select(grad, 0, row_map[r0:r1], out=tmp[:n])
-        if tmp_acc is not None:
-            g = tmp_acc[:n].copy_(g)
-        if need_gp:
-            xa = tmp_x[:n].copy_(x[r0:r1])
-            torch.sum(xa.mul_(g).reshape(n, -1), dim=1, out=gp[r0:r1])
-        if need_gx:
-            gx[r0:r1].copy_(g.mul_(_bcast(pa[r0:r1], g)))
+    with _chunk_threads():
+        for r0 in range(0, N, C):
+            _combine_backward_chunk(grad, row_map, x, pa, gx, gp, r0, min(N, r0 + C), tmp,
+                                    tmp_acc, tmp_x)
     return gx, gp
+
+
+def _combine_backward_chunk(grad, row_map, x, pa, gx, gp, r0, r1, tmp, tmp_acc, tmp_x):
+    n = r1 - r0
+    g = torch.index_select(grad, 0, row_map[r0:r1], out=tmp[:n])
+    if tmp_acc is not None:
+        g = tmp_acc[:n].copy_(g)
+    if gp is not None:
+        xa = tmp_x[:n].copy_(x[r0:r1])
+        torch.sum(xa.mul_(g).reshape(n, -1), dim=1, out=gp[r0:r1])
+    if gx is not None:
+        gx[r0:r1].copy_(g.mul_(_bcast(pa[r0:r1], g)))
 
 
 # --------------------------------------------------------------------------- backend dispatch

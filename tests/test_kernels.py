@@ -316,6 +316,16 @@ def test_outputs_can_be_modified_in_place(h):
     torch.testing.assert_close(x.grad, 2 * dense.sum(1, keepdim=True).expand(T, h))
 
 
+def test_thread_setting_restored(monkeypatch):
+    monkeypatch.setattr(kops, "_CHUNK_THREADS", 1)
+    before = torch.get_num_threads()
+    _, _, rmap, dense = make_routing(50, 4, 2, seed=3)
+    x = torch.randn(50, 8, requires_grad=True)
+    xp, _, si = kernels.permute(x, rmap, dense)
+    kernels.unpermute(xp, si, x.shape, probs=dense, routing_map=rmap).sum().backward()
+    assert torch.get_num_threads() == before
+
+
 def test_bad_inputs_raise_clear_errors():
     idx = torch.tensor([[0, 1], [1, 1]])
     with pytest.raises(ValueError, match="same expert twice"):
