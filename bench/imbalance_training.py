@@ -68,7 +68,8 @@ def main(argv=None):
         tokens = 2 * a.mbs * a.seq
         tps = {n: tokens / statistics.median(t) for n, t in out[0]["times"].items()}
         results[skew] = {"tokens_per_s": tps, "metrics": out[0]["metrics"]}
-        print(f"\n== skew {skew:g} (router logits -= {skew:g} * expert id) ==")
+        print(f"\n== skew {skew:g} (router logits -= {skew:g} * expert id); host load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs ==")
         for n in configs:
             print(f"{n:>20s}: {tps[n]:9.1f} tokens/s   x{tps[n] / tps['stock']:.3f} vs stock")
         m = out[0]["metrics"].get("proprophet", {})

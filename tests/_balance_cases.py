@@ -184,3 +184,38 @@ def plan_determinism_rank(rank, world, seed):
     plans = [search(C, cost, alpha, n, eq8=eq8).plan for alpha in (0.0, 0.5) for n in (0, 1)
              for eq8 in (False, True)]
     return [(int(e), [int(x) for x in nb]) for p in plans for e, nb in p]
+
+
+def ddp_rank(rank, world, topk=2):
+    """megatron-core DDP path: Agg lands in ``main_grad`` before finish_grad_sync; main grads equal the
+    stock layer's for a random placement (the real training path's grad buffers)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_moe.balance import BalanceManager
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    out = {}
+    grads = []
+    for balanced in (False, True):
+        model = _build(topk, balanced, torch.float64)
+        ddp = DistributedDataParallel(config=model.config, module=model,
+                                      ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False,
+                                                                               grad_reduce_in_fp32=False))
+        mgr = None
+        if balanced:
+            mgr = BalanceManager(_args(moe_balance_policy="proprophet"), [ddp], num_microbatches=1)
+            for m in mgr.layers:
+                m.balance.placement = _random_placement(m.balance.layer_number, world)
+        ddp.zero_grad_buffer()
+        tokens, pos, mask, labels = _batch(0, rank)
+        loss = ddp(tokens, pos, mask, labels=labels).mean()
+        loss.backward()
+        if mgr is not None:
+            mgr.before_finalize_grads()
+            out["replicated"] = sum(len(m.balance.placement.replicated()) for m in mgr.layers)
+        ddp.finish_grad_sync()
+        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+    out["max_diff"] = max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0])
+    out["nonzero"] = max(float(g.abs().max()) for g in grads[0].values())
+    return out

@@ -72,3 +72,9 @@ def test_equivalence_ep4_and_plan_determinism():
     _check(CASES4, out)
     plans = [r[-1]["plans"] for r in out]
     assert all(p == plans[0] for p in plans) and plans[0]
+
+
+def test_megatron_ddp_main_grad():
+    out = run_distributed(_balance_cases.ddp_rank, 2, timeout_s=240)
+    for r in out:
+        assert r["replicated"] > 0 and r["nonzero"] > 0 and r["max_diff"] < 1e-10, r

@@ -78,7 +78,9 @@ def install(args, layer_spec, force: bool = False):
 class BalanceManager:
     """Owns the stats, the policy, the scheduler and the trace writer for every BalancedMoELayer."""
 
-    def __init__(self, args, model_chunks, num_microbatches: Optional[int] = None, log=None):
+    def __init__(self, args, model_chunks, num_microbatches: Optional[int] = None, log=None, tracker=None):
+        # ``tracker`` (the lead's ExpertLoadTracker) is accepted but not needed: the layer all-gathers
+        # the [D x E] counts itself, since its all-to-all needs them anyway.
         import torch.distributed as dist
 
         from megatron_moe.balance.cost_model import CostModel
@@ -99,6 +101,8 @@ class BalanceManager:
         self.layers = [m for m in layers if m.balance is not None]
         self.log = log if log is not None else EventLog(enabled=False)
         self.scheduler = BalanceScheduler(overlap=bool(args.moe_balance_overlap), log=self.log)
+        if num_microbatches is None and getattr(args, "num_microbatches", None):
+            num_microbatches = args.num_microbatches
         if num_microbatches is None:
             mb, gb = getattr(args, "micro_batch_size", None), getattr(args, "global_batch_size", None)
             dp = getattr(args, "data_parallel_size", None)

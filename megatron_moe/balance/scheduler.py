@@ -83,7 +83,7 @@ class BalanceScheduler:
 
     def finish_agg(self) -> None:
         """Before gradient finalisation: every Agg issued and waited, replica grads in the owners."""
-        for s in self.layers:
+        for s in reversed(self.layers):      # backward order, as the hooks issue them
             if not s.agg_issued:
                 s.issue_agg(self.iteration)
         for s in self.layers:
