@@ -96,3 +96,35 @@ def test_stats_predictor_and_checkpoint():
     f = imbalance(np.array(GOLD), Placement.from_plan([(0, [])], 4, 4))
     assert f["balance_before"] == pytest.approx(2308.56, abs=0.01)
     assert f["balance_after"] == pytest.approx(1182.14, abs=0.01)
+
+
+def test_customize_spec_swaps_moe_layers_in_block_spec():
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_moe.balance import customize_spec
+    from megatron_moe.balance.layer import BalancedMoELayer
+
+    a = add_arguments(argparse.ArgumentParser()).parse_args(["--moe-balance-policy", "proprophet"])
+    a.num_experts = 4
+    block = SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4), get_gpt_layer_local_spec()])
+    dense_mlp = block.layer_specs[1].submodules.mlp.module
+    customize_spec(a, block)
+    assert block.layer_specs[0].submodules.mlp.module is BalancedMoELayer
+    assert block.layer_specs[1].submodules.mlp.module is dense_mlp
+    a.moe_grouped_gemm = True
+    with pytest.raises(ValueError, match="--moe-grouped-gemm"):
+        customize_spec(a, SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4)]))
+    class Other(MoELayer):
+        pass
+    a.moe_grouped_gemm = False
+    spec = get_gpt_layer_local_spec(num_experts=4)
+    spec.submodules.mlp.module = Other
+    with pytest.raises(ValueError, match="already customised"):
+        customize_spec(a, spec)
+    # args built without the balance flags: defaults apply, nothing is swapped
+    bare = argparse.Namespace(num_experts=4)
+    s = get_gpt_layer_local_spec(num_experts=4)
+    assert customize_spec(bare, s).submodules.mlp.module is MoELayer

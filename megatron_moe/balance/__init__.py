@@ -21,7 +21,19 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["add_arguments", "install", "BalanceManager"]
+__all__ = ["add_arguments", "install", "customize_spec", "BalanceManager"]
+
+_DEFAULTS = dict(moe_balance_policy="none", moe_balance_alpha=1.0, moe_balance_n=0, moe_balance_interval=1,
+                 moe_balance_overlap=False, moe_balance_profile=None, moe_balance_predictor="last",
+                 moe_routing_trace_dir=None)
+
+
+def _with_defaults(args):
+    """Tolerate an args namespace built without ``add_arguments`` (the flags' defaults apply)."""
+    for k, v in _DEFAULTS.items():
+        if not hasattr(args, k):
+            setattr(args, k, v)
+    return args
 
 
 def add_arguments(parser):
@@ -46,6 +58,7 @@ def add_arguments(parser):
 
 
 def _check_args(args):
+    _with_defaults(args)
     if args.moe_balance_interval < 1:
         raise ValueError(f"--moe-balance-interval {args.moe_balance_interval}: must be >= 1")
     if args.moe_balance_alpha < 0:
@@ -70,9 +83,20 @@ def install(args, layer_spec, force: bool = False):
     specs = getattr(layer_spec, "layer_specs", None) or [layer_spec]
     for spec in specs:
         mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
-        if mlp is not None and getattr(mlp, "module", None) is MoELayer:
+        cls = getattr(mlp, "module", None)
+        if cls is MoELayer:
             mlp.module = BalancedMoELayer
+        elif isinstance(cls, type) and issubclass(cls, MoELayer) and not issubclass(cls, BalancedMoELayer):
+            raise ValueError(f"--moe-balance-policy {args.moe_balance_policy}: the MoE layer class is "
+                             f"already customised ({cls.__module__}.{cls.__name__}); cannot combine")
     return layer_spec
+
+
+def customize_spec(args, spec):
+    """The model builder's spec hook (megatron_moe/model.py SPEC_HOOKS)."""
+    if not getattr(args, "num_experts", None):
+        return spec
+    return install(args, spec)
 
 
 class BalanceManager:
