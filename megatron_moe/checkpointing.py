@@ -25,7 +25,8 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from torch.distributed.checkpoint.api import CheckpointException
+from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
@@ -152,6 +153,18 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     dist.barrier()
 
 
+def _describe_load_error(exc) -> str:
+    """The first rank's underlying error from torch DCP's CheckpointException, else the error."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank, failure = sorted(failures.items())[0]
+        inner = getattr(failure, "exc", failure)
+        if isinstance(inner, tuple):  # (exception, traceback frames)
+            inner = inner[0]
+        return f"rank {rank}: {type(inner).__name__}: {str(inner)[:200]}".rstrip(": ")
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
 def _optimizer_count(optimizer) -> int:
     return len(getattr(optimizer, "chained_optimizers", [optimizer])) if optimizer is not None else 0
 
@@ -210,9 +223,9 @@ def load_checkpoint(model, optimizer, scheduler, args):
         with warnings.catch_warnings():  # torch DCP deprecation notices on every rank
             warnings.simplefilter("ignore")
             state = dist_checkpointing.load(sharded, ckpt, get_default_load_sharded_strategy(ckpt))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
         raise CheckpointError(f"{ckpt}: checkpoint is corrupt or incomplete "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from None
+                              f"({_describe_load_error(exc)})") from None
     unwrap(model[0]).load_state_dict(state["model"], strict=True)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])

@@ -96,9 +96,19 @@ def _port():
 
 def test_cli_log_line_and_corrupt_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    args = TINY + ["--expert-model-parallel-size", "2", "--train-iters", "2", "--save", ckpt]
+    tb = str(tmp_path / "tb")
+    args = TINY + ["--expert-model-parallel-size", "2", "--train-iters", "2", "--save", ckpt,
+                   "--tensorboard-dir", tb]
     out = torchrun(2, args)
     assert out.returncode == 0, out.stderr[-3000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "load_balancing_loss",
+            "moe/expert_load_max_over_mean_layer_1"} <= tags, tags
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2]
     lines = [l for l in out.stdout.splitlines() if " iteration " in l and "consumed samples" in l]
     assert len(lines) == 2
     # Megatron-LM's exact field order and formats
