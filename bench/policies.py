@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
+import tempfile
 import sys
 import time
 
@@ -54,10 +54,14 @@ def part_a(args):
         print(f"   not available: {exc}")
         return
     pols = ["none", "fastermoe", "flexmoe", "proprophet"]
+    measured = {}
     for skew in (True, False):
         t0 = time.perf_counter()
+        tdir = tempfile.mkdtemp(prefix=f"policies_trace_{'skew' if skew else 'learned'}_")
         out = run_distributed(_policy_bench.throughput_rank, 2, pols, iters=args.a_iters, warmup=2,
-                              skew=skew, timeout_s=args.a_timeout)[0]
+                              skew=skew, trace_dir=tdir, timeout_s=args.a_timeout)[0]
+        out["trace_dir"] = tdir
+        measured[skew] = out
         base = out["none"]["tokens_per_s"]
         base_med = out["none"]["iter_s"]
         print(f"   routing {'skewed (all inputs to rank 0 experts)' if skew else 'learned (near uniform)'}"
@@ -71,6 +75,51 @@ def part_a(args):
           "CPU's timing noise; read the skewed ratios against it)")
     print("   (FlexMoE runs its slot table with locality-only routing here: the balance layer has no "
           "overflow split across replicas; see docs/sim.md)")
+    return measured
+
+
+def part_c(args, measured):
+    """Calibrate the simulator on this machine (micro-benchmarks + the non-MoE time fitted on plain EP
+    with learned routing) and predict the skewed 2-rank runs of part (a)."""
+    from megatron_moe.sim.cluster import Cluster
+    from megatron_moe.sim.runner import simulate
+    from megatron_moe.testing import run_distributed
+    from tests import _policy_bench
+
+    print("== (c) simulator vs measured 2-rank CPU training, after calibration")
+    cal = run_distributed(_policy_bench.calibrate_rank, 2, timeout_s=args.a_timeout)
+    fwd = max(c["fwd_s_per_input"] for c in cal)
+    bw = min(c["a2a_bw"] for c in cal)
+    bbw = min(c["bcast_bw"] for c in cal)
+    h, f, layers = 128, 512, 2
+    base = dict(num_gpus=2, ranks_per_node=2, intra_bw=bw, inter_bw=bw, intra_lat=0.0, inter_lat=0.0,
+                expert_tokens_per_s=1.0 / fwd, bytes_per_input=h * 4, expert_param_bytes=2 * h * f * 4,
+                t_fnec_s=0.0, t_bnec_s=0.0)
+    print(f"   calibrated: expert fwd {fwd * 1e6:.2f} us/input, all-to-all {bw / 1e9:.2f} GB/s, "
+          f"broadcast {bbw / 1e9:.2f} GB/s")
+    # replay the routing the plain-EP runs recorded (--moe-routing-trace-dir), warm-up excluded
+    learned = load_trace_dir(measured[False]["trace_dir"])[2:]
+    skewed = load_trace_dir(measured[True]["trace_dir"])[2:]
+    print(f"   recorded routing, rank max/mean load per layer: learned "
+          f"{_maxmean(learned):.2f}, skewed {_maxmean(skewed):.2f}")
+    t0 = simulate(learned, Cluster(**base), "none").mean()["iter_s"]
+    nec = max(0.0, measured[False]["none"]["iter_s"] - t0) / layers    # fitted non-MoE time per block
+    cl = Cluster(**dict(base, t_fnec_s=nec / 3, t_bnec_s=2 * nec / 3))
+    print(f"   fitted non-MoE time per block (FNEC+BNEC, incl. optimizer/grad sync share): {nec * 1e3:.1f} ms")
+    for pol in ("none", "fastermoe"):
+        pred = simulate(skewed, cl, pol).mean()["iter_s"]
+        meas = measured[True][pol]["iter_s"]
+        print(f"     skewed {pol:<10} measured {meas * 1e3:7.1f} ms  simulated {pred * 1e3:7.1f} ms  "
+              f"error {100 * (pred - meas) / meas:+5.1f}%")
+    print("   (FlexMoE and Pro-Prophet are left out: the layer runs FlexMoE locality-only and Pro-Prophet "
+          "plans from the previous iteration, so the simulator's runs are not the same computation)")
+
+
+def _maxmean(trace):
+    from megatron_moe.balance.policies.fastermoe import default_owner, loads
+    owner = default_owner(trace.shape[3], trace.shape[2])
+    r = [loads(c, owner) for c in trace.reshape(-1, trace.shape[2], trace.shape[3])]
+    return float(np.mean([x.max() / x.mean() for x in r]))
 
 
 def _speedups(rows, algo):
@@ -138,7 +187,9 @@ def main(argv=None):
     p.add_argument("--a-iters", type=int, default=6, help="timed iterations per policy in part (a)")
     args = p.parse_args(argv)
     if not args.skip_a:
-        part_a(args)
+        measured = part_a(args)
+        if measured:
+            part_c(args, measured)
     part_b(args)
 
 

@@ -42,7 +42,7 @@ def _build(hidden, ffn, experts, seq, topk, skew, seed=1234):
 
 
 def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=512, experts=4, seq=128,
-                    mbs=4, topk=2, skew=True):
+                    mbs=4, topk=2, skew=True, trace_dir=None):
     """All policies' models are built up front and stepped round-robin (rotating order every
     iteration), so machine-load drift on the shared CPU hits every policy alike."""
     from megatron.core import parallel_state as ps
@@ -51,11 +51,16 @@ def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=51
     from megatron_moe.balance.policies.base import make_policy
     from tests._balance_cases import _args
 
+    # one intra-op thread per rank: each rank is one "device" (a core); otherwise an idle rank's core
+    # speeds up the busy rank and balancing cannot show on a 2-core machine
+    torch.set_num_threads(1)
     ps.initialize_model_parallel(expert_model_parallel_size=world)
     runs = {}
     for pol in policies:
         model = _build(hidden, ffn, experts, seq, topk, skew)
-        mgr = BalanceManager(_args(moe_balance_policy=pol), [model], num_microbatches=1)
+        tdir = trace_dir if (trace_dir and pol == "none") else None     # the real routing, for the simulator
+        mgr = BalanceManager(_args(moe_balance_policy=pol, moe_routing_trace_dir=tdir), [model],
+                             num_microbatches=1)
         if pol in ("fastermoe", "flexmoe") and mgr.policy is not None:
             # the manager passes its CostModel (built from the model's real sizes) only to proprophet
             mgr.policy = make_policy(pol, mgr.policy.num_experts, mgr.policy.num_ranks, cost=mgr.cost)
@@ -93,3 +98,32 @@ def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=51
         out[pol] = dict(tokens_per_s=world * mbs * seq * len(ts) / sum(ts), iter_s=sorted(ts)[len(ts) // 2],
                         replicated=r["replicated"] / max(1, len(ts)))
     return out
+
+
+def calibrate_rank(rank, world, hidden=128, ffn=512, inputs=1024, reps=7):
+    """Micro-benchmarks on the 2 gloo ranks, run concurrently as in training: expert forward
+    seconds per input, all-to-all and broadcast bandwidth (bytes/s)."""
+    import torch.nn as nn
+
+    def med(fn):
+        ts = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2]
+
+    torch.set_num_threads(1)               # as in throughput_rank
+    torch.manual_seed(rank)
+    mlp = nn.Sequential(nn.Linear(hidden, ffn, bias=False), nn.GELU(), nn.Linear(ffn, hidden, bias=False))
+    x = torch.randn(inputs, hidden)
+    with torch.no_grad():
+        t_fwd = med(lambda: mlp(x))
+    buf = torch.randn(inputs, hidden)
+    out = torch.empty_like(buf)
+    t_a2a = med(lambda: dist.all_to_all_single(out, buf))
+    params = torch.randn(2 * hidden * ffn)
+    t_bc = med(lambda: dist.broadcast(params, 0))
+    a2a_bytes = buf.numel() * 4 * (world - 1) / world          # what leaves each rank
+    return dict(fwd_s_per_input=t_fwd / inputs, a2a_bw=a2a_bytes / t_a2a, bcast_bw=params.numel() * 4 / t_bc)
