@@ -165,6 +165,9 @@ def equivalence_rank(rank, world, cases):
                             events=[(e["op"], e["layer"], e["iteration"]) for e in log.events],
                             metrics=mgr.metrics()))
     results.append({"plans": plan_determinism_rank(rank, world, 7)})   # saves a spawn
+    if world == 2:
+        ps.destroy_model_parallel()
+        results.append({"ddp": ddp_rank(rank, world)})
     return results
 
 
