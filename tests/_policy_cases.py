@@ -35,10 +35,39 @@ register_policy(EagerFlexMoE)
 
 
 def policy_equivalence_rank(rank, world, cases):
-    from tests import _balance_cases
+    """For each case (policy, topk, iters): the reference is stock megatron-core EP; ours runs
+    BalancedMoELayer with the policy planning every iteration's placement from the previous counts.
+    Returns per-case worst |loss|, grad and updated-param differences and the replicas used."""
+    import torch
+    from megatron.core import parallel_state as ps
 
-    out = _balance_cases.equivalence_rank(rank, world, cases)
-    return out
+    from megatron_moe.balance import BalanceManager
+    from tests import _balance_cases as bc
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    results = []
+    for case in cases:
+        ref = bc._build(case["topk"], False, torch.float64)
+        ours = bc._build(case["topk"], True, torch.float64)
+        mgr = BalanceManager(bc._args(moe_balance_policy=case["policy"]), [ours], num_microbatches=1)
+        opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        opt_o = torch.optim.Adam(ours.parameters(), lr=1e-2)
+        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+        replicated = 0
+        for it in range(case["iters"]):
+            replicated += sum(len(m.balance.placement.replicated()) for m in mgr.layers)
+            lr, gr = bc._iteration(ref, opt_r, it, rank)
+            lo, go = bc._iteration(ours, opt_o, it, rank, mgr)      # after_step plans the next placement
+            worst["loss"] = max(worst["loss"], abs(lr - lo))
+            assert gr.keys() == go.keys()
+            worst["grad"] = max(worst["grad"], max(float((gr[k] - go[k]).abs().max()) for k in gr))
+            pr, po = dict(ref.named_parameters()), dict(ours.named_parameters())
+            worst["param"] = max(worst["param"], max(float((pr[k] - po[k]).abs().max()) for k in pr))
+        # replicas never become parameters, optimizer state or checkpoint entries
+        assert sum(1 for _ in ours.parameters()) == sum(1 for _ in ref.parameters())
+        assert set(ours.state_dict().keys()) == set(ref.state_dict().keys())
+        results.append(dict(worst, replicated=replicated))
+    return results
 
 
 def record_trace_rank(rank, world, trace_dir, iters):

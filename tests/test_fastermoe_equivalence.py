@@ -4,8 +4,7 @@ from megatron_moe.testing import run_distributed
 from tests import _policy_cases
 
 CASES = [
-    dict(topk=2, iters=3, plans=["empty"], policy="fastermoe_eager"),
-    dict(topk=1, iters=2, plans=["empty"], policy="fastermoe"),
+    dict(topk=2, iters=3, policy="fastermoe_eager"),
 ]
 
 

@@ -5,7 +5,7 @@ is not supported by the balance layer; see docs/sim.md."""
 from megatron_moe.testing import run_distributed
 from tests import _policy_cases
 
-CASES = [dict(topk=2, iters=3, plans=["empty"], policy="flexmoe_eager")]
+CASES = [dict(topk=2, iters=3, policy="flexmoe_eager")]
 
 
 def test_flexmoe_equivalence_ep2():
