@@ -38,6 +38,12 @@ def check_invariants(events, overlap, iters):
             bec = [i for i, e in enumerate(events) if e == ("bec_done", l, j)]
             if overlap and bec:
                 assert bec[0] < ai < fin     # Agg after that layer's BEC, overlapped before finalize
+        for l in layers:   # Plan^{j+1} after iteration j's gate/FEC, before iteration j+1's Trans
+            pl = _first(events, "plan", l, j)
+            if pl is not None:
+                assert _first(events, "fec_start", l, j) < pl
+                if j + 1 < iters:
+                    assert pl < _first(events, "trans_issue", l, j + 1)
         if overlap:   # block-wise: Trans of layer l+1 issued before layer l's expert compute
             for a, b in zip(layers, layers[1:]):
                 assert _first(events, "trans_issue", b, j) < _first(events, "fec_start", a, j)

@@ -184,6 +184,7 @@ class BalanceManager:
                              "counts": C.astype(np.int64).tolist(), "placement": used.to_plan()})
             if replan and self.policy is not None:
                 st.placement = self.policy.plan(self.stats.predict(st.layer_number), used)
+                self.log.record("plan", st.layer_number, self.scheduler.iteration)
         self.scheduler.end_iteration()
         if rows:
             with open(self.trace_path, "a") as f:

@@ -85,10 +85,21 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         selected[e] = True
         if all(selected[owner == i]):
             used[i] = True
-        others = [d for d in range(D) if d != owner[e]]
-        nb = sorted(sorted(others, key=lambda d: (C[d, e], d))[:n])   # BottomK, ties -> lowest rank
-        placement.replica_sets[e] = [d for d in range(D) if d not in nb]
-        H, R = loads(C, placement)
+        o = int(owner[e])
+        col = C[:, e]
+        others = np.array([d for d in range(D) if d != o], dtype=np.int64)
+        order = np.lexsort((others, col[others]))                # by count, ties -> lowest rank
+        nb = sorted(int(d) for d in others[order[:n]])           # BottomK
+        members = np.ones(D, dtype=bool)
+        members[nb] = False
+        placement.replica_sets[e] = [d for d in range(D) if members[d]]
+        # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
+        moved = np.where(members, col, 0.0)
+        moved[o] = 0.0
+        H = H + moved
+        H[o] -= moved.sum()
+        R = R.copy()
+        R[o] -= moved.sum()
         steps.append((e, nb))
         t = cost.layer_time(R, H, len(steps), n, D, eq8)
         times.append(t)
