@@ -9,7 +9,9 @@ def quiet_known_warnings():
     import warnings
 
     for pattern in (".*Transformer Engine and Apex are not installed.*",
-                    ".*Apex is not installed.*", ".*Transformer Engine is not installed.*"):
+                    ".*Apex is not installed.*", ".*Transformer Engine is not installed.*",
+                    # megatron-core 0.16 warns about its own default CUDA-graph scope
+                    ".*full scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
 
 

@@ -221,7 +221,8 @@ def patch_uneven_collectives():
         padded = input_.new_zeros((biggest,) + tuple(input_.shape[1:]))
         padded[: input_.shape[0]] = input_
         out = input_.new_empty((biggest * group.size(),) + tuple(input_.shape[1:]))
-        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, padded.contiguous(), group=group)
         return torch.cat([out[i * biggest: i * biggest + s] for i, s in enumerate(sizes)], dim=0)
 
     def _reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
