@@ -11,9 +11,11 @@ work (read JSONL, json.loads, tokenize, append eod, write .bin/.idx with the sam
 
 * tokens/s over the processing time each reports (from opening the input to the finished .idx),
   and over the child's wall time (imports included);
-* peak memory: the largest sum of PSS (proportional set size, so pages shared by forked workers
-  are not counted twice) over the child's process tree, sampled every 20 ms
-  (from /proc/PID/smaps_rollup);
+* peak memory of the child's process tree: PSS (proportional set size: pages shared by forked
+  workers are split, not counted once per process), sampled every 0.25 s because reading it is
+  slow; and RssAnon (anonymous memory, every 25 ms; counts pages a forked worker still shares
+  with its parent in each process, so it overstates ours);
+* CPU seconds of each child's whole process tree (imports included);
 * ours is also run on half the corpus, to show its peak memory does not grow with the input.
 
 The outputs of both are compared byte for byte. Best of ``--repeats`` runs per side, interleaved.
@@ -66,9 +68,36 @@ def run_peer(args) -> None:
 
 
 # ---------------------------------------------------------------------------------- measure
+def _children(pid: int):
+    """Direct children from /proc (cheap; psutil's children() scans every process)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _anon_rss(pid: int) -> int:
+    """RssAnon in bytes from /proc/PID/status: the process's anonymous (heap) memory, what grows
+    with the data. Reading it costs microseconds, unlike smaps/PSS (tens of ms for a process
+    that imported torch), so sampling does not steal the CPU being measured."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _pss(pid: int) -> int:
-    """PSS in bytes from /proc/PID/smaps_rollup (cheap, unlike a full smaps walk, so the sampler
-    does not steal the CPU it measures); RSS where that file does not exist."""
+    """PSS in bytes (/proc/PID/smaps_rollup): shared pages split between the processes sharing
+    them, so forked workers are not counted as copies of their parent. Costs ~10-30 ms for a
+    process that imported torch, hence sampled less often."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
@@ -76,38 +105,39 @@ def _pss(pid: int) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import psutil
-    try:
-        return psutil.Process(pid).memory_info().rss
-    except psutil.Error:
-        return 0
+    return 0
 
 
-def _tree_pss(proc) -> int:
-    import psutil
-
-    try:
-        pids = [proc.pid] + [c.pid for c in proc.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    return sum(_pss(pid) for pid in pids)
+def _tree(pid: int):
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        todo += _children(p)
+    return pids
 
 
 def measure(cmd) -> dict:
-    """Run cmd; wall time, peak tree PSS, and the 'N tokens in S s' it prints."""
-    import psutil
+    """Run cmd; wall time, peak anonymous memory of its process tree, CPU seconds, and the
+    'N tokens in S s' it prints."""
+    import resource
 
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-    proc = psutil.Process(child.pid)
-    peak = [0]
+    peak = {"anon": 0, "pss": 0}
     done = threading.Event()
 
     def sample():
+        n = 0
         while not done.is_set():
-            peak[0] = max(peak[0], _tree_pss(proc))
-            done.wait(0.02)
+            pids = _tree(child.pid)
+            peak["anon"] = max(peak["anon"], sum(_anon_rss(p) for p in pids))
+            if n % 10 == 0:
+                peak["pss"] = max(peak["pss"], sum(_pss(p) for p in pids))
+            n += 1
+            done.wait(0.025)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -117,9 +147,12 @@ def measure(cmd) -> dict:
     sampler.join()
     if child.returncode != 0:
         raise SystemExit(f"bench/preprocess.py: {' '.join(cmd[:3])} failed:\n{err[-2000:]}")
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # includes the reaped pool workers
+    cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     m = re.search(r"(\d+) tokens in ([0-9.]+)s", out)
     tokens, secs = int(m.group(1)), float(m.group(2))
-    return dict(wall=wall, peak_mb=peak[0] / 2 ** 20, tokens=tokens, seconds=secs)
+    return dict(wall=wall, pss_mb=peak["pss"] / 2 ** 20, anon_mb=peak["anon"] / 2 ** 20,
+                tokens=tokens, seconds=secs, cpu=cpu)
 
 
 def prepare(work, target_mb, tokenizer_model):
@@ -178,6 +211,7 @@ def main(argv=None):
     half_cmd[half_cmd.index(corpus)] = half
     half_cmd[half_cmd.index(ours_prefix)] = os.path.join(work, "half")
 
+    load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     ours, peer, ours_half = [], [], []
     for _ in range(args.repeats):
         ours.append(measure(ours_cmd))
@@ -194,17 +228,19 @@ def main(argv=None):
         ("peer (IndexedDatasetBuilder, 1 proc)", peer),
     ]
     print(f"corpus: {mb:.1f} MB, {tokens} tokens (sentencepiece vocab 4000), cpus={os.cpu_count()}")
-    print(f"{'':38s} {'tokens/s':>11s} {'tokens/s wall':>14s} {'peak PSS MB':>12s}")
+    print(f"{'':38s} {'tokens/s':>10s} {'tokens/s wall':>13s} {'peak PSS MB':>11s} "
+          f"{'peak anon MB':>12s} {'CPU s':>6s}")
     for name, runs in rows:
-        print(f"{name:38s} {tokens / best(runs, 'seconds'):11.0f} {tokens / best(runs, 'wall'):14.0f} "
-              f"{best(runs, 'peak_mb'):12.1f}")
+        print(f"{name:38s} {tokens / best(runs, 'seconds'):10.0f} {tokens / best(runs, 'wall'):13.0f} "
+              f"{best(runs, 'pss_mb'):11.1f} {best(runs, 'anon_mb'):12.1f} {best(runs, 'cpu'):6.2f}")
+    print(f"(best of {args.repeats}; load average before: {load0}; wall and CPU s include imports)")
     speed = best(peer, "seconds") / best(ours, "seconds")
     speed_wall = best(peer, "wall") / best(ours, "wall")
-    mem = best(ours, "peak_mb") / best(peer, "peak_mb")
+    mem = best(ours, "pss_mb") / best(peer, "pss_mb")
     print(f"ratio ours/peer: throughput x{speed:.2f} (processing), x{speed_wall:.2f} (wall); "
-          f"peak memory x{mem:.2f}")
+          f"peak memory (PSS) x{mem:.2f}")
     print(f"ours on half the corpus ({os.path.getsize(half) / 1e6:.1f} MB): peak PSS "
-          f"{best(ours_half, 'peak_mb'):.1f} MB vs {best(ours, 'peak_mb'):.1f} MB on the full one")
+          f"{best(ours_half, 'pss_mb'):.1f} MB vs {best(ours, 'pss_mb'):.1f} MB on the full one")
     print(f"outputs token-identical (byte-identical .bin/.idx): {identical}")
     if not identical:
         raise SystemExit(1)

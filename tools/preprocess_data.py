@@ -31,6 +31,7 @@ tokenize to nothing are skipped and counted.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import multiprocessing
@@ -344,8 +345,12 @@ def preprocess(args) -> dict:
                 results = map(encoder.encode_batch, in_flight.lines(f, args.chunksize))
             else:
                 in_flight = _InFlight(4 * args.workers)
+                # objects the parent already has (torch, megatron-core) move to the permanent GC
+                # generation, so the workers' collections do not write to (and copy) their pages
+                gc.freeze()
                 pool = multiprocessing.Pool(args.workers, initializer=_worker_init,
                                             initargs=(args,))
+                gc.unfreeze()
                 results = pool.imap(_worker_encode, in_flight.lines(f, args.chunksize))
             for lineno, nbytes, out, docs, empty, skipped, fatal in results:
                 in_flight.release()
