@@ -47,7 +47,8 @@ def run_peer(args) -> None:
 
     from megatron_moe.data.tokenizers import build_tokenizer
 
-    tok = build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=args.tokenizer_model)
+    tok = build_tokenizer(tokenizer_type="SentencePieceTokenizer",
+                          tokenizer_model=args.tokenizer_model)
     dtype = DType.optimal_dtype(tok.vocab_size)
     start = time.time()
     builder = IndexedDatasetBuilder(args.output_prefix + ".bin", dtype=dtype)
@@ -218,8 +219,9 @@ def main(argv=None):
         peer.append(measure(peer_cmd))
     ours_half.append(measure(half_cmd))
 
-    identical = all(filecmp.cmp(f"{ours_prefix}_text_document{e}", f"{peer_prefix}_text_document{e}",
-                                shallow=False) for e in (".bin", ".idx"))
+    identical = all(filecmp.cmp(f"{ours_prefix}_text_document{e}",
+                                f"{peer_prefix}_text_document{e}", shallow=False)
+                    for e in (".bin", ".idx"))
     best = lambda runs, k: min(r[k] for r in runs)  # noqa: E731
     mb = os.path.getsize(corpus) / 1e6
     tokens = ours[0]["tokens"]
@@ -231,8 +233,9 @@ def main(argv=None):
     print(f"{'':38s} {'tokens/s':>10s} {'tokens/s wall':>13s} {'peak PSS MB':>11s} "
           f"{'peak anon MB':>12s} {'CPU s':>6s}")
     for name, runs in rows:
-        print(f"{name:38s} {tokens / best(runs, 'seconds'):10.0f} {tokens / best(runs, 'wall'):13.0f} "
-              f"{best(runs, 'pss_mb'):11.1f} {best(runs, 'anon_mb'):12.1f} {best(runs, 'cpu'):6.2f}")
+        print(f"{name:38s} {tokens / best(runs, 'seconds'):10.0f} "
+              f"{tokens / best(runs, 'wall'):13.0f} {best(runs, 'pss_mb'):11.1f} "
+              f"{best(runs, 'anon_mb'):12.1f} {best(runs, 'cpu'):6.2f}")
     print(f"(best of {args.repeats}; load average before: {load0}; wall and CPU s include imports)")
     speed = best(peer, "seconds") / best(ours, "seconds")
     speed_wall = best(peer, "wall") / best(ours, "wall")

@@ -10,7 +10,7 @@ from tools import make_corpus, train_tokenizer
 # A few hand-written documents: several sentences, unicode, a pre-split list, an empty text.
 EXTRA_DOCS = [
     {"text": "The quick brown fox jumps over the lazy dog. It was not amused! Was it? Yes."},
-    {"text": "Ünïcödé text — with dashes, “quotes” and emoji 🙂 survives the round trip."},
+    {"text": "Ünïcödé text — with dashes, “quotes” and emoji 🙂 survive the round trip."},
     {"text": ["A document given as a list.", "Each item is one sentence."]},
     {"text": ""},
     {"text": "Line one of a paragraph.\n\nA second paragraph starts here.\nAnd goes on."},

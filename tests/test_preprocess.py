@@ -94,7 +94,8 @@ def test_sentence_level_output(data, tmp_path):
     docs_with_tokens = [d for d in data.docs if any(data.tok.tokenize(s) for s in _texts(d))]
     fox = docs_with_tokens.index(H.EXTRA_DOCS[0])
     first, last = ds.document_indices[fox], ds.document_indices[fox + 1]
-    sents = ["The quick brown fox jumps over the lazy dog.", "It was not amused!", "Was it?", "Yes."]
+    sents = ["The quick brown fox jumps over the lazy dog.", "It was not amused!", "Was it?",
+             "Yes."]
     assert last - first == 4
     for k, s in enumerate(sents):
         ids = data.tok.tokenize(s) + ([data.tok.eod] if k == 3 else [])

@@ -1,7 +1,6 @@
 """Tokenizers by --tokenizer-type: round trips, special ids, megatron-core's base class, errors."""
 
 import json
-import os
 import pickle
 
 import pytest
@@ -60,7 +59,8 @@ def test_sentencepiece_adds_missing_eod_and_pad(files):
     assert tok.vocab_size == 305 and (tok.eod, tok.pad) == (303, 304)
     assert tok.detokenize(tok.tokenize(TEXTS[0]) + [tok.eod]) == TEXTS[0]
     with pytest.raises(T.TokenizerError, match="no eos"):
-        T.build_tokenizer(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=files["noeos"])
+        T.build_tokenizer(tokenizer_type="GPTSentencePieceTokenizer",
+                          tokenizer_model=files["noeos"])
     gpt = T.build_tokenizer(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=files["sp"])
     assert (gpt.vocab_size, gpt.eod, gpt.pad) == (400, 2, 3)  # Megatron's GPT variant adds nothing
     assert not hasattr(gpt, "cls")  # so the BERT dataset's check names the tokenizer
@@ -76,7 +76,8 @@ def test_gpt2_bpe_merges_and_round_trip(files):
     assert tok.tokenize(" tin") == [v["Ġt"], v["in"]]
     assert tok.tokenize("thing") == [v["th"], v["ing"]]  # rank order: 'th' merges before 'in'
     assert tok.eod == v["<|endoftext|>"] and tok.pad == -1
-    for text in TEXTS + ["Ünïcödé — “quotes” 🙂\n\n  tabs\tand  spaces  ", "__init__(self)"]:
+    for text in TEXTS + ["Ünïcödé — “quotes” 🙂\n\n  tabs\tand  spaces  ",
+                         "__init__(self)"]:
         assert tok.detokenize(tok.tokenize(text)) == text
 
 

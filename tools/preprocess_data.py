@@ -270,8 +270,9 @@ def get_args(argv=None):
 
 
 class _InFlight:
-    """Bounds the batches of lines in flight. Pool.imap's feeder thread would otherwise read the whole file
-    ahead of the workers; `stop()` unblocks it so Pool.terminate() (which joins it) cannot hang."""
+    """Bounds the batches of lines in flight. Pool.imap's feeder thread would otherwise read the
+    whole file ahead of the workers; `stop()` unblocks it so Pool.terminate() (which joins it)
+    cannot hang."""
 
     def __init__(self, limit: int):
         self._sem = threading.Semaphore(limit)
@@ -321,7 +322,8 @@ def preprocess(args) -> dict:
     dtype = _token_dtype(tokenizer.vocab_size)
     level = "sentence" if args.split_sentences else "document"
     prefixes = {k: f"{args.output_prefix}_{k}_{level}" for k in args.json_keys}
-    tmp = {k: (f"{p}.bin.tmp{os.getpid()}", f"{p}.idx.tmp{os.getpid()}") for k, p in prefixes.items()}
+    pid = os.getpid()
+    tmp = {k: (f"{p}.bin.tmp{pid}", f"{p}.idx.tmp{pid}") for k, p in prefixes.items()}
     stats = dict(documents=0, tokens=0, sequences=0, empty=0, skipped=0, bytes=0, lines=0)
     skipped_examples = []
     builders = {}
@@ -381,8 +383,9 @@ def preprocess(args) -> dict:
                 if args.log_interval and before // args.log_interval != \
                         stats["documents"] // args.log_interval:
                     el = time.time() - start
-                    msg = (f"Processed {stats['documents']} documents ({stats['documents'] / el:.1f} "
-                           f"docs/s, {stats['bytes'] / el / 1024 ** 2:.2f} MB/s).")
+                    n = stats["documents"]
+                    msg = (f"Processed {n} documents ({n / el:.1f} docs/s, "
+                           f"{stats['bytes'] / el / 1024 ** 2:.2f} MB/s).")
                     (bar.write(msg, file=sys.stderr) if bar is not None
                      else print(msg, file=sys.stderr))
         if bar is not None:

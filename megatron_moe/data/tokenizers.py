@@ -346,7 +346,8 @@ class BertWordPieceTokenizer(_Tokenizer):
                 if tok and tok not in self._vocab:
                     self._vocab[tok] = len(self._vocab)
         self._inv = {i: t for t, i in self._vocab.items()}
-        missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]") if t not in self._vocab]
+        missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]")
+                   if t not in self._vocab]
         if missing:
             raise TokenizerError(f"--vocab-file: {vocab_file} lacks {', '.join(missing)}")
 
