@@ -4,7 +4,6 @@ iteration per placement must match plain megatron-core EP (loss, grads, updated 
 
 from __future__ import annotations
 
-import numpy as np
 
 from megatron_moe.balance.policies.base import register_policy
 from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_moe.sim.alltoall import alltoall_time
-from megatron_moe.sim.cluster import Cluster, load_cluster
+from megatron_moe.sim.cluster import load_cluster
 from megatron_moe.sim.engine import Assignment, simulate_iterations
 from megatron_moe.sim.runner import compare, ep_layout, simulate
 from megatron_moe.sim.traces import balanced_trace, load_trace_dir, synthetic_trace, tile_sources

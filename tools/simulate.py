@@ -23,7 +23,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 
 from megatron_moe.sim.alltoall import ALGORITHMS  # noqa: E402
 from megatron_moe.sim.cluster import load_cluster  # noqa: E402

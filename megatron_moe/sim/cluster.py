@@ -57,8 +57,8 @@ class Cluster:
         if self.num_gpus < 1 or self.ranks_per_node < 1:
             raise ValueError(f"cluster ({self.source}): num_gpus and ranks_per_node must be >= 1")
         if self.num_gpus % self.ranks_per_node and self.num_gpus > self.ranks_per_node:
-            raise ValueError(f"cluster ({self.source}): num_gpus={self.num_gpus} is not a multiple "
-                             f"of ranks_per_node={self.ranks_per_node}")
+            raise ValueError(f"cluster ({self.source}): --gpus {self.num_gpus} is not a multiple "
+                             f"of ranks_per_node={self.ranks_per_node} (--ranks-per-node)")
         for f in ("intra_bw", "inter_bw", "device_flops"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"cluster ({self.source}): {f} must be > 0")

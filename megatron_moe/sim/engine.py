@@ -23,8 +23,8 @@ a fixed number of seconds.
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Callable, Dict, List, Optional, Sequence
+
+from typing import Callable, Dict, List
 
 import numpy as np
 

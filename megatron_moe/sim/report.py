@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import numpy as np
 
@@ -57,7 +57,6 @@ def plot_results(results: Dict, out_dir: str, prefix: str = "sim") -> List[str]:
     # breakdown (first algorithm)
     parts = ("a2a_s", "expert_s", "trans_agg_s", "plan_s", "adjust_s")
     fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(scales) * len(pols)), 4))
-    labels, bottoms = [], None
     keys = [(s, algos[0], p) for s in scales for p in pols if (s, algos[0], p) in results]
     x = np.arange(len(keys))
     bottom = np.zeros(len(keys))

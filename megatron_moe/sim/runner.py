@@ -9,7 +9,7 @@ of the trace and runs its own policy instance; all groups run concurrently on th
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
