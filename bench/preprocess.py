@@ -43,9 +43,9 @@ if ROOT not in sys.path:
 def run_peer(args) -> None:
     """One process: megatron-core's IndexedDatasetBuilder fed line by line by our tokenizer."""
     import numpy as np
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    from megatron_moe.data.tokenizers import build_tokenizer
+    from megatron_moe.data.tokenizers import build_tokenizer  # first: quiets import notices
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: I001
 
     tok = build_tokenizer(tokenizer_type="SentencePieceTokenizer",
                           tokenizer_model=args.tokenizer_model)

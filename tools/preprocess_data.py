@@ -254,6 +254,11 @@ def get_args(argv=None):
     g.add_argument("--partitions", type=int, default=1,
                    help="accepted for Megatron compatibility; input is streamed, so this does "
                         "not change the output (always one dataset per key)")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="accepted for Megatron compatibility; documents are always written in "
+                        "input order")
+    g.add_argument("--dataset-impl", choices=("mmap",), default="mmap",
+                   help="accepted for older Megatron scripts; the format is always mmap")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="print progress every N documents (0: only the tqdm bar)")
     g.add_argument("--chunksize", type=int, default=64,
