@@ -232,3 +232,23 @@ def test_balance_interface_and_checkpoint_fallback():
     smaller = make_policy("flexmoe", 4, 2)
     assert smaller.load_state_dict(sd) is False                       # EP 4 -> 2: clean fallback
     np.testing.assert_array_equal(smaller.table.slots, initial_slots(4, 2, smaller.slots_per_rank))
+
+
+def test_one_policy_shared_by_layers_keeps_each_layers_table():
+    pol = FlexMoEPolicy(COMPUTE_ONLY, 4, 4, 2, threshold=1.0)
+    from megatron_moe.balance.policies.base import Placement
+    a = np.array([[10, 2, 2, 2]] * 4)          # layer A: expert 0 hot
+    b = np.array([[2, 2, 2, 10]] * 4)          # layer B: expert 3 hot
+    pa = pol.plan(a, Placement.plain(4, 4))
+    pb = pol.plan(b, Placement.plain(4, 4))
+    assert pa.replicated() == [0] and pb.replicated() == [3]
+    solo_a = FlexMoEPolicy(COMPUTE_ONLY, 4, 4, 2, threshold=1.0)
+    solo_b = FlexMoEPolicy(COMPUTE_ONLY, 4, 4, 2, threshold=1.0)
+    qa = solo_a.plan(a, Placement.plain(4, 4)); qb = solo_b.plan(b, Placement.plain(4, 4))
+    # the next iteration of each layer continues from its own table, as with one policy per layer
+    assert pol.plan(a, pa).replica_sets == solo_a.plan(a, qa).replica_sets
+    assert pol.plan(b, pb).replica_sets == solo_b.plan(b, qb).replica_sets
+    sd = json.loads(json.dumps(pol.state_dict()))
+    again = FlexMoEPolicy(COMPUTE_ONLY, 4, 4, 2, threshold=1.0)
+    assert again.load_state_dict(sd)
+    assert again.plan(b, pb).replica_sets == pol.plan(b, pb).replica_sets

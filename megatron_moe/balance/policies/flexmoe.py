@@ -24,6 +24,7 @@ Choices the paper leaves open (documented in docs/sim.md):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from typing import Dict, List, Optional, Tuple
@@ -228,6 +229,10 @@ class FlexMoEPolicy(BalancePolicy):
             raise ValueError(f"flexmoe: slot table shape {self.table.slots.shape} != "
                              f"({num_ranks}, {slots_per_rank})")
         self.calls = 0            # planner invocations (trigger fired)
+        # plan() may be shared by several MoE layers (the balance manager holds one policy): the slot
+        # table of each layer is found again from the placement it last produced (bounded LRU)
+        self._by_placement: "collections.OrderedDict" = collections.OrderedDict()
+        self.max_tables = 256
 
     # -- helpers --------------------------------------------------------------------------------
     def loads(self, origin: np.ndarray, n: Optional[np.ndarray] = None) -> np.ndarray:
@@ -382,23 +387,49 @@ class FlexMoEPolicy(BalancePolicy):
         sets = [sorted(set(np.nonzero(n[e])[0].tolist()) | {int(owner[e])}) for e in range(self.num_experts)]
         return Placement(sets, self.num_ranks).validate()
 
+    @staticmethod
+    def _key(placement: Placement):
+        return tuple(tuple(s) for s in placement.replica_sets)
+
     def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+        """One scheduler step from ``counts``.  With ``current`` (the placement the layer ran), the
+        layer's slot table is the one that produced ``current`` (an unknown placement, e.g. plain
+        EP at the start, begins from the initial table); without it the policy's own table is used."""
+        if current is not None:
+            t = self._by_placement.get(self._key(current))
+            self.table = (SlotTable(t.slots.copy(), t.num_experts, t.version) if t is not None else
+                          SlotTable(initial_slots(self.num_experts, self.num_ranks, self.slots_per_rank),
+                                    self.num_experts))
         self.step(np.asarray(counts))
-        return self.placement()
+        p = self.placement()
+        k = self._key(p)
+        self._by_placement[k] = SlotTable(self.table.slots.copy(), self.num_experts, self.table.version)
+        self._by_placement.move_to_end(k)
+        while len(self._by_placement) > self.max_tables:
+            self._by_placement.popitem(last=False)
+        return p
 
     def state_dict(self) -> Dict:
-        """Checkpointable planner state: the slot table (identical on every rank)."""
-        return {"table": self.table.to_dict()}
+        """Checkpointable planner state: the slot tables (identical on every rank)."""
+        return {"table": self.table.to_dict(),
+                "tables": [t.to_dict() for t in self._by_placement.values()]}
 
     def load_state_dict(self, d: Dict) -> bool:
         """Restore the slot table; a checkpoint from another EP size / expert count falls back to
         the initial table (returns False) instead of failing."""
         t = SlotTable.from_dict(d["table"], num_ranks=self.num_ranks, num_experts=self.num_experts)
+        self._by_placement.clear()
         if t is None or t.slots.shape[1] != self.slots_per_rank:
             self.table = SlotTable(initial_slots(self.num_experts, self.num_ranks, self.slots_per_rank),
                                    self.num_experts)
             return False
         self.table = t
+        for td in d.get("tables", []):
+            tt = SlotTable.from_dict(td, num_ranks=self.num_ranks, num_experts=self.num_experts)
+            if tt is not None:
+                self.table, keep = tt, self.table
+                self._by_placement[self._key(self.placement())] = tt
+                self.table = keep
         return True
 
     def adjustment_bytes(self, ops: List[Tuple]) -> List[Tuple[int, int, float]]:
