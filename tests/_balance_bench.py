@@ -69,10 +69,11 @@ def bench_rank(rank, world, o):
     mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not().view(1, 1, seq, seq)
     runs = {name: _build(name, o) for name in o["configs"]}
     times = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}     # this rank's CPU seconds per iteration (all its threads)
     for it in range(o["warmup"] + o["iters"]):
         for name, (model, opt, mgr) in runs.items():   # round robin: drift hits every config alike
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss = model(tokens, pos, mask, labels=labels).mean()
             loss.backward()
@@ -85,8 +86,10 @@ def bench_rank(rank, world, o):
             opt.step()
             if mgr is not None:
                 mgr.after_step(it)
+            c1 = time.process_time()
             dist.barrier()
             if it >= o["warmup"]:
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(c1 - c0)
     metrics = {name: (mgr.metrics() if mgr is not None else {}) for name, (_, _, mgr) in runs.items()}
-    return {"times": times, "metrics": metrics}
+    return {"times": times, "cpu": cpu, "metrics": metrics}

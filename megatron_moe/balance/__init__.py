@@ -121,7 +121,7 @@ class BalanceManager:
             bad = [m.layer_number for m in layers if m.balance is None]
             if bad:
                 raise ValueError(f"--moe-balance-policy {args.moe_balance_policy}: MoE layers {bad} are "
-                                 "unsupported (needs TP=1, expert TP=1, SequentialMLP, no latent/shared overlap)")
+                                 "unsupported (needs TP=1, expert TP=1, SequentialMLP, no latent MoE, no shared-expert overlap, no pad-to-capacity)")
         self.layers = [m for m in layers if m.balance is not None]
         self.log = log if log is not None else EventLog(enabled=False)
         self.scheduler = BalanceScheduler(overlap=bool(args.moe_balance_overlap), log=self.log)

@@ -41,7 +41,8 @@ class BalancedMoELayer(MoELayer):
         self.balance_supported = (
             pg_collection.tp.size() == 1 and getattr(pg_collection, "expt_tp", pg_collection.tp).size() == 1
             and not config.moe_latent_size and hasattr(self.experts, "local_experts")
-            and not getattr(self, "shared_expert_overlap", False))
+            and not getattr(self, "shared_expert_overlap", False)
+            and not config.moe_pad_expert_input_to_capacity)
         self.balance: Optional[LayerBalance] = None
         if self.balance_supported:
             self.balance = LayerBalance(self.experts, layer_number, config.num_moe_experts, self.ep_group)
