@@ -18,7 +18,7 @@ MODEL_ARGS=(--num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attenti
 MOE_ARGS=(--num-experts 8 --moe-ffn-hidden-size 256 --moe-router-topk 2
           --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
           --moe-token-dispatcher-type alltoall)
-DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type BertWordPieceLowerCase
+DATA_ARGS=(--data-path "$DATA_PATH" --split 98,2,0 --tokenizer-type BertWordPieceLowerCase
            --vocab-file "$VOCAB_FILE" --mask-prob 0.15 --short-seq-prob 0.1)
 TRAINING_ARGS=(--micro-batch-size 4 --global-batch-size 16 --train-iters 100 --lr 1e-3
                --min-lr 1e-4 --lr-decay-style linear --lr-warmup-iters 10 --weight-decay 0.01

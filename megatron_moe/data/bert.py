@@ -81,9 +81,25 @@ def bert_dataset_config(args, tokenizer) -> BERTMaskedWordPieceDatasetConfig:
     )
 
 
+def check_split_sizes(config, split_flag: str) -> None:
+    """megatron-core fails with an IndexError on a split that rounds to zero documents; name it."""
+    if config.blend is None:
+        return
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in config.blend[0]:
+        documents = IndexedDataset(prefix).document_indices.shape[0] - 1
+        for name, bounds in zip(("train", "validation", "test"), config.split_matrix):
+            if bounds is not None and round(bounds[1] * documents) <= round(bounds[0] * documents):
+                raise ValueError(
+                    f"--split {split_flag}: the {name} split of {prefix} ({documents} documents) "
+                    f"has no document; give it a larger share, or 0 to drop that split")
+
+
 def build_bert_datasets(args, tokenizer, num_samples):
     """(train, valid, test) BERTMaskedWordPieceDatasets; every rank builds (index cache shared)."""
     config = bert_dataset_config(args, tokenizer)
+    check_split_sizes(config, args.split)
     builder = BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, num_samples,
                                             lambda: True, config)
     return builder.build()
