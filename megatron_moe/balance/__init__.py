@@ -123,6 +123,20 @@ class BalanceManager:
                 raise ValueError(f"--moe-balance-policy {args.moe_balance_policy}: MoE layers {bad} are "
                                  "unsupported (needs TP=1, expert TP=1, SequentialMLP, no latent MoE, no shared-expert overlap, no pad-to-capacity)")
         self.layers = [m for m in layers if m.balance is not None]
+        if args.moe_balance_policy != "none" and self.layers:
+            # Agg adds replica grads into the owners' main_grad: a bucket already reduced over the
+            # expert-data-parallel group by overlapped DDP would miss them
+            overlapped = any(getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks)
+            try:
+                from megatron.core import parallel_state
+
+                edp = parallel_state.get_expert_data_parallel_world_size()
+            except Exception:
+                edp = 1
+            if overlapped and edp > 1:
+                raise ValueError(f"--moe-balance-policy {args.moe_balance_policy} with --overlap-grad-reduce "
+                                 f"and expert-data-parallel size {edp}: replica gradients would miss the "
+                                 "overlapped expert-grad reduction; drop --overlap-grad-reduce")
         self.log = log if log is not None else EventLog(enabled=False)
         self.scheduler = BalanceScheduler(overlap=bool(args.moe_balance_overlap), log=self.log)
         if num_microbatches is None and getattr(args, "num_microbatches", None):
