@@ -128,3 +128,17 @@ def test_customize_spec_swaps_moe_layers_in_block_spec():
     bare = argparse.Namespace(num_experts=4)
     s = get_gpt_layer_local_spec(num_experts=4)
     assert customize_spec(bare, s).submodules.mlp.module is MoELayer
+
+
+def test_calibration_compute_part_feeds_the_cost_model(tmp_path):
+    from megatron_moe.balance.cost_model import CostModel
+    from tools.calibrate_balance import measure_compute
+
+    prof = measure_compute(16, 32, 64, 16, reps=1)
+    assert prof["throughput"] > 0 and prof["t_fnec"] > 0 and prof["t_bnec"] >= 0
+    prof.update(a2a_bandwidth=[[65536, 1e8], [None, 1e9]], input_bytes=64, expert_bytes=4096,
+                meta={"host": "test"})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    cm = CostModel.from_profile(str(path))
+    assert cm.bandwidth(1000) == 1e8 and cm.bandwidth(1 << 20) == 1e9 and cm.t_fnec == prof["t_fnec"]
