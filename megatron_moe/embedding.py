@@ -354,7 +354,14 @@ def partition_word_embeddings(model, args=None, *, partition: str | None = None,
     if not getattr(model, "pre_process", True) or getattr(model, "embedding", None) is None:
         return model
     part_group, replica_group = _partition_groups(group)
-    swap_word_embeddings(model.embedding, part_group, replica_group)
+    emb = swap_word_embeddings(model.embedding, part_group, replica_group)
+    if dist.get_rank() == 0:
+        print(f"> word embedding: hidden-partitioned over {emb.world} rank(s), [V, H/P] = "
+              f"[{emb.num_embeddings}, {emb.shard_dim}] per rank; gradient reduced over "
+              f"{dist.get_world_size(replica_group)} replica(s)"
+              + (" (a 1-rank partition is a replicated table: raise "
+                 "--expert-model-parallel-size to split it)" if emb.world == 1 else ""),
+              flush=True)
     return model
 
 
