@@ -248,6 +248,16 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
         validate_args(args, check_data_paths=check_data_paths)
     except ValueError as exc:
         parser.error(str(exc))
+    try:  # feature modules' own checks
+        for name in _EXTENSION_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            if hasattr(module, "validate_args"):
+                module.validate_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:  # megatron-core's own consistency checks, still before any process group starts
         from megatron_moe.model import transformer_config_from_args
 
@@ -327,6 +337,11 @@ def validate_args(args, check_data_paths=True):
         if etp > 1 and args.add_bias_linear:
             raise ValueError(f"--expert-tensor-parallel-size {etp} needs --disable-bias-linear "
                              f"(megatron-core supports expert biases only with ETP=1)")
+        if ep == 1 and args.add_bias_linear:
+            # megatron-core 0.16 adds the expert bias in place on a view (mlp.py) when experts are
+            # not expert-parallel; it fails at the first backward
+            raise ValueError("MoE with --expert-model-parallel-size 1 needs --disable-bias-linear "
+                             "(megatron-core's expert-bias path fails there)")
         if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
             raise ValueError(f"--moe-layer-freq has {len(args.moe_layer_freq)} entries, "
                              f"--num-layers is {args.num_layers}")
@@ -358,6 +373,9 @@ def validate_args(args, check_data_paths=True):
         if args.lr_warmup_iters:
             raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
+                         f"--lr-decay-iters ({args.lr_decay_iters}; defaults to --train-iters)")
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:

@@ -96,8 +96,10 @@ def gpt_layer_spec(args, config):
 
 
 def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None) -> GPTModel:
+    from megatron_moe.embedding import partition_word_embeddings
+
     config = transformer_config_from_args(args)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(args, config),
         vocab_size=args.padded_vocab_size,
@@ -110,6 +112,7 @@ def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None)
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+    return partition_word_embeddings(model, args)  # --embedding-partition (vocab: unchanged)
 
 
 def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):

@@ -441,7 +441,7 @@ def reduce_losses(losses_reduced) -> dict:
     from megatron.core import parallel_state
 
     keys = sorted({k for d in losses_reduced or [] for k in d}) if losses_reduced else []
-    names = [_LOSS_KEY] if not keys else keys
+    names = _agree_on_loss_names(keys)
     values = torch.zeros(2 * len(names), dtype=torch.float64)
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
         for i, name in enumerate(names):
@@ -459,6 +459,17 @@ def reduce_losses(losses_reduced) -> dict:
         if values[2 * i + 1] > 0:
             out[name] = float(values[2 * i] / values[2 * i + 1])
     return out
+
+
+def _agree_on_loss_names(keys):
+    """The loss names every rank reduces: only the last pipeline stage knows them (BERT has two)."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized() or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return keys or [_LOSS_KEY]
+    names = [keys]
+    dist.broadcast_object_list(names, src=dist.get_world_size() - 1)
+    return names[0] or [_LOSS_KEY]
 
 
 def moe_track_names(args):

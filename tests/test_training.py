@@ -149,11 +149,13 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
     ("--tensor-model-parallel-size 2 --sequence-parallel", {"WORLD_SIZE": "3"},
      "not divisible by --tensor-model-parallel-size"),
     ("--bogus-flag 1", {}, "unrecognized arguments: --bogus-flag"),
-    ("--expert-model-parallel-size 3", {"WORLD_SIZE": "3"}, "--num-experts (4) must be divisible"),
+    ("--expert-model-parallel-size 3 --global-batch-size 6", {"WORLD_SIZE": "3"},
+     "--num-experts (4) must be divisible"),
+    ("--lr-warmup-iters 5", {}, "--lr-warmup-iters (5) must be smaller than --lr-decay-iters (1"),
     ("--tensor-model-parallel-size 2", {"WORLD_SIZE": "2"}, "requires --sequence-parallel"),
     ("--tensor-model-parallel-size 2 --sequence-parallel --add-bias-linear", {"WORLD_SIZE": "2"},
      "--expert-tensor-parallel-size 2 needs --disable-bias-linear"),
-], ids=["world-size", "unknown-flag", "experts-vs-ep", "tp-needs-sp", "etp-bias"])
+], ids=["world-size", "unknown-flag", "experts-vs-ep", "warmup", "tp-needs-sp", "etp-bias"])
 def test_bad_flags_fail_before_any_process_group(extra, env, needle):
     out = cli(TINY + ["--train-iters", "1"] + extra.split(), env=env)
     assert out.returncode == 2

@@ -38,8 +38,11 @@ def _with_defaults(args):
 
 def add_arguments(parser):
     g = parser.add_argument_group("MoE load balancing (Pro-Prophet)")
-    g.add_argument("--moe-balance-policy", choices=["none", "proprophet"], default="none",
-                   help="Placement policy: none = plain expert parallelism.")
+    g.add_argument("--moe-balance-policy", choices=["none", "proprophet", "fastermoe", "flexmoe"],
+                   default="none",
+                   help="Placement policy: none = plain expert parallelism; proprophet (planned "
+                        "lightweight replicas), fastermoe (dynamic shadowing), flexmoe (vExperts; "
+                        "runs locality-only in training, see docs/sim.md).")
     g.add_argument("--moe-balance-alpha", type=float, default=1.0,
                    help="Balance tolerance alpha of Eq. 7: stop the search when max H - min H < alpha*I/E "
                         "(default 1.0; the paper artifact hard-codes 3, which never triggers for few experts).")
@@ -152,6 +155,7 @@ class BalanceManager:
             self.scheduler.register(m.balance)
         self.stats = RoutingStats(predictor=getattr(args, "moe_balance_predictor", "last"))
         self.policy = None
+        self.policies = {}
         self.metrics_: Dict[str, float] = {}
         if self.layers:
             st = self.layers[0].balance
@@ -160,11 +164,15 @@ class BalanceManager:
                                                         8 if "64" in str(cfg.params_dtype) else 4)
             self.cost = CostModel.from_profile(args.moe_balance_profile, input_bytes=cfg.hidden_size * elem,
                                                expert_bytes=st.numel * elem)
-            kw = {}
+            kw = {"cost": self.cost}
             if args.moe_balance_policy == "proprophet":
-                kw = dict(cost=self.cost, alpha=args.moe_balance_alpha, n=args.moe_balance_n,
+                kw.update(alpha=args.moe_balance_alpha, n=args.moe_balance_n,
                           eq8=bool(args.moe_balance_overlap))
-            self.policy = make_policy(args.moe_balance_policy, st.num_experts, st.D, **kw)
+            # one policy per layer: stateful policies (flexmoe's slot table) keep per-layer state
+            self.policies = {m.balance.layer_number: make_policy(args.moe_balance_policy,
+                                                                 st.num_experts, st.D, **kw)
+                             for m in self.layers}
+            self.policy = self.policies[st.layer_number]
         self.trace_path = None
         if args.moe_routing_trace_dir and self.layers and self.layers[0].balance.rank == 0:
             os.makedirs(args.moe_routing_trace_dir, exist_ok=True)
@@ -196,8 +204,9 @@ class BalanceManager:
             if self.trace_path:
                 rows.append({"iteration": int(iteration), "layer": int(st.layer_number),
                              "counts": C.astype(np.int64).tolist(), "placement": used.to_plan()})
-            if replan and self.policy is not None:
-                st.placement = self.policy.plan(self.stats.predict(st.layer_number), used)
+            if replan and st.layer_number in self.policies:
+                policy = self.policies[st.layer_number]
+                st.placement = policy.plan(self.stats.predict(st.layer_number), used)
                 self.log.record("plan", st.layer_number, self.scheduler.iteration)
         self.scheduler.end_iteration()
         if rows:
@@ -218,7 +227,9 @@ class BalanceManager:
 
     def state_dict(self) -> dict:
         return {"stats": self.stats.state_dict(), "iteration": self.scheduler.iteration,
-                "placements": {int(m.balance.layer_number): m.balance.placement.to_dict() for m in self.layers}}
+                "placements": {int(m.balance.layer_number): m.balance.placement.to_dict() for m in self.layers},
+                "policies": {int(k): p.state_dict() for k, p in self.policies.items()
+                             if hasattr(p, "state_dict")}}
 
     def load_state_dict(self, sd: dict) -> None:
         from megatron_moe.balance.policies.base import Placement
@@ -231,3 +242,7 @@ class BalanceManager:
                 p = Placement.from_dict(pl[int(m.balance.layer_number)])
                 if p.num_experts == m.balance.num_experts and p.num_ranks == m.balance.D:
                     m.balance.placement = p     # a different EP size re-plans from plain EP
+        for layer, state in sd.get("policies", {}).items():
+            policy = self.policies.get(int(layer))
+            if policy is not None and hasattr(policy, "load_state_dict"):
+                policy.load_state_dict(state)  # flexmoe falls back to its initial slots on an EP change

@@ -138,8 +138,10 @@ def register_policy(cls: Type[BalancePolicy]) -> Type[BalancePolicy]:
 
 
 def make_policy(name: str, num_experts: int, num_ranks: int, **kwargs) -> BalancePolicy:
-    if name == "proprophet":
-        from megatron_moe.balance.policies import proprophet  # noqa: F401  (registers itself)
+    if name in ("proprophet", "fastermoe", "flexmoe"):  # each module registers itself
+        import importlib
+
+        importlib.import_module(f"megatron_moe.balance.policies.{name}")
     if name not in POLICIES:
         raise ValueError(f"--moe-balance-policy {name!r}: unknown; choose from {sorted(POLICIES)}")
     return POLICIES[name](num_experts=num_experts, num_ranks=num_ranks, **kwargs)
