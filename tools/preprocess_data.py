@@ -12,7 +12,7 @@ the document's sentences (Megatron's convention). Blank lines are skipped. Docum
 tokenize to nothing are skipped and counted.
 
 * Streaming: lines are read lazily in batches of ``--chunksize`` and fed to ``--workers``
-  processes (``Pool.imap``), at most 4 batches per worker in flight, so memory does not grow
+  processes (``Pool.imap``), at most 16 batches per worker in flight, so memory does not grow
   with the corpus.
   Results come back in input order, so the output does not depend on the number of workers.
 * ``--split-sentences``: every sentence is one sequence and a document's sentences form one
@@ -262,7 +262,7 @@ def get_args(argv=None):
     g.add_argument("--log-interval", type=int, default=1000,
                    help="print progress every N documents (0: only the tqdm bar)")
     g.add_argument("--chunksize", type=int, default=64,
-                   help="lines per worker task (at most 4 tasks per worker are in flight)")
+                   help="lines per worker task (at most 16 tasks per worker are in flight)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = p.parse_args(argv)
     if args.workers < 1:
@@ -351,7 +351,9 @@ def preprocess(args) -> dict:
                 in_flight = _InFlight(1)
                 results = map(encoder.encode_batch, in_flight.lines(f, args.chunksize))
             else:
-                in_flight = _InFlight(4 * args.workers)
+                # deep enough that the workers keep busy while this process waits for a CPU
+                # (shared machines), small enough to bound memory (~16 x chunksize lines each)
+                in_flight = _InFlight(16 * args.workers)
                 # objects the parent already has (torch, megatron-core) move to the permanent GC
                 # generation, so the workers' collections do not write to (and copy) their pages
                 gc.freeze()
