@@ -1,0 +1,73 @@
+"""Pluggable all-to-all, compression and chunked comm/compute scheduling for MoE (issue 4).
+
+Public API::
+
+    all_to_all(input, output_split_sizes, input_split_sizes, group, algorithm="flat",
+               ranks_per_node=None, compression="none") -> Tensor
+    register_algorithm(name, fn, supports_async=False); register_compression(name, obj)
+    chunked_moe_exchange(tokens, input_splits, output_splits, expert_fn, group, degree,
+                         order="schemoe", algorithm="flat", compression="none")
+    wire_stats(algorithm, split_matrix, row_bytes, ranks_per_node); formula_wire_stats(...)
+    add_arguments(parser)
+
+See docs/comm.md.
+"""
+
+from megatron_moe.comm.alltoall import (all_to_all, available_algorithms, count_wire_bytes,
+                                        formula_wire_stats, get_algorithm, register_algorithm,
+                                        start_all_to_all, wire_stats)
+from megatron_moe.comm.compress import (Compressor, available_compressions, get_compression,
+                                        register_compression)
+from megatron_moe.comm.schedule import chunked_moe_exchange
+
+__all__ = ["all_to_all", "register_algorithm", "available_algorithms", "get_algorithm",
+           "start_all_to_all", "wire_stats", "formula_wire_stats", "count_wire_bytes",
+           "Compressor", "register_compression", "get_compression", "available_compressions",
+           "chunked_moe_exchange", "add_arguments", "validate_args"]
+
+
+def add_arguments(parser):
+    g = parser.add_argument_group("moe communication and topology")
+    g.add_argument("--moe-a2a-algorithm", default="flat", choices=["flat", "hierarchical", "pipe"],
+                   help="Expert-parallel all-to-all: flat (all_to_all_single), hierarchical "
+                        "(2D: intra-node then inter-node among same local rank), pipe (ScheMoE: "
+                        "intra- and inter-node peers on two concurrent channels).")
+    g.add_argument("--moe-a2a-compression", default="none",
+                   help="Compression around the all-to-all, forward and backward: none, fp16, "
+                        "bf16, int8 (per-row min/max), or a name registered with "
+                        "megatron_moe.comm.register_compression. Lossy; see docs/comm.md.")
+    g.add_argument("--moe-a2a-overlap-degree", type=int, default=1,
+                   help="Chunks r for overlapping all-to-all with expert compute (1 = off). "
+                        "With --moe-a2a-schedule fastermoe: the number of rank groups.")
+    g.add_argument("--moe-a2a-schedule", default="schemoe", choices=["schemoe", "fastermoe"],
+                   help="Chunk order: schemoe (OptSche) or fastermoe (group-wise ring exchange).")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="Ranks per node (default: topology file, else LOCAL_WORLD_SIZE). "
+                        "Smaller values emulate several nodes on one machine.")
+    g.add_argument("--topology-file", default=None,
+                   help="JSON: ranks_per_node, intra/inter_bandwidth_gbps, intra/inter_latency_us.")
+    g.add_argument("--moe-router-topology", default="none",
+                   choices=["none", "node_limited", "congestion", "ta_loss"],
+                   help="Topology-aware routing (changes the model): node_limited (experts of a "
+                        "token on at most --moe-router-max-nodes nodes), congestion (FasterMoE cap "
+                        "on tokens leaving the node), ta_loss (link-cost weighted aux loss).")
+    g.add_argument("--moe-router-max-nodes", type=int, default=1,
+                   help="node_limited: nodes a token's experts may span (M).")
+    g.add_argument("--moe-topology-loss-coeff", type=float, default=1e-2,
+                   help="ta_loss: coefficient of the topology-aware auxiliary loss.")
+    return parser
+
+
+def validate_args(args):
+    """Checks that need no process group; raise ValueError naming the flag."""
+    if getattr(args, "moe_a2a_overlap_degree", 1) < 1:
+        raise ValueError(f"--moe-a2a-overlap-degree={args.moe_a2a_overlap_degree} must be >= 1")
+    get_compression(getattr(args, "moe_a2a_compression", "none"))
+    rpn = getattr(args, "ranks_per_node", None)
+    if rpn is not None and rpn < 1:
+        raise ValueError(f"--ranks-per-node={rpn} must be >= 1")
+    if getattr(args, "moe_router_max_nodes", 1) < 1:
+        raise ValueError(f"--moe-router-max-nodes={args.moe_router_max_nodes} must be >= 1")
+    if getattr(args, "topology_file", None):
+        from megatron_moe.topology import load_topology_file
+        load_topology_file(args.topology_file)
