@@ -49,7 +49,25 @@ def initialize_distributed(args):
         )
     args.rank = dist.get_rank()
     args.world_size = dist.get_world_size()
+    _initialize_topology(args)
     set_random_seed(args.seed)
+
+
+def _initialize_topology(args):
+    """Nodes x ranks per node (--ranks-per-node / --topology-file / LOCAL_WORLD_SIZE), and the
+    intra/inter-node groups the hierarchical and pipe all-to-alls use, made once on every rank."""
+    from megatron.core import parallel_state
+
+    from megatron_moe import topology
+
+    topology.reset()
+    topo = topology.configure(args=args)
+    if dist.get_world_size() % topo.ranks_per_node:
+        raise ValueError(f"--ranks-per-node {topo.ranks_per_node} ({topo.source}) must divide the "
+                         f"world size {dist.get_world_size()}")
+    if getattr(args, "num_experts", None) and \
+            getattr(args, "moe_a2a_algorithm", "flat") in ("hierarchical", "pipe"):
+        topology.init_hierarchy_groups(parallel_state.get_expert_model_parallel_group())
 
 
 def set_random_seed(seed: int):

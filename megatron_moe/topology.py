@@ -33,6 +33,7 @@ import os
 from typing import Dict, Optional, Tuple
 
 __all__ = ["Topology", "configure", "current", "load_topology_file", "hierarchy_groups",
+           "ranks_per_node_in",
            "init_hierarchy_groups", "HierarchyGroups", "reset"]
 
 
@@ -86,6 +87,29 @@ def check_divisible(world_size: int, ranks_per_node: int, what: str = "group siz
     if ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(f"--ranks-per-node={ranks_per_node} must divide the {what} "
                          f"{world_size} (ranks are numbered node-major)")
+
+
+def ranks_per_node_in(group=None, topo: Optional[Topology] = None) -> int:
+    """Members of ``group`` per node under ``topo`` (default: the process-wide topology).
+
+    The group must be node-major (its members on one node are consecutive in group order) and
+    have the same number of members on every node it spans, which megatron-core's EP/TP/DP groups
+    are for node-major rank numbering.
+    """
+    topo = topo or current()
+    ranks = _parent_ranks(group)
+    nodes = [topo.node_of(r) for r in ranks]
+    runs = [1]
+    for a, b in zip(nodes, nodes[1:]):
+        if a == b:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    if len(runs) != len(set(nodes)) or len(set(runs)) != 1:
+        raise ValueError(f"process group {list(ranks)} is not node-major with equal members per "
+                         f"node under ranks_per_node={topo.ranks_per_node} ({topo.source}); "
+                         "hierarchical/pipe all-to-all need that layout")
+    return runs[0]
 
 
 _FILE_KEYS = {f.name for f in dataclasses.fields(Topology)} - {"source"}
@@ -192,7 +216,7 @@ def init_hierarchy_groups(group=None, ranks_per_node: Optional[int] = None):
     """
     import torch.distributed as dist
 
-    rpn = int(ranks_per_node or current().ranks_per_node)
+    rpn = int(ranks_per_node or ranks_per_node_in(group))
     mine = _parent_ranks(group)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, rpn))
@@ -219,7 +243,7 @@ def hierarchy_groups(group=None, ranks_per_node: Optional[int] = None) -> Hierar
     """The cached intra/inter/channel-2 groups of ``group`` (created on first use, see module doc)."""
     import torch.distributed as dist
 
-    rpn = int(ranks_per_node or current().ranks_per_node)
+    rpn = int(ranks_per_node or ranks_per_node_in(group))
     parent = _parent_ranks(group)
     key = (parent, rpn)
     if key in _GROUPS:

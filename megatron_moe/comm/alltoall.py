@@ -12,7 +12,10 @@ with :func:`register_algorithm` gets the same contract::
     fn(x_bytes, output_split_sizes: list[int], input_split_sizes: list[int], group,
        ranks_per_node: int) -> Tensor[sum(output_split_sizes), bytes_per_row] (uint8)
 
-Ranks are node-major within ``group`` (``node = group_rank // ranks_per_node``).
+Ranks are node-major within ``group`` (``node = group_rank // ranks_per_node``). An explicit
+``ranks_per_node`` counts members of ``group`` per node; ``None`` derives it from the process-wide
+topology (``--ranks-per-node``/``--topology-file``/``LOCAL_WORLD_SIZE``) and the group's global
+ranks, e.g. an EP group [0, 2, 4, 6] on 4-GPU nodes has 2 members per node.
 
 * ``flat``: one ``all_to_all_single``.
 * ``hierarchical`` (2DH, Tutel/DeepSpeed/MoESys): stride copy (node, local) -> (local, node),
@@ -65,9 +68,12 @@ def normalize_splits(splits, rows: int, world: int, what: str) -> List[int]:
     return out
 
 
-def _resolve_rpn(ranks_per_node, world: int) -> int:
-    rpn = int(ranks_per_node) if ranks_per_node else topology.current().ranks_per_node
-    topology.check_divisible(world, rpn, "all-to-all group size")
+def _resolve_rpn(ranks_per_node, group) -> int:
+    """Explicit ``ranks_per_node`` counts within ``group``; None derives it from the topology."""
+    if not ranks_per_node:
+        return topology.ranks_per_node_in(group)
+    rpn = int(ranks_per_node)
+    topology.check_divisible(_group_size(group), rpn, "all-to-all group size")
     return rpn
 
 
@@ -286,7 +292,7 @@ def start_all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm=
     in_s = normalize_splits(input_split_sizes, rows, world, "input_split_sizes")
     if sum(in_s) != rows:
         raise ValueError(f"all_to_all: input_split_sizes sum {sum(in_s)} != dim 0 {rows}")
-    rpn = _resolve_rpn(ranks_per_node, world)
+    rpn = _resolve_rpn(ranks_per_node, group)
     comp = get_compression(compression)
     cols = math.prod(x.shape[1:])
     x2 = x.contiguous().reshape(rows, cols)

@@ -118,30 +118,37 @@ def _split_even(s: int, r: int, c: int) -> Tuple[int, int]:
 
 
 def _chunk_plan(ins, outs, degree, order, me, world):
-    """Per chunk: (send row ranges [(start, len)], send per-block sizes, recv per-block sizes)."""
+    """Per chunk: (send row ranges [(start, len)], send per-block sizes, recv per-block sizes,
+    recv row ranges [(start, len)] in the unchunked receive buffer)."""
     K = len(ins[0])
-    in_start = []
-    acc = 0
-    for j in range(world):
-        row = []
-        for k in range(K):
-            row.append(acc)
-            acc += ins[j][k]
-        in_start.append(row)
+
+    def starts(m):
+        acc, out = 0, []
+        for j in range(world):
+            row = []
+            for k in range(K):
+                row.append(acc)
+                acc += m[j][k]
+            out.append(row)
+        return out
+
+    in_start, out_start = starts(ins), starts(outs)
     plans = []
     if order == "schemoe":
         for c in range(degree):
-            ranges, send, recv = [], [], []
+            ranges, send, recv, rranges = [], [], [], []
             for j in range(world):
                 srow, rrow = [], []
                 for k in range(K):
                     off, n = _split_even(ins[j][k], degree, c)
                     ranges.append((in_start[j][k] + off, n))
                     srow.append(n)
-                    rrow.append(_split_even(outs[j][k], degree, c)[1])
+                    roff, rn = _split_even(outs[j][k], degree, c)
+                    rranges.append((out_start[j][k] + roff, rn))
+                    rrow.append(rn)
                 send.append(srow)
                 recv.append(rrow)
-            plans.append((ranges, send, recv))
+            plans.append((ranges, send, recv, rranges))
     elif order == "fastermoe":
         n = degree
         if world % n:
@@ -151,16 +158,18 @@ def _chunk_plan(ins, outs, degree, order, me, world):
         gi = me // gsz
         for step in range(n):
             to, frm = (gi - step) % n, (gi + step) % n
-            ranges, send, recv = [], [], []
+            ranges, send, recv, rranges = [], [], [], []
             for j in range(world):
                 srow = [ins[j][k] if j // gsz == to else 0 for k in range(K)]
                 rrow = [outs[j][k] if j // gsz == frm else 0 for k in range(K)]
                 for k in range(K):
                     if srow[k]:
                         ranges.append((in_start[j][k], srow[k]))
+                    if rrow[k]:
+                        rranges.append((out_start[j][k], rrow[k]))
                 send.append(srow)
                 recv.append(rrow)
-            plans.append((ranges, send, recv))
+            plans.append((ranges, send, recv, rranges))
     else:
         raise ValueError(f"--moe-a2a-schedule={order!r}: expected 'schemoe' or 'fastermoe'")
     return plans
@@ -170,7 +179,8 @@ def chunked_moe_exchange(tokens: torch.Tensor, input_splits, output_splits,
                          expert_fn: Callable, group=None, degree: int = 1,
                          order: str = "schemoe", algorithm: str = "flat",
                          compression: str = "none",
-                         ranks_per_node: Optional[int] = None) -> torch.Tensor:
+                         ranks_per_node: Optional[int] = None,
+                         pass_recv_index: bool = False) -> torch.Tensor:
     """Dispatch -> ``expert_fn`` -> combine in ``degree`` chunks, overlapped (see module doc).
 
     ``tokens``: ``[sum(input_splits), ...]`` rows grouped by destination rank (and, with 2-D
@@ -179,7 +189,9 @@ def chunked_moe_exchange(tokens: torch.Tensor, input_splits, output_splits,
     receives from each source. ``expert_fn(rows, splits)`` gets the received rows of a chunk in
     source-rank-major (then local-expert) order and that chunk's splits in the same form as
     ``output_splits``, and returns one output row per input row. Returns the combined rows in
-    ``tokens``' order.
+    ``tokens``' order. With ``pass_recv_index=True`` it is called as
+    ``expert_fn(rows, splits, recv_index)``: the positions of the chunk's rows in the unchunked
+    receive buffer (source-major, then local expert), e.g. to pick their routing probabilities.
     """
     if group is None:
         group = dist.group.WORLD
@@ -199,10 +211,14 @@ def chunked_moe_exchange(tokens: torch.Tensor, input_splits, output_splits,
         return [list(r) for r in m] if two_d else [r[0] for r in m]
 
     # phase 1: C1^i + issue A1^i for every chunk (comm FIFO: A1^1..A1^r)
-    idxs, a1 = [], []
-    for ranges, send, recv in plans:
-        idx = torch.cat([torch.arange(s, s + n) for s, n in ranges]) if ranges else \
+    def rows_of(ranges):
+        ranges = [(s, n) for s, n in ranges if n]
+        return torch.cat([torch.arange(s, s + n) for s, n in ranges]) if ranges else \
             torch.empty(0, dtype=torch.long)
+
+    idxs, a1 = [], []
+    for ranges, send, recv, _ in plans:
+        idx = rows_of(ranges)
         idxs.append(idx)
         x = tokens.index_select(0, idx.to(tokens.device))
         spec = ([sum(r) for r in recv], [sum(r) for r in send], group, algorithm,
@@ -210,9 +226,12 @@ def chunked_moe_exchange(tokens: torch.Tensor, input_splits, output_splits,
         a1.append(_Exchange(x, spec))
     # phase 2: D1^i E^i C2^i + issue A2^i (FIFO behind all A1)
     a2 = []
-    for (ranges, send, recv), ex in zip(plans, a1):
+    for (ranges, send, recv, rranges), ex in zip(plans, a1):
         got = ex.collect()
-        y = expert_fn(got, fmt(recv))
+        if pass_recv_index:
+            y = expert_fn(got, fmt(recv), rows_of(rranges).to(got.device))
+        else:
+            y = expert_fn(got, fmt(recv))
         if y.shape[0] != got.shape[0]:
             raise ValueError(f"chunked_moe_exchange: expert_fn returned {y.shape[0]} rows for "
                              f"{got.shape[0]}")

@@ -10,6 +10,10 @@ megatron-core's; this module rebinds those names inside ``token_dispatcher`` to:
 * ``megatron_moe.comm.all_to_all`` with ``--moe-a2a-algorithm`` other than ``flat`` or with
   ``--moe-a2a-compression`` (hierarchical / pipe all-to-all, compression).
 
+With ``--moe-a2a-overlap-degree`` > 1 (or ``--moe-a2a-schedule fastermoe``) the MoE layer class in
+the spec becomes ``megatron_moe.moe.chunked.ChunkedMoELayer`` (chunked, overlapped dispatch ->
+experts -> combine on the same algorithm and compression).
+
 megatron-core's own ``--moe-permute-fusion`` needs Transformer Engine; ours is a different
 implementation behind the same flag, so megatron-core's config flag stays False.
 The choice is process-wide (one model per process), made once from the parsed args.
@@ -27,6 +31,12 @@ def add_arguments(parser):
     group.add_argument("--moe-permute-fusion", action="store_true",
                        help="Fused permute / unpermute+combine kernels (kernels/).")
     return parser
+
+
+def validate_args(args):
+    from megatron_moe.moe.chunked import validate_args as chunked_validate_args
+
+    chunked_validate_args(args)
 
 
 def _token_dispatcher_module():
@@ -83,5 +93,24 @@ def customize_spec(args, spec):
     if algorithm != "flat" or compression not in (None, "none"):
         _rebind("all_to_all", functools.partial(
             _pluggable_all_to_all, algorithm=algorithm, compression=compression,
-            ranks_per_node=getattr(args, "ranks_per_node", None)))
+            ranks_per_node=None))  # derived per EP group from the topology
+    if getattr(args, "moe_a2a_overlap_degree", 1) > 1 or \
+            getattr(args, "moe_a2a_schedule", "schemoe") == "fastermoe":
+        spec = _use_chunked_layer(args, spec)
+    return spec
+
+
+def _use_chunked_layer(args, spec):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_moe.moe.chunked import ChunkedMoELayer
+
+    ChunkedMoELayer.overlap_degree = int(args.moe_a2a_overlap_degree)
+    ChunkedMoELayer.schedule = getattr(args, "moe_a2a_schedule", "schemoe")
+    ChunkedMoELayer.algorithm = getattr(args, "moe_a2a_algorithm", "flat")
+    ChunkedMoELayer.compression = getattr(args, "moe_a2a_compression", "none")
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        mlp = getattr(getattr(layer, "submodules", None), "mlp", None)
+        if getattr(mlp, "module", None) is MoELayer:
+            mlp.module = ChunkedMoELayer
     return spec

@@ -1,0 +1,107 @@
+"""MoE layer whose dispatch -> experts -> combine runs in overlapped chunks (``--moe-a2a-overlap-degree``).
+
+megatron-core's ``MoELayer`` runs one dispatch all-to-all, the local experts, and one combine
+all-to-all back to back. ``ChunkedMoELayer`` keeps megatron-core's router, permutation
+(``dispatch_preprocess`` / ``combine_postprocess``) and expert modules, and replaces the middle
+with :func:`megatron_moe.comm.chunked_moe_exchange`: ScheMoE's OptSche order (or FasterMoE's
+group-wise ring with ``--moe-a2a-schedule fastermoe``), so chunk i's all-to-all overlaps the expert
+compute of chunk i-1. Every token still meets the same expert with the same weights, so output and
+gradients equal the plain layer (tested in tests/test_comm_layer.py).
+
+Limits (checked in :func:`validate_args`): tensor parallel 1 and expert tensor parallel 1, no
+pad-to-capacity, no shared-expert overlap, not combined with ``--moe-balance-policy``.
+Routing probabilities (one float per row) travel in a separate unchunked all-to-all: it is tiny and
+they are needed by every chunk's expert compute (megatron-core applies them inside the experts).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+from megatron_moe import comm
+
+
+class ChunkedMoELayer(MoELayer):
+    """megatron-core ``MoELayer`` with the chunked, overlapped all-to-all / expert pipeline."""
+
+    # set once per process from the parsed args by megatron_moe.moe.dispatcher.customize_spec
+    overlap_degree = 1
+    schedule = "schemoe"
+    algorithm = "flat"
+    compression = "none"
+
+    def _chunkable(self) -> bool:
+        td = self.token_dispatcher
+        return (getattr(td, "ep_size", 1) > 1 and getattr(td, "tp_size", 1) == 1
+                and not getattr(td, "drop_and_pad", False) and hasattr(td, "input_splits"))
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if intermediate_tensors is not None or self.moe_layer_recompute or not self._chunkable():
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        shared_out = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        tokens, probs = self.preprocess(hidden_states, probs, routing_map)
+        output = self._chunked_experts(tokens, probs, routing_map)
+        return self.postprocess(output, shared_out), None
+
+    def _chunked_experts(self, tokens, probs, routing_map):
+        td = self.token_dispatcher
+        ep, local = td.ep_size, td.num_local_experts
+        # rows this rank sends: [ep rank][local expert]; permute sorted rows by global expert id
+        send = routing_map.sum(dim=0).reshape(ep, local).tolist()
+        if local > 1:
+            recv = td.num_global_tokens_per_local_expert.reshape(ep, local).tolist()
+        else:
+            recv = [[int(v)] for v in torch.as_tensor(td.output_splits).tolist()]
+        send_rows, recv_rows = [sum(r) for r in send], [sum(r) for r in recv]
+        group = td.ep_group
+        recv_probs = comm.all_to_all(probs, recv_rows, send_rows, group, algorithm=self.algorithm)
+        sort_idx = td.sort_input_by_local_experts
+        restore_idx = td.restore_output_by_local_experts
+
+        def expert_fn(rows, splits, recv_index):
+            # rows: (source rank, local expert) blocks of this chunk; the experts want expert-major
+            chunk_probs = recv_probs.index_select(0, recv_index)
+            sizes = torch.tensor([s for row in splits for s in row])
+            if local > 1:
+                rows, chunk_probs = sort_chunks_by_idxs(rows, sizes, sort_idx, probs=chunk_probs)
+            per_expert = sizes.reshape(ep, local).sum(dim=0)
+            out, bias = self.experts(rows, per_expert, chunk_probs)
+            assert bias is None, "mlp bias is not supported by the chunked MoE layer"
+            if local > 1:
+                out, _ = sort_chunks_by_idxs(out, sizes.reshape(ep, local).t().ravel(), restore_idx)
+            return out
+
+        return comm.chunked_moe_exchange(
+            tokens, send, recv, expert_fn, group, degree=self.overlap_degree, order=self.schedule,
+            algorithm=self.algorithm, compression=self.compression, pass_recv_index=True)
+
+
+def validate_args(args):
+    """Raise ValueError naming the flag when the chunked layer cannot run this configuration."""
+    degree = getattr(args, "moe_a2a_overlap_degree", 1)
+    if degree <= 1 and getattr(args, "moe_a2a_schedule", "schemoe") == "schemoe":
+        return
+    if not getattr(args, "num_experts", None):
+        return
+    need = {"--tensor-model-parallel-size": getattr(args, "tensor_model_parallel_size", 1),
+            "--expert-tensor-parallel-size": getattr(args, "expert_tensor_parallel_size", 1) or 1}
+    for flag, value in need.items():
+        if value != 1:
+            raise ValueError(f"--moe-a2a-overlap-degree {degree}: needs {flag} 1 (got {value})")
+    if getattr(args, "moe_pad_expert_input_to_capacity", False):
+        raise ValueError(f"--moe-a2a-overlap-degree {degree}: not supported with "
+                         "--moe-pad-expert-input-to-capacity")
+    if getattr(args, "moe_shared_expert_overlap", False):
+        raise ValueError(f"--moe-a2a-overlap-degree {degree}: not supported with "
+                         "--moe-shared-expert-overlap")
+    if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
+        raise ValueError(f"--moe-a2a-overlap-degree {degree}: cannot be combined with "
+                         f"--moe-balance-policy {args.moe_balance_policy}")
+    if getattr(args, "moe_token_dispatcher_type", "alltoall") != "alltoall":
+        raise ValueError(f"--moe-a2a-overlap-degree {degree}: needs --moe-token-dispatcher-type "
+                         "alltoall")
