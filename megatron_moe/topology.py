@@ -96,8 +96,11 @@ def ranks_per_node_in(group=None, topo: Optional[Topology] = None) -> int:
     have the same number of members on every node it spans, which megatron-core's EP/TP/DP groups
     are for node-major rank numbering.
     """
-    topo = topo or current()
-    ranks = _parent_ranks(group)
+    return members_per_node(_parent_ranks(group), topo or current())
+
+
+def members_per_node(ranks, topo: Topology) -> int:
+    """Pure part of :func:`ranks_per_node_in`: ``ranks`` are global ranks in group order."""
     nodes = [topo.node_of(r) for r in ranks]
     runs = [1]
     for a, b in zip(nodes, nodes[1:]):

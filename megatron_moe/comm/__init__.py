@@ -66,6 +66,9 @@ def validate_args(args):
     rpn = getattr(args, "ranks_per_node", None)
     if rpn is not None and rpn < 1:
         raise ValueError(f"--ranks-per-node={rpn} must be >= 1")
+    world = getattr(args, "world_size", None)
+    if rpn is not None and world and world % rpn:
+        raise ValueError(f"--ranks-per-node={rpn} must divide the world size {world}")
     if getattr(args, "moe_router_max_nodes", 1) < 1:
         raise ValueError(f"--moe-router-max-nodes={args.moe_router_max_nodes} must be >= 1")
     if getattr(args, "topology_file", None):

@@ -102,6 +102,11 @@ def validate_args(args):
     if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
         raise ValueError(f"--moe-a2a-overlap-degree {degree}: cannot be combined with "
                          f"--moe-balance-policy {args.moe_balance_policy}")
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    if getattr(args, "moe_a2a_schedule", "schemoe") == "fastermoe" and ep % max(degree, 1):
+        raise ValueError(f"--moe-a2a-overlap-degree {degree}: with --moe-a2a-schedule fastermoe it "
+                         f"is the number of rank groups and must divide "
+                         f"--expert-model-parallel-size {ep}")
     if getattr(args, "moe_token_dispatcher_type", "alltoall") != "alltoall":
         raise ValueError(f"--moe-a2a-overlap-degree {degree}: needs --moe-token-dispatcher-type "
                          "alltoall")
