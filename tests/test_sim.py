@@ -18,8 +18,14 @@ def test_alltoall_uniform_and_directional():
     cl = load_cluster(16, ranks_per_node=8, intra_lat=0.0, inter_lat=0.0)
     t = np.full((1, 16, 16), 1e6)
     flat = alltoall_time(t, cl, "flat")[0]
-    # each rank sends 7 MB intra and 8 MB inter concurrently: the NIC side dominates
-    assert flat == pytest.approx(max(7e6 / cl.intra_bw, 8e6 / cl.inter_bw))
+    # each rank sends 7 MB intra and 8 MB inter: one stream adds them (Eq. 17), pipe's two
+    # channels overlap them (Eq. 16)
+    t_intra, t_inter = 7e6 / cl.intra_bw, 8e6 / cl.inter_bw
+    assert flat == pytest.approx(t_intra + t_inter)
+    assert alltoall_time(t, cl, "pipe")[0] == pytest.approx(max(t_intra, t_inter))
+    # 2DH: intra phase carries N*S/P per local peer, then the same inter bytes node-aggregated
+    assert alltoall_time(t, cl, "hierarchical")[0] == pytest.approx(
+        7 * 2e6 / cl.intra_bw + 8e6 / cl.inter_bw)
     assert alltoall_time(t, cl, "pipe")[0] <= alltoall_time(t, cl, "hierarchical")[0]
     # a one-directional flow does not load the reverse direction
     one = np.zeros((1, 16, 16)); one[0, 0, 8] = 1e9
@@ -33,6 +39,35 @@ def test_alltoall_uniform_and_directional():
         assert alltoall_time(u, small, algo) == pytest.approx(ref, rel=0.5)
     with pytest.raises(ValueError, match="unknown all-to-all"):
         alltoall_time(t, cl, "ring")
+
+
+@pytest.mark.parametrize("algo", ["flat", "pipe"])
+def test_alltoall_bytes_match_the_runtime_byte_count(algo):
+    """With latency 0 and intra = inter bandwidth, the modelled time of one rank's busiest link
+    class is bytes / bandwidth for exactly the bytes megatron_moe.comm.wire_stats counts."""
+    from megatron_moe.comm import wire_stats
+
+    P, M, row = 4, 2, 1.0
+    rng = np.random.default_rng(3)
+    S = rng.integers(0, 6, size=(P, P)).astype(float)
+    cl = load_cluster(P, ranks_per_node=M, intra_lat=0.0, inter_lat=0.0)
+    bw = 1e9
+    cl.intra_bw = cl.inter_bw = bw
+    cl.a2a_bw_table = None
+    got = alltoall_time(S[None] * row, cl, algo)[0]
+    # only outgoing traffic of a single sender: zero every other row
+    per_rank = []
+    for i in range(P):
+        only = np.zeros_like(S)
+        only[i] = S[i]
+        w = wire_stats(algo, only.astype(int), 1, M)
+        t1 = alltoall_time(only[None] * row, cl, algo)[0]
+        if algo == "flat":
+            assert t1 == pytest.approx((w["intra_bytes"] + w["inter_bytes"]) / bw)
+        else:
+            assert t1 == pytest.approx(max(w["intra_bytes"], w["inter_bytes"]) / bw)
+        per_rank.append(t1)
+    assert got >= max(per_rank) - 1e-15
 
 
 def _assignment(groups, p, e, load, trans=0.0, agg=0.0):

@@ -2,18 +2,18 @@
 
 ``traffic[g, src, dst]`` is bytes sent from group-local rank src to dst in EP group g.  Group ranks
 are contiguous global ranks, laid out node-major (``ranks_per_node`` per node), so a group of P
-ranks spans ``P / L`` nodes of ``L = min(P, ranks_per_node)`` ranks each.  Models (from the
-ScheMoE/Tutel notes; the comm engineer's ``megatron_moe/comm/alltoall.py`` counts bytes at runtime
-but exposes no closed-form formula, so the bytes are modelled here):
+ranks spans ``P / L`` nodes of ``L = min(P, ranks_per_node)`` ranks each.  The models follow
+schemoe.md 2.4-2.5 (the paper's Eqs. 16-17) and move exactly the bytes that
+``megatron_moe.comm.wire_stats`` counts for the runtime algorithms (tested in tests/test_sim.py):
 
-* flat: every rank sends to every peer at once; intra-node bytes use the intra link and inter-node
-  bytes the NIC concurrently; a rank finishes when its slowest direction/link does, plus one
-  message latency per peer.  The collective ends when the slowest rank does.
+* flat (NCCL, one stream): every rank's intra-node send/recvs and inter-node send/recvs share one
+  stream, so a rank needs ``t_intra + t_inter`` (Eq. 17), each the slower of its out/in direction,
+  plus one message latency per peer.  The collective ends when the slowest rank does.
+* pipe (ScheMoE Pipe-A2A): the same messages, intra-node and inter-node on two concurrent
+  channels: ``max(t_intra, t_inter)`` (Eq. 16).
 * hierarchical (2DH): phase 1 intra-node all-to-all regroups data by destination local index
   (L-1 messages), phase 2 inter-node all-to-all between same-index ranks with node-aggregated
   messages (N-1 messages); phases run back to back.
-* pipe: the two phases of 2DH pipelined over ``chunks`` chunks: max(phase1, phase2) plus one
-  chunk of the shorter phase.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _layout(p: int, rpn: int):
     return p // l, l
 
 
-def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat", chunks: int = 4) -> np.ndarray:
+def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.ndarray:
     """Seconds per EP group for one all-to-all with the given byte matrix."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"sim: unknown all-to-all algorithm {algorithm!r}; choose from {ALGORITHMS}")
@@ -47,14 +47,13 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat", chunks:
     same = eye_n[None, :, None, :, None] & ~(eye_n[:, None, :, None] & eye_l[None, :, None, :])[None]
     intra_t = np.where(same, t4, 0.0)
     inter_t = np.where(~eye_n[None, :, None, :, None], t4, 0.0)
-    if algorithm == "flat":
+    if algorithm in ("flat", "pipe"):
         # one message per peer; its rate may be capped by the calibrated bandwidth-by-size table
         ti = cluster.transfer_time(intra_t, True)
         te = cluster.transfer_time(inter_t, False)
-        out_i = ti.sum(axis=(3, 4)); in_i = ti.sum(axis=(1, 2))
-        out_e = te.sum(axis=(3, 4)); in_e = te.sum(axis=(1, 2))
-        t = np.maximum.reduce([out_i, in_i, out_e, in_e])
-        t = t + (l - 1) * li + (n - 1) * le
+        t_intra = np.maximum(ti.sum(axis=(3, 4)), ti.sum(axis=(1, 2))) + (l - 1) * li
+        t_inter = np.maximum(te.sum(axis=(3, 4)), te.sum(axis=(1, 2))) + (n - 1) * l * le
+        t = t_intra + t_inter if algorithm == "flat" else np.maximum(t_intra, t_inter)
         return t.reshape(g, -1).max(axis=1)
     # phase 1: rank (a, l) sends to (a, l') everything whose destination local index is l' != l
     diff_l = ~eye_l[None, None, :, None, :]
@@ -71,6 +70,4 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat", chunks:
     ph2 = np.maximum(out2, in2).reshape(g, -1).max(axis=1) + (n - 1) * le
     if n == 1:
         ph2 = np.zeros(g)
-    if algorithm == "hierarchical":
-        return ph1 + ph2
-    return np.maximum(ph1, ph2) + np.minimum(ph1, ph2) / max(1, chunks)
+    return ph1 + ph2
