@@ -81,6 +81,27 @@ class _Tokenizer(_TokenizerBase):
         return -1
 
 
+class _DictVocabTokenizer(_Tokenizer):
+    """Tokenizers whose vocabulary is a Python dict: ``_vocab`` (token -> id), ``_inv`` (id ->
+    token) and ``_eod`` are set by the subclass."""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self):
+        return self._vocab
+
+    @property
+    def inv_vocab(self):
+        return self._inv
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+
 # --------------------------------------------------------------------------------- sentencepiece
 class SentencePieceTokenizer(_Tokenizer):
     """A sentencepiece model; missing eos/pad pieces are appended after the model's vocabulary."""
@@ -220,7 +241,7 @@ def bytes_to_unicode():
     return dict(zip(bs, map(chr, cs)))
 
 
-class GPT2BPETokenizer(_Tokenizer):
+class GPT2BPETokenizer(_DictVocabTokenizer):
     """Byte-level BPE with GPT-2's vocab.json/merges.txt and merge algorithm."""
 
     def __init__(self, vocab_file: str, merge_file: str):
@@ -235,6 +256,7 @@ class GPT2BPETokenizer(_Tokenizer):
         except json.JSONDecodeError as exc:
             raise TokenizerError(f"--vocab-file: {vocab_file} is not JSON ({exc})") from None
         self.decoder = {v: k for k, v in self.encoder.items()}
+        self._vocab, self._inv = self.encoder, self.decoder  # Megatron's names kept as aliases
         merges = []
         with open(merge_file, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -298,21 +320,6 @@ class GPT2BPETokenizer(_Tokenizer):
         text = "".join(self.decoder[int(i)] for i in ids)
         return bytearray(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.encoder)
-
-    @property
-    def vocab(self):
-        return self.encoder
-
-    @property
-    def inv_vocab(self):
-        return self.decoder
-
-    @property
-    def eod(self) -> int:
-        return self._eod
 
 
 # ------------------------------------------------------------------------------ BERT WordPiece
@@ -329,7 +336,7 @@ def _is_cjk(cp: int) -> bool:
             or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
 
 
-class BertWordPieceTokenizer(_Tokenizer):
+class BertWordPieceTokenizer(_DictVocabTokenizer):
     """Google BERT's basic (whitespace/punctuation/CJK, optional lower-casing and accent
     stripping) + greedy longest-match WordPiece tokenizer over a vocab.txt."""
 
@@ -409,17 +416,6 @@ class BertWordPieceTokenizer(_Tokenizer):
         text = " ".join(self._inv[int(i)] for i in ids)
         return text.replace(" ##", "").replace("##", "")
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv
 
     @property
     def cls(self) -> int:
@@ -443,7 +439,7 @@ class BertWordPieceTokenizer(_Tokenizer):
 
 
 # ------------------------------------------------------------------------------- HuggingFace
-class HuggingFaceTokenizer(_Tokenizer):
+class HuggingFaceTokenizer(_DictVocabTokenizer):
     """A local HuggingFace tokenizer directory (``transformers`` or ``tokenizers``)."""
 
     def __init__(self, path: str):
@@ -511,21 +507,6 @@ class HuggingFaceTokenizer(_Tokenizer):
         ids = [int(i) for i in ids]
         return self._hf.decode(ids) if self._hf is not None else self._fast.decode(ids)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv
-
-    @property
-    def eod(self) -> int:
-        return self._eod
 
     @property
     def pad(self) -> int:
