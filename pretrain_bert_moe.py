@@ -28,7 +28,7 @@ from megatron_moe.data.bert import add_bert_arguments, build_bert_datasets, vali
 from megatron_moe.embedding import partition_word_embeddings
 from megatron_moe.embedding import validate_args as validate_embedding_args
 from megatron_moe.global_vars import get_args, get_tokenizer
-from megatron_moe.model import gpt_layer_spec, transformer_config_from_args
+from megatron_moe.model import common_model_kwargs, gpt_layer_spec, transformer_config_from_args
 from megatron_moe.training import pretrain
 
 
@@ -70,18 +70,10 @@ def bert_layer_spec(args, config):
 def bert_model_provider(args, pre_process=True, post_process=True, vp_stage=None) -> BertModel:
     config = transformer_config_from_args(args)
     model = BertMoEModel(
-        config=config,
         num_tokentypes=2 if args.bert_binary_head else 0,
         transformer_layer_spec=bert_layer_spec(args, config),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
         add_binary_head=args.bert_binary_head,
-        vp_stage=vp_stage,
+        **common_model_kwargs(args, config, pre_process, post_process, vp_stage),
     )
     return partition_word_embeddings(model, args)
 

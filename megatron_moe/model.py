@@ -95,13 +95,10 @@ def gpt_layer_spec(args, config):
     return spec
 
 
-def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None) -> GPTModel:
-    from megatron_moe.embedding import partition_word_embeddings
-
-    config = transformer_config_from_args(args)
-    model = GPTModel(
+def common_model_kwargs(args, config, pre_process, post_process, vp_stage) -> dict:
+    """Constructor arguments megatron-core's GPTModel and BertModel both take from Megatron's flags."""
+    return dict(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(args, config),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -109,8 +106,18 @@ def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None)
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
         vp_stage=vp_stage,
+    )
+
+
+def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None) -> GPTModel:
+    from megatron_moe.embedding import partition_word_embeddings
+
+    config = transformer_config_from_args(args)
+    model = GPTModel(
+        transformer_layer_spec=gpt_layer_spec(args, config),
+        rotary_base=args.rotary_base,
+        **common_model_kwargs(args, config, pre_process, post_process, vp_stage),
     )
     return partition_word_embeddings(model, args)  # --embedding-partition (vocab: unchanged)
 

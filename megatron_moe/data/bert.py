@@ -17,7 +17,8 @@ from megatron.core.datasets.bert_dataset import (
     BERTMaskedWordPieceDatasetConfig,
 )
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.utils import get_blend_from_list
+
+from megatron_moe.data.gpt import common_dataset_kwargs
 
 _TOKENIZER_FIELDS = ("cls", "sep", "mask", "pad", "inv_vocab", "vocab_size")
 
@@ -60,15 +61,7 @@ def check_wordpiece_tokenizer(tokenizer) -> None:
 def bert_dataset_config(args, tokenizer) -> BERTMaskedWordPieceDatasetConfig:
     check_wordpiece_tokenizer(tokenizer)
     return BERTMaskedWordPieceDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path),
-        blend_per_split=[get_blend_from_list(args.train_data_path),
-                         get_blend_from_list(args.valid_data_path),
-                         get_blend_from_list(args.test_data_path)],
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=tokenizer,
+        **common_dataset_kwargs(args, tokenizer),
         masking_probability=args.mask_prob,
         short_sequence_probability=args.short_seq_prob,
         masking_max_ngram=3,
@@ -77,7 +70,6 @@ def bert_dataset_config(args, tokenizer) -> BERTMaskedWordPieceDatasetConfig:
         masking_use_longer_ngrams=False,
         masking_use_geometric_distribution=False,
         classification_head=args.bert_binary_head,
-        mid_level_dataset_surplus=0.005,
     )
 
 

@@ -7,8 +7,9 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 
 
-def gpt_dataset_config(args, tokenizer) -> GPTDatasetConfig:
-    return GPTDatasetConfig(
+def common_dataset_kwargs(args, tokenizer) -> dict:
+    """The BlendedMegatronDatasetConfig fields every model's dataset takes from Megatron's flags."""
+    return dict(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=get_blend_from_list(args.data_path),
@@ -18,11 +19,17 @@ def gpt_dataset_config(args, tokenizer) -> GPTDatasetConfig:
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
+        mid_level_dataset_surplus=0.005,
+    )
+
+
+def gpt_dataset_config(args, tokenizer) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
+        **common_dataset_kwargs(args, tokenizer),
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,  # causal mask is built inside the attention
-        mid_level_dataset_surplus=0.005,
     )
 
 
