@@ -381,7 +381,9 @@ class Trainer:
                     f"{load.expert_max_over_mean:.3f} | EP-rank load max/mean: "
                     f"{load.rank_max_over_mean:.3f} |"
                     + (f" tokens per expert: {load.tokens_per_expert} |"
-                       if len(load.tokens_per_expert) <= 16 else ""))
+                       if len(load.tokens_per_expert) <= 16 else "")
+                    + (f" cross-node {load.cross_node_fraction:.2f} |"
+                       if load.cross_node_fraction is not None else ""))
             if extra:
                 print_rank_last(" [moe] " + " | ".join(f"{k}: {v:.4g}" for k, v in extra.items()) + " |")
         if writer is not None:
@@ -397,6 +399,9 @@ class Trainer:
                                   load.expert_max_over_mean, iteration)
                 writer.add_scalar(f"moe/ep_rank_load_max_over_mean_layer_{load.layer}",
                                   load.rank_max_over_mean, iteration)
+                if load.cross_node_fraction is not None:
+                    writer.add_scalar(f"moe/cross_node_fraction_layer_{load.layer}",
+                                      load.cross_node_fraction, iteration)
             for key, value in extra.items():
                 writer.add_scalar(f"moe/{key}", value, iteration)
 
@@ -484,6 +489,9 @@ def moe_track_names(args):
         names.append("global_load_balancing_loss")
     if args.moe_z_loss_coeff is not None:
         names.append("z_loss")
+    if getattr(args, "moe_router_topology", "none") == "ta_loss" and \
+            getattr(args, "moe_topology_loss_coeff", 0) > 0:
+        names.append("topology_loss")  # megatron_moe/moe/topo_router.py
     return names
 
 

@@ -5,11 +5,17 @@ adds the layer's local tokens-per-expert to a buffer. ``collect()`` sums the buf
 ranks (each rank routes distinct tokens: DP replicas see other data and, with sequence
 parallelism, TP ranks see other sequence shards) and returns the imbalance figures the training
 log prints. Counts are summed over every micro-batch since the last ``collect()``.
+
+When the EP group spans more than one node (``megatron_moe.topology``: ``--ranks-per-node``,
+``--topology-file``), the hook also counts the token-expert assignments whose expert lives on
+another node than the routing rank (expert e on EP rank e // (E / EP), node = EP rank // EP ranks
+per node); ``collect()`` reports their share of all assignments as ``cross_node_fraction``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,16 +27,23 @@ class LayerLoad:
     tokens_per_expert: list[int]
     expert_max_over_mean: float      # 1.0 = perfectly balanced
     rank_max_over_mean: float        # the same over EP ranks (experts grouped by owner)
+    cross_node_fraction: Optional[float] = None  # off-node assignments / all (None: one node)
 
 
 class ExpertLoadTracker:
     """Records tokens per expert per MoE layer; call ``attach(model)`` once after building."""
 
-    def __init__(self, num_layers: int, num_experts: int, ep_size: int):
+    def __init__(self, num_layers: int, num_experts: int, ep_size: int, layout=None):
+        """``layout``: a ``megatron_moe.moe.topo_router.EPLayout``; default (None) reads this rank's
+        EP group and the topology at ``attach()``."""
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        # [off-node assignments, all assignments] per layer, summed like ``counts``
+        self.cross = torch.zeros(num_layers, 2, dtype=torch.float64)
+        self.layout = layout
+        self._off_node = None  # [E] bool: expert on another node than this rank
         self.enabled = True  # off during evaluation
         self.listeners = []  # callables(layer_number, routing_map) for other consumers (balance stats)
         self._handles = []
@@ -39,6 +52,7 @@ class ExpertLoadTracker:
         """Hook every router in the model chunks; returns the number of hooked routers."""
         from megatron.core.transformer.moe.router import Router
 
+        self._set_off_node()
         for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
             for module in chunk.modules():
                 if isinstance(module, Router):
@@ -52,18 +66,42 @@ class ExpertLoadTracker:
         layer = int(router.layer_number)  # set by megatron-core's TransformerLayer
         counts = routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(dim=0)
         self.counts[layer - 1] += counts.to(device="cpu", dtype=torch.float64)
+        if self._off_node is not None:
+            flat = routing_map.detach().reshape(-1, routing_map.shape[-1])
+            off = flat[:, self._off_node.to(flat.device)].sum()
+            self.cross[layer - 1] += torch.stack([off, counts.sum()]).to("cpu", torch.float64)
         for listener in self.listeners:
             listener(layer, routing_map)
 
+    def _set_off_node(self):
+        if self.layout is None:
+            try:
+                from megatron.core import parallel_state
+
+                if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+                    return
+                from megatron_moe.moe.topo_router import ep_layout
+
+                self.layout = ep_layout(parallel_state.get_expert_model_parallel_group())
+            except ValueError:
+                return  # an EP group that is not node-major: no per-node figure
+        if self.layout.nodes > 1:
+            self._off_node = self.layout.expert_nodes(self.num_experts) != self.layout.my_node
+
     def collect(self, group=None) -> list[LayerLoad]:
-        """Sum counts over ``group`` (default: world), reset them, and return per-layer loads."""
-        counts = self.counts.clone()
+        """Sum counts over ``group`` (default: world), reset them, and return per-layer loads.
+
+        The cross-node figures are summed over the same ranks: the fraction is that of every
+        routing rank's assignments leaving its own node (all EP groups together)."""
+        counts = torch.cat([self.counts, self.cross], dim=1)
         self.counts.zero_()
+        self.cross.zero_()
         if dist.is_initialized():
             device = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
             counts = counts.to(device)
             dist.all_reduce(counts, group=group)
             counts = counts.cpu()
+        counts, cross = counts[:, :self.num_experts], counts[:, self.num_experts:]
         loads = []
         for layer in range(self.num_layers):
             row = counts[layer]
@@ -75,6 +113,9 @@ class ExpertLoadTracker:
                 tokens_per_expert=[int(c) for c in row.tolist()],
                 expert_max_over_mean=float(row.max() / row.mean()),
                 rank_max_over_mean=float(per_rank.max() / per_rank.mean()),
+                cross_node_fraction=(float(cross[layer, 0] / cross[layer, 1])
+                                     if self._off_node is not None and cross[layer, 1] > 0
+                                     else None),
             ))
         return loads
 
