@@ -114,6 +114,11 @@ def equivalence_rank(rank, world, cases):
                      moe_balance_n=case.get("n", 0), moe_balance_overlap=case.get("overlap", False),
                      moe_routing_trace_dir=case.get("trace_dir"))
         mgr = BalanceManager(args, [ours], num_microbatches=1, log=log)
+        if "plan_ahead" in case:                 # False: the sequential plan in after_step
+            mgr.plan_ahead = case["plan_ahead"]
+        if case.get("split"):                    # a calibrated T_FNEC that fits exactly one full Trans
+            mgr.cost.t_fnec = 1.5 * mgr.cost.t_trans(1, 0, world)
+        used = []
         opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
         opt_o = torch.optim.Adam(ours.parameters(), lr=1e-2)
         worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
@@ -133,6 +138,9 @@ def equivalence_rank(rank, world, cases):
                     st.placement = Placement([list(range(world))] * E, world)
                 # "planned": keep what mgr.after_step planned from the previous iteration (stale)
                 replicated += len(st.placement.replicated())
+            used.append([m.balance.placement.to_dict() for m in mgr.layers])
+            for m in mgr.layers:
+                st = m.balance
                 for e, S in enumerate(st.placement.replica_sets):
                     if st.owner(e) == rank:      # note 5.3 item 18: (|S_e| - 1) * size(params)
                         expected["trans_sent"] += (len(S) - 1) * st.numel * 8
@@ -152,6 +160,7 @@ def equivalence_rank(rank, world, cases):
         # checkpoint round trip: a fresh manager plans exactly as the uninterrupted one
         sd = copy.deepcopy(mgr.state_dict())
         mgr2 = BalanceManager(args, [ours], num_microbatches=1)
+        mgr2.cost.t_fnec = mgr.cost.t_fnec       # the same calibration (a profile file in training)
         mgr2.load_state_dict(sd)
         for m in mgr.layers:
             a, b = mgr.stats.predict(m.balance.layer_number), mgr2.stats.predict(m.balance.layer_number)
@@ -163,7 +172,8 @@ def equivalence_rank(rank, world, cases):
                "agg_recv": sum(m.balance.bytes_agg_recv for m in mgr.layers)}
         results.append(dict(worst, replicated=replicated, bytes=got, expected_bytes=expected,
                             events=[(e["op"], e["layer"], e["iteration"]) for e in log.events],
-                            metrics=mgr.metrics()))
+                            events_full=[{k: v for k, v in e.items() if k != "seq"} for e in log.events],
+                            placements=used, metrics=mgr.metrics()))
     results.append({"plans": plan_determinism_rank(rank, world, 7)})   # saves a spawn
     if world == 2:
         ps.destroy_model_parallel()

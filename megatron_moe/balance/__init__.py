@@ -41,8 +41,8 @@ def add_arguments(parser):
     g.add_argument("--moe-balance-policy", choices=["none", "proprophet", "fastermoe", "flexmoe"],
                    default="none",
                    help="Placement policy: none = plain expert parallelism; proprophet (planned "
-                        "lightweight replicas), fastermoe (dynamic shadowing), flexmoe (vExperts; "
-                        "runs locality-only in training, see docs/sim.md).")
+                        "lightweight replicas), fastermoe (dynamic shadowing), flexmoe (vExperts with "
+                        "the flexible token router; replicas are transient, see docs/balance.md).")
     g.add_argument("--moe-balance-alpha", type=float, default=1.0,
                    help="Balance tolerance alpha of Eq. 7: stop the search when max H - min H < alpha*I/E "
                         "(default 1.0; the paper artifact hard-codes 3, which never triggers for few experts).")
@@ -50,7 +50,8 @@ def add_arguments(parser):
                    help="Ranks a selected expert is NOT replicated to (0 = all ranks get a replica).")
     g.add_argument("--moe-balance-interval", type=int, default=1, help="Re-plan every N iterations.")
     g.add_argument("--moe-balance-overlap", action="store_true",
-                   help="Block-wise scheduler (Trans/Agg overlapped) and the Eq. 8 cost model.")
+                   help="Block-wise scheduler (next iteration planned under the dispatch all-to-all, "
+                        "Trans in two pieces and Agg overlapped) and the Eq. 8 cost model.")
     g.add_argument("--moe-balance-profile", type=str, default=None,
                    help="Calibration JSON (tools/calibrate_balance.py); default: documented constants.")
     g.add_argument("--moe-balance-predictor", choices=["last", "ema"], default="last",
@@ -142,6 +143,11 @@ class BalanceManager:
                                  "overlapped expert-grad reduction; drop --overlap-grad-reduce")
         self.log = log if log is not None else EventLog(enabled=False)
         self.scheduler = BalanceScheduler(overlap=bool(args.moe_balance_overlap), log=self.log)
+        # Plan ahead (scheduler on): the next plan runs under the dispatch all-to-all of the last
+        # micro-batch; tests turn it off to compare with the sequential plan in after_step
+        self.plan_ahead = bool(args.moe_balance_overlap)
+        self.scheduler.planner = self._plan_ahead
+        self._next_iteration: Optional[int] = None   # after_step's next iteration number, once known
         if num_microbatches is None and getattr(args, "num_microbatches", None):
             num_microbatches = args.num_microbatches
         if num_microbatches is None:
@@ -164,6 +170,7 @@ class BalanceManager:
                                                         8 if "64" in str(cfg.params_dtype) else 4)
             self.cost = CostModel.from_profile(args.moe_balance_profile, input_bytes=cfg.hidden_size * elem,
                                                expert_bytes=st.numel * elem)
+            self.scheduler.cost = self.cost          # Trans split: static t_fnec vs per-expert Trans time
             kw = {"cost": self.cost}
             if args.moe_balance_policy == "proprophet":
                 kw.update(alpha=args.moe_balance_alpha, n=args.moe_balance_n,
@@ -183,16 +190,37 @@ class BalanceManager:
         """Agg: every replica gradient summed into its owner's grad (call before finalize_model_grads)."""
         self.scheduler.finish_agg()
 
+    def _replan_expected(self) -> bool:
+        k = self.args.moe_balance_interval
+        return k == 1 or (self._next_iteration is not None and self._next_iteration % k == 0)
+
+    def _plan_ahead(self, st) -> None:
+        """Scheduler callback under the dispatch all-to-all: once this iteration's counts of the layer
+        are complete (last training micro-batch), plan iteration j+1 exactly as ``after_step`` would."""
+        policy = self.policies.get(st.layer_number)
+        if (not self.plan_ahead or policy is None or st.train_forwards != self.scheduler.num_microbatches
+                or st.plan_ahead is not None or not self._replan_expected()):
+            return
+        it = self.scheduler.iteration
+        C = st.counts.numpy().copy()
+        self.log.record("plan_start", st.layer_number, it)
+        placement = policy.plan(self.stats.peek(st.layer_number, C), st._active_placement)
+        st.plan_ahead = (it, C, placement)
+        self.log.record("plan", st.layer_number, it)
+
     def after_step(self, iteration: int) -> None:
-        """After the optimizer step: record counts, plan the next placement, write the trace."""
+        """After the optimizer step: record counts, plan the next placement (or apply the plan made
+        under the all-to-all), write the trace."""
         from megatron_moe.balance.stats import imbalance
 
         replan = iteration % self.args.moe_balance_interval == 0
+        self._next_iteration = int(iteration) + 1
         rows, before, after, rmm0, rmm1, replicated = [], [], [], [], [], 0
         for m in self.layers:
             st = m.balance
             C = st.counts.numpy().copy()
             st.counts.zero_()
+            ahead, st.plan_ahead = st.plan_ahead, None
             if C.sum() == 0:
                 continue
             used = st._active_placement
@@ -205,9 +233,13 @@ class BalanceManager:
                 rows.append({"iteration": int(iteration), "layer": int(st.layer_number),
                              "counts": C.astype(np.int64).tolist(), "placement": used.to_plan()})
             if replan and st.layer_number in self.policies:
-                policy = self.policies[st.layer_number]
-                st.placement = policy.plan(self.stats.predict(st.layer_number), used)
-                self.log.record("plan", st.layer_number, self.scheduler.iteration)
+                if ahead is not None and ahead[0] == self.scheduler.iteration and np.array_equal(ahead[1], C):
+                    st.placement = ahead[2]              # same inputs, same deterministic planner
+                    self.log.record("plan_apply", st.layer_number, self.scheduler.iteration)
+                else:
+                    policy = self.policies[st.layer_number]
+                    st.placement = policy.plan(self.stats.predict(st.layer_number), used)
+                    self.log.record("plan", st.layer_number, self.scheduler.iteration)
         self.scheduler.end_iteration()
         if rows:
             with open(self.trace_path, "a") as f:
@@ -236,6 +268,7 @@ class BalanceManager:
 
         self.stats.load_state_dict(sd["stats"])
         self.scheduler.iteration = int(sd.get("iteration", 0))
+        self._next_iteration = None
         pl = {int(k): v for k, v in sd.get("placements", {}).items()}
         for m in self.layers:
             if int(m.balance.layer_number) in pl:

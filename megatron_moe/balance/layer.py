@@ -6,8 +6,12 @@ rank holds a replica of its expert must be computed there and never sent:
 
 1. route (megatron-core router, aux losses unchanged); all-gather the local per-expert counts over
    the EP group -> C[D, E] (the planner's statistics and the all-to-all split sizes);
-2. (token, expert) pairs whose expert has a replica (or the owner) on this rank stay local, the
-   others go to the owner (all_to_all of tokens and probs, as megatron-core's alltoall dispatcher);
+2. the placement's dispatch matrix ``send[e, src, dst]`` (``placement.dispatch_matrix``) says where
+   every (token, expert) pair is computed: Pro-Prophet/FasterMoE placements keep pairs whose expert
+   has a replica (or the owner) on this rank local and send the others to the owner; FlexMoE
+   placements keep what fits the local vExperts and spread the overflow over the other replicas.
+   The all_to_all of tokens and probs is issued asynchronously (the scheduler plans the next
+   iteration while it is in flight);
 3. each computed expert runs once on [its local pairs ; pairs received from each source rank]:
    owned experts with their own parameters, replicas with ``torch.func.functional_call`` on the
    Trans'd tensors; the probs are passed as the expert's per-token scale exactly as SequentialMLP;
@@ -55,9 +59,9 @@ class BalancedMoELayer(MoELayer):
             st.layer_number = self.layer_number
         sched = st.scheduler
         if sched is not None:
-            sched.on_layer_forward(st)
+            sched.on_layer_forward(st, self.training)
         else:
-            st.begin_forward(None)
+            st.begin_forward(None, self.training)
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
         probs, routing_map = self.route(hidden_states, padding_mask)
@@ -65,6 +69,8 @@ class BalancedMoELayer(MoELayer):
         out = self._experts(hidden_states, probs, routing_map)
         if shared is not None:
             out = out + shared
+        if sched is not None:
+            sched.after_layer_forward(st)
         return out, None
 
     def _experts(self, hidden_states, probs, routing_map):
@@ -81,50 +87,55 @@ class BalancedMoELayer(MoELayer):
             C = local_counts.cpu()
         if self.training:
             st.counts += C.to(torch.float64)
-        Cn = C.numpy()
-        mask = st._active_placement.mask()                  # [D, E]: d computes its own e-inputs
+        send = st._active_placement.dispatch(C.numpy())     # [E, src, dst] inputs computed on dst
+        owner = np.arange(E) // L
 
-        # (token, expert) pairs in expert-major order, like megatron-core's permute
+        # (token, expert) pairs in expert-major order, like megatron-core's permute; of expert e's
+        # pairs the first send[e, r, r] stay here, the rest go to the other ranks in ascending order
         pe, pt = routing_map.t().nonzero(as_tuple=True)
         pprobs = probs.t().contiguous().masked_select(routing_map.t().contiguous())
-        is_local = torch.from_numpy(mask[r])[pe]
-        lsel = is_local.nonzero(as_tuple=True)[0]
-        rsel = (~is_local).nonzero(as_tuple=True)[0]
-        owner = np.arange(E) // L
-        remote = np.where(mask, 0, Cn)                      # [D, E]: inputs shipped to the owner
-        in_splits = [int(remote[r, owner == d].sum()) for d in range(D)]
-        out_splits = [int(remote[d, r * L:(r + 1) * L].sum()) for d in range(D)]
+        row = send[:, r, :]                                  # [E, D]
+        order = [r] + [d for d in range(D) if d != r]
+        dst = np.repeat(np.tile(order, E), row[:, order].reshape(-1))
+        is_local = dst == r
+        lsel = torch.from_numpy(np.nonzero(is_local)[0])
+        rem = np.nonzero(~is_local)[0]
+        rsel = torch.from_numpy(rem[np.argsort(dst[rem], kind="stable")])   # by dst, then expert
+        in_splits = [0 if d == r else int(row[:, d].sum()) for d in range(D)]
+        out_splits = [0 if d == r else int(send[:, d, r].sum()) for d in range(D)]
         send_x = x.index_select(0, pt[rsel])   # index_select: its backward is a fast index_add
         send_p = pprobs.index_select(0, rsel)
         if D > 1:
-            recv_x = all_to_all(self.ep_group, send_x, out_splits, in_splits)
-            recv_p = all_to_all(self.ep_group, send_p, out_splits, in_splits)
+            # issued asynchronously: the scheduler plans the next iteration while it is in flight
+            recv_x, recv_p = _dispatch(self.ep_group, send_x, send_p, out_splits, in_splits, st)
         else:
             recv_x, recv_p = send_x, send_p
-        st.a2a_rows_recv += int(sum(out_splits)) - int(out_splits[r])
+        st.a2a_rows_recv += int(sum(out_splits))
+        st.a2a_rows_recv_replica += int(sum(send[e, d, r] for e in range(E) if owner[e] != r
+                                            for d in range(D) if d != r))
 
         # compute order: for each computed expert, [local pairs ; received rows by source rank]
         nloc = int(lsel.numel())
-        loc_counts = np.where(mask[r], Cn[r], 0)
+        loc_counts = send[np.arange(E), r, r]
         loc_start = np.concatenate([[0], np.cumsum(loc_counts)])
-        recv_start = np.zeros((D, L), dtype=np.int64)       # offset of (source d, local expert) rows
+        recv_start = np.zeros((D, E), dtype=np.int64)        # offset of (source d, expert e) rows
         off = 0
         for d in range(D):
-            for le in range(L):
-                recv_start[d, le] = off
-                off += int(remote[d, r * L + le])
+            if d == r:
+                continue
+            for e in range(E):
+                recv_start[d, e] = off
+                off += int(send[e, d, r])
         segments, index = [], []
         for e in range(E):
             mine = owner[e] == r
-            if not (mine or mask[r, e]):
+            if not (mine or r in st._active_placement.replica_sets[e]):
                 continue
             idx = [torch.arange(loc_start[e], loc_start[e + 1])]
-            if mine:
-                le = e - r * L
-                for d in range(D):
-                    k = int(remote[d, e])
-                    if k:
-                        idx.append(nloc + torch.arange(recv_start[d, le], recv_start[d, le] + k))
+            for d in range(D):
+                k = int(send[e, d, r]) if d != r else 0
+                if k:
+                    idx.append(nloc + torch.arange(recv_start[d, e], recv_start[d, e] + k))
             idx = torch.cat(idx).to(torch.int64)
             segments.append((e, int(idx.numel())))
             index.append(idx)
@@ -161,3 +172,37 @@ class BalancedMoELayer(MoELayer):
         out = torch.zeros(x.shape[0], comp_y.shape[-1], dtype=probs.dtype, device=x.device)
         out = out.index_add(0, torch.cat([pt[lsel], pt[rsel]]), torch.cat([loc_y, got_y]).to(probs.dtype))
         return out.to(hidden_states.dtype).view(shape)
+
+
+class _Received(torch.autograd.Function):
+    """The output of an all-to-all that was issued (and waited) outside autograd; backward sends the
+    gradient back with megatron-core's autograd all_to_all (splits swapped), as its own forward would."""
+
+    @staticmethod
+    def forward(ctx, sent, holder, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return holder[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(ctx.group, grad.contiguous(), ctx.in_splits, ctx.out_splits), None, None, None, None
+
+
+def _dispatch(group, send_x, send_p, out_splits, in_splits, st):
+    """Dispatch all-to-all of tokens and probs, async (megatron-core's all_to_all blocks); while it is
+    in flight the scheduler may plan ahead (note 2.6: Plan^{j+1} under iteration j's A2A)."""
+    sched, it = st.scheduler, (st.scheduler.iteration if st.scheduler is not None else None)
+    bufs, works = [], []
+    for t in (send_x, send_p):
+        t = t.detach().contiguous()
+        out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
+        works.append(dist.all_to_all_single(out, t, out_splits, in_splits, group=group, async_op=True))
+        bufs.append(out)
+    st._log("a2a_issue", it, mb=st.forward_count)
+    if sched is not None:
+        sched.during_dispatch(st)
+    for w in works:
+        w.wait()
+    st._log("a2a_wait", it, mb=st.forward_count)
+    return (_Received.apply(send_x, [bufs[0]], group, out_splits, in_splits),
+            _Received.apply(send_p, [bufs[1]], group, out_splits, in_splits))

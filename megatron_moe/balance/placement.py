@@ -5,7 +5,9 @@ to ``model.parameters()``, the optimizer, DDP buffers, the grad norm and ``state
 
 * Trans: the owner sends expert e's flattened parameters to every rank of S_e \\ {owner}
   (point-to-point ``isend``/``irecv`` over the EP group, so any subset works without building
-  communicators). A replica is a set of leaf tensors viewing the received flat buffer.
+  communicators). A replica is a set of leaf tensors viewing the received flat buffer. Trans may be
+  issued in pieces (a list of experts each, the scheduler's two-part split); every rank issues the
+  same pieces in the same order, and ``wait_trans`` waits every piece before the replicas are used.
 * Agg: every replica rank sends its flattened replica grads to the owner, which sums them and adds the
   sum into the owner parameters' ``main_grad`` (megatron DDP) or ``grad``.
 * Byte counters check the note's accounting: Trans moves sum_e (|S_e|-1) * size(params) out of the
@@ -58,18 +60,22 @@ class LayerBalance:
         self.bytes_agg_sent = 0
         self.bytes_agg_recv = 0
         self.a2a_rows_recv = 0
+        self.a2a_rows_recv_replica = 0               # rows received for experts this rank does not own
         self._reset()
 
     # -- iteration state ------------------------------------------------------------------------
     def _reset(self):
-        self.trans_issued = False
+        self.trans_issued = False          # some Trans piece of this iteration was issued
         self.trans_done = False
+        self._trans_sent: set = set()        # experts whose Trans is issued
+        self._trans_pieces: List = []        # (part, experts, work handles) in issue order
+        self.train_forwards = 0              # training-mode forwards this iteration (micro-batches)
+        self.plan_ahead = None               # (iteration, counts, Placement) planned under the a2a
         self.agg_issued = False
         self.agg_done = False
         self.forward_count = 0
         self.backward_count = 0
         self._grad_ready = 0
-        self._trans_work: List = []
         self._trans_bufs: Dict[int, torch.Tensor] = {}
         self._trans_keep: List[torch.Tensor] = []
         self._agg_work: List = []
@@ -82,7 +88,7 @@ class LayerBalance:
     def end_iteration(self):
         for h in self._hooks:
             h.remove()
-        if self._trans_work and not self.trans_done:
+        if self._trans_pieces and not self.trans_done:
             self.wait_trans(None)
         self._reset()
 
@@ -106,19 +112,35 @@ class LayerBalance:
         return [e for e, s in enumerate(self._active_placement.replica_sets)
                 if len(s) > 1 and self.rank in s and self.owner(e) != self.rank]
 
-    def begin_forward(self, iteration):
+    def begin_forward(self, iteration, training: bool = True):
+        self._freeze_placement()
+        self.forward_count += 1
+        if training:
+            self.train_forwards += 1
+
+    def _freeze_placement(self):
         if self.forward_count == 0:
             self._active_placement = self.placement     # fixed for the whole iteration
-        self.forward_count += 1
 
     # -- Trans ----------------------------------------------------------------------------------
-    def issue_trans(self, iteration):
-        if self.forward_count == 0:
-            self._active_placement = self.placement
+    def trans_experts(self) -> List[int]:
+        """Experts replicated in this iteration's placement (identical on every rank), by id."""
+        self._freeze_placement()
+        return self._active_placement.replicated()
+
+    def trans_pending(self) -> List[int]:
+        return [e for e in self.trans_experts() if e not in self._trans_sent]
+
+    def issue_trans(self, iteration, experts: Optional[List[int]] = None, part: str = "all"):
+        """Issue the Trans of ``experts`` (default: every replicated expert not issued yet)."""
+        todo = [e for e in (self.trans_pending() if experts is None else experts) if e not in self._trans_sent]
         self.trans_issued = True
-        self._log("trans_issue", iteration)
-        for e, s in enumerate(self._active_placement.replica_sets):
-            if len(s) <= 1 or self.rank not in s:
+        self._log("trans_issue", iteration, part=part, experts=list(todo))
+        works = []
+        for e in todo:
+            self._trans_sent.add(e)
+            s = self._active_placement.replica_sets[e]
+            if self.rank not in s:
                 continue
             o = self.owner(e)
             if o == self.rank:
@@ -126,28 +148,29 @@ class LayerBalance:
                 self._trans_keep.append(flat)
                 for dst in s:
                     if dst != o:
-                        self._trans_work.append(dist.isend(flat, self._global(dst), self.ep_group,
-                                                           tag=self._tag(e, 0)))
+                        works.append(dist.isend(flat, self._global(dst), self.ep_group, tag=self._tag(e, 0)))
                         self.bytes_trans_sent += flat.numel() * flat.element_size()
             else:
                 p0 = self.template.weight if hasattr(self.template, "weight") else next(
                     self.template.parameters())
                 buf = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
                 self._trans_bufs[e] = buf
-                self._trans_work.append(dist.irecv(buf, self._global(o), self.ep_group, tag=self._tag(e, 0)))
+                works.append(dist.irecv(buf, self._global(o), self.ep_group, tag=self._tag(e, 0)))
                 self.bytes_trans_recv += buf.numel() * buf.element_size()
+        self._trans_pieces.append((part, todo, works))
 
     def wait_trans(self, iteration):
-        if not self.trans_issued:
-            self.issue_trans(iteration)
+        if not self.trans_issued or (self.trans_pending() and not self.trans_done):
+            self.issue_trans(iteration, part="rest" if self.trans_issued else "all")
         if self.trans_done:
             return
-        for w in self._trans_work:
-            w.wait()
-        self._trans_work = []
+        for part, experts, works in self._trans_pieces:    # every piece, in issue order
+            for w in works:
+                w.wait()
+            self._log("trans_wait", iteration, part=part, experts=list(experts))
+        self._trans_pieces = []
         self._trans_keep = []
         self.trans_done = True
-        self._log("trans_wait", iteration)
         for e, buf in self._trans_bufs.items():
             leaves, off = [], 0
             for shape, k in zip(self.shapes, self.numels):

@@ -1,9 +1,23 @@
-"""Block-wise scheduling of Trans and Agg (design note 2.6) and the event log its tests read.
+"""Block-wise scheduling of Plan, Trans and Agg (design note 2.6) and the event log its tests read.
 
-* Trans of MoE layer i+1 is issued (async point-to-point, gloo work handles / NCCL on its own stream)
-  when layer i's forward starts, so it runs under layer i's routing, all-to-all, expert compute and
-  the following attention; layer i+1 waits for it right before its expert compute. Without overlap
-  every layer issues its own Trans and waits at once.
+* Plan ahead: in the last micro-batch's forward of MoE layer i in iteration j, once the count matrix
+  of the iteration is complete, the layer issues its dispatch all-to-all asynchronously and the
+  planner for iteration j+1 (``planner`` callback, the BalanceManager) runs on the host before the
+  all-to-all is waited. The plan is the sequential one: same counts, same deterministic policy on
+  every rank; ``BalanceManager.after_step`` applies it only if the final counts equal the ones it
+  was planned from (otherwise it plans again, as without the scheduler).
+* Trans of MoE layer i+1 is split in two pieces issued during layer i's forward (async
+  point-to-point, gloo work handles / NCCL on its own stream):
+    - part B, issued when layer i starts its expert compute (after its dispatch all-to-all, so it
+      never competes with it), hides under T_FEC of layer i;
+    - part A, issued when layer i's forward returns (after its combine all-to-all), hides under the
+      non-MoE forward that follows (T_FNEC: the next attention block).
+  Sizing rule (note 2.6, offline and static): part A = the longest prefix (expert-id order) of layer
+  i+1's replicated experts whose summed transfer time ``|S_e| * size(params) / (D * B_x)`` (Eq. 4 per
+  expert) fits in the calibrated ``t_fnec``; part B = the rest. Without a calibrated ``t_fnec`` (0)
+  everything goes in part B. Layer i+1 waits both pieces right before its own expert compute. The
+  first layer (nothing before it to hide under) and the no-overlap mode issue one piece at the
+  layer's forward start.
 * Agg of layer i is issued as soon as the last replica gradient of layer i has been accumulated in
   the last micro-batch's backward (a post-accumulate-grad hook), so it runs under the backward of
   the earlier layers; ``finish_agg`` waits for all of them before gradient finalisation. Without
@@ -15,14 +29,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 __all__ = ["EventLog", "BalanceScheduler"]
 
 
 class EventLog:
-    """Ordered (seq, op, layer, iteration) records; ops: trans_issue, trans_wait, fec_start, bec_done,
-    agg_issue, agg_wait, finalize, step, plan."""
+    """Ordered (seq, op, layer, iteration, **detail) records; ops: trans_issue / trans_wait (detail:
+    part, experts), a2a_issue, plan_start, plan, a2a_wait, fec_start, fwd_end, bec_done, agg_issue,
+    agg_wait, finalize, plan_apply, step."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -41,13 +56,15 @@ class EventLog:
 
 
 class BalanceScheduler:
-    def __init__(self, overlap: bool = False, log: Optional[EventLog] = None):
+    def __init__(self, overlap: bool = False, log: Optional[EventLog] = None, cost=None):
         self.overlap = overlap
         self.log = log if log is not None else EventLog()
         self.layers: List = []          # LayerBalance states in forward order (by layer number)
         self.iteration = 0
         self.num_microbatches = 1
         self.training = True
+        self.cost = cost                # CostModel: trans bandwidth and the static t_fnec (split rule)
+        self.planner: Optional[Callable] = None   # plan-ahead callback(state), set by the manager
 
     def register(self, state) -> None:
         if state not in self.layers:
@@ -60,19 +77,49 @@ class BalanceScheduler:
         return self.layers[i + 1] if i + 1 < len(self.layers) else None
 
     # -- forward -------------------------------------------------------------------------------
-    def on_layer_forward(self, state) -> None:
-        """At the start of a layer's forward: make sure its Trans is issued, prefetch the next."""
-        state.begin_forward(self.iteration)
+    def split_trans(self, state) -> Tuple[List[int], List[int]]:
+        """(part A under T_FNEC, part B under T_FEC) of ``state``'s replicated experts (rule above)."""
+        experts = state.trans_experts()
+        if self.cost is None or not self.cost.t_fnec > 0:
+            return [], experts
+        sets = state._active_placement.replica_sets
+        budget, k = self.cost.t_fnec, 0
+        for e in experts:
+            t_x = self.cost.t_trans(1, state.D - len(sets[e]), state.D)      # Eq. 4, one expert
+            if t_x > budget:
+                break
+            budget -= t_x
+            k += 1
+        return experts[:k], experts[k:]
+
+    def on_layer_forward(self, state, training: bool = True) -> None:
+        """At the start of a layer's forward: its Trans is issued (whole, unless the previous layer
+        already issued it in two pieces)."""
+        state.begin_forward(self.iteration, training)
         if not state.trans_issued:
-            state.issue_trans(self.iteration)
-        if self.overlap:
-            nxt = self._next(state)
-            if nxt is not None and not nxt.trans_issued:
-                nxt.issue_trans(self.iteration)
+            state.issue_trans(self.iteration, part="all")
+
+    def during_dispatch(self, state) -> None:
+        """The layer's dispatch all-to-all is in flight: plan the next iteration (plan ahead)."""
+        if self.planner is not None:
+            self.planner(state)
 
     def before_expert_compute(self, state) -> None:
         state.wait_trans(self.iteration)
+        if self.overlap:
+            nxt = self._next(state)
+            if nxt is not None and not nxt.trans_issued:
+                part_a, part_b = self.split_trans(nxt)
+                nxt.issue_trans(self.iteration, part_b, part="B")   # hides under this FEC
         self.log.record("fec_start", state.layer_number, self.iteration)
+
+    def after_layer_forward(self, state) -> None:
+        """The layer's combine all-to-all is done; the non-MoE forward (next attention) follows."""
+        self.log.record("fwd_end", state.layer_number, self.iteration)
+        if self.overlap:
+            nxt = self._next(state)
+            if nxt is not None and nxt.trans_issued and not nxt.trans_done and nxt.trans_pending():
+                nxt.issue_trans(self.iteration, nxt.trans_pending(), part="A")   # hides under FNEC
 
     # -- backward ------------------------------------------------------------------------------
     def on_replica_grads_ready(self, state) -> None:

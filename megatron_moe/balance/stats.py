@@ -65,6 +65,17 @@ class RoutingStats:
             return None
         return self.last(layer) if self.predictor == "last" else self._ema[layer]
 
+    def peek(self, layer: int, C) -> np.ndarray:
+        """What ``predict(layer)`` returns after ``add(layer, _, C)``, without recording C (plan-ahead
+        runs before the iteration's counts are final for the trace/metrics; same arithmetic)."""
+        C = np.asarray(C, dtype=np.float64)
+        if self.predictor == "last":
+            return C.copy()
+        prev = self._ema.get(layer)
+        if prev is not None and prev.shape == C.shape:
+            return self.beta * C + (1.0 - self.beta) * prev
+        return C.copy()
+
     def state_dict(self) -> dict:
         return {"history_len": self.history_len, "predictor": self.predictor, "beta": self.beta,
                 "history": {int(l): [(i, c.tolist()) for i, c in h] for l, h in self.history.items()},

@@ -6,6 +6,11 @@ A policy is a small class: ``plan(counts, current=None) -> Placement`` where ``c
 use. A ``Placement`` is only replica sets: ``replica_sets[e]`` = sorted ranks that compute expert e,
 always containing ``owner[e]``. Semantics (design note 2.3): an input from rank d for expert e is
 computed on d if d is in S_e, otherwise it goes to owner(e) through the all-to-all.
+
+A placement may also carry FlexMoE vExpert counts (``vexperts[e][g]``): then the flexible token router
+(FlexMoE Alg. 3, ``flexmoe.route_tokens``) decides the split instead: each source keeps what fits its
+local vExperts and spreads the overflow over the other replica ranks proportionally to their spare
+room. ``dispatch_matrix`` gives either rule as ``send[e, src, dst]``; the layer executes only that.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Type
 
 import numpy as np
 
-__all__ = ["Placement", "BalancePolicy", "NoBalancePolicy", "default_owner", "loads",
+__all__ = ["Placement", "BalancePolicy", "NoBalancePolicy", "default_owner", "loads", "dispatch_matrix",
            "balance_degree", "register_policy", "make_policy", "POLICIES"]
 
 
@@ -30,6 +35,9 @@ def default_owner(num_experts: int, num_ranks: int) -> np.ndarray:
 class Placement:
     replica_sets: List[List[int]]          # per expert, sorted ranks computing it (owner included)
     num_ranks: int
+    # FlexMoE: vexperts[e][g] = vExpert slots of e on rank g (None: Pro-Prophet locality rule).  The
+    # owner is in replica_sets even with 0 slots: it holds the master copy that Trans sends out.
+    vexperts: Optional[List[List[int]]] = None
 
     @classmethod
     def plain(cls, num_experts: int, num_ranks: int) -> "Placement":
@@ -62,6 +70,15 @@ class Placement:
                 raise ValueError(f"placement: owner {owner[e]} missing from replica set of expert {e}: {s}")
             if min(s) < 0 or max(s) >= self.num_ranks:
                 raise ValueError(f"placement: rank out of range [0,{self.num_ranks}) for expert {e}: {s}")
+        if self.vexperts is not None:
+            n = np.asarray(self.vexperts)
+            if n.shape != (self.num_experts, self.num_ranks) or (n < 0).any():
+                raise ValueError(f"placement: vexperts must be non-negative [{self.num_experts}, "
+                                 f"{self.num_ranks}] counts, got shape {n.shape}")
+            for e, s in enumerate(self.replica_sets):
+                if n[e].sum() < 1 or not set(np.nonzero(n[e])[0].tolist()) <= set(s):
+                    raise ValueError(f"placement: expert {e} needs >= 1 vExpert, all on ranks of its "
+                                     f"replica set {s}: {n[e].tolist()}")
         return self
 
     def replicated(self) -> List[int]:
@@ -77,20 +94,62 @@ class Placement:
     def is_plain(self) -> bool:
         return not self.replicated()
 
+    def dispatch(self, counts) -> np.ndarray:
+        return dispatch_matrix(counts, self)
+
     def to_plan(self) -> list:
         return [[e, sorted(set(range(self.num_ranks)) - set(s))] for e, s in enumerate(self.replica_sets)
                 if len(s) > 1]
 
     def to_dict(self) -> dict:
-        return {"num_ranks": self.num_ranks, "replica_sets": [list(map(int, s)) for s in self.replica_sets]}
+        d = {"num_ranks": self.num_ranks, "replica_sets": [list(map(int, s)) for s in self.replica_sets]}
+        if self.vexperts is not None:
+            d["vexperts"] = [list(map(int, r)) for r in self.vexperts]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Placement":
-        return cls([list(map(int, s)) for s in d["replica_sets"]], int(d["num_ranks"])).validate()
+        vx = d.get("vexperts")
+        return cls([list(map(int, s)) for s in d["replica_sets"]], int(d["num_ranks"]),
+                   None if vx is None else [list(map(int, r)) for r in vx]).validate()
+
+
+def dispatch_matrix(counts, placement: Placement) -> np.ndarray:
+    """``send[e, src, dst]``: how many of rank src's inputs for expert e rank dst computes.
+
+    Without vExperts (Pro-Prophet, FasterMoE): all on src if src is in S_e, else all on the owner.
+    With vExperts (FlexMoE): the integer flexible token router (locality first, overflow spread over
+    the other replicas proportionally to spare capacity; identical on every rank).
+    """
+    C = np.asarray(counts)
+    if np.any(C != np.round(C)) or (C < 0).any():
+        raise ValueError("dispatch_matrix: counts must be non-negative integers")
+    C = C.astype(np.int64)
+    D, E = C.shape
+    if (D, E) != (placement.num_ranks, placement.num_experts):
+        raise ValueError(f"dispatch_matrix: counts {C.shape} vs placement ({placement.num_ranks}, "
+                         f"{placement.num_experts})")
+    if placement.vexperts is not None:
+        from megatron_moe.balance.policies.flexmoe import route_tokens
+
+        return route_tokens(C, np.asarray(placement.vexperts, dtype=np.int64))
+    send = np.zeros((E, D, D), dtype=np.int64)
+    m = placement.mask()
+    owner = placement.owner
+    src = np.arange(D)
+    for e in range(E):
+        send[e, src[m[:, e]], src[m[:, e]]] = C[m[:, e], e]
+        send[e, src[~m[:, e]], owner[e]] = C[~m[:, e], e]
+    return send
 
 
 def loads(counts, placement: Placement):
     """ReplaceInputs: per-rank computed inputs H and A2A-received inputs R under ``placement``."""
+    if placement.vexperts is not None:
+        send = dispatch_matrix(np.rint(np.asarray(counts, dtype=np.float64)), placement)
+        H = send.sum(axis=(0, 1)).astype(np.float64)
+        R = H - np.einsum("egg->g", send).astype(np.float64)
+        return H, R
     C = np.asarray(counts, dtype=np.float64)
     D, E = C.shape
     m = placement.mask()

@@ -198,11 +198,12 @@ class FlexMoEPolicy(BalancePolicy):
     """``--moe-balance-policy flexmoe``: stateful; ``step(origin)`` adjusts the slot table.
 
     ``plan(counts, current)`` (the balance interface) runs ``step`` and returns the slot table as a
-    Pro-Prophet ``Placement`` (replica set = ranks holding a vExpert, plus the owner).  The balance
-    layer executes that with locality-only routing: a rank holding a vExpert computes its own inputs,
-    everything else goes to the owner.  FlexMoE's overflow split across replicas (``route_tokens``),
-    persistent replica optimizer state and Expand/Migrate state moves need execution support the
-    layer does not have (see docs/sim.md); the simulator models the full FlexMoE semantics.
+    ``Placement`` (replica set = ranks holding a vExpert, plus the owner; ``vexperts`` = the slot
+    counts).  The balance layer executes it with the flexible token router (``route_tokens``, via
+    ``dispatch_matrix``): local vExperts first, overflow spread over the other replicas by spare
+    capacity.  Replicas are transient there (parameters sent from the owner each iteration, grads
+    summed back into it); persistent replica optimizer state and Expand/Migrate state moves are not
+    executed in training (docs/balance.md); the simulator models them.
     """
 
     name = "flexmoe"
@@ -385,11 +386,12 @@ class FlexMoEPolicy(BalancePolicy):
         owner = default_owner(self.num_experts, self.num_ranks)
         n = self.table.counts()
         sets = [sorted(set(np.nonzero(n[e])[0].tolist()) | {int(owner[e])}) for e in range(self.num_experts)]
-        return Placement(sets, self.num_ranks).validate()
+        return Placement(sets, self.num_ranks, n.tolist()).validate()
 
     @staticmethod
     def _key(placement: Placement):
-        return tuple(tuple(s) for s in placement.replica_sets)
+        vx = None if placement.vexperts is None else tuple(tuple(r) for r in placement.vexperts)
+        return tuple(tuple(s) for s in placement.replica_sets), vx
 
     def plan(self, counts, current: Optional[Placement] = None) -> Placement:
         """One scheduler step from ``counts``.  With ``current`` (the placement the layer ran), the
