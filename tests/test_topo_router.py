@@ -268,11 +268,14 @@ def test_ta_loss_pushes_probability_toward_local_experts(score_function):
         assert (grad[:, cost == 0] < 0).all() and (grad[:, cost == 1] > 0).all()
 
 
-def test_ta_loss_coefficient_zero_costs_nothing():
+@pytest.mark.parametrize("coeff,layout", [
+    (0.0, tr.EPLayout(ep_rank=0, ep_size=2, ranks_per_node=1)),
+    (0.5, tr.EPLayout(ep_rank=0, ep_size=2, ranks_per_node=2)),   # one node: plain top-k
+], ids=["coeff0", "one-node"])
+def test_ta_loss_coefficient_zero_costs_nothing(coeff, layout):
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    layout = tr.EPLayout(ep_rank=0, ep_size=2, ranks_per_node=1)
-    router = tr.TopologyLossRouter(config(4, 2), PG, coeff=0.0, layout=layout)
+    router = tr.TopologyLossRouter(config(4, 2), PG, coeff=coeff, layout=layout)
     router.set_layer_number(1)
     logits = random_logits(32, 4).requires_grad_()
     probs, routing_map = router.routing(logits)

@@ -168,8 +168,9 @@ def _say_once_one_node(layout: EPLayout, mode: str):
         return
     _SAID_ONE_NODE = True
     if not dist.is_initialized() or dist.get_rank() == 0:
+        extra = " and no topology loss is added" if mode == "ta_loss" else ""
         print(f" [moe] --moe-router-topology {mode}: the EP group ({layout.ep_size} ranks, "
-              f"{layout.ranks_per_node} per node) spans one node; routing is plain top-k",
+              f"{layout.ranks_per_node} per node) spans one node; routing is plain top-k{extra}",
               flush=True)
 
 
@@ -263,6 +264,9 @@ class TopologyLossRouter(TopKRouter):
         self.register_buffer("link_cost", link_costs(layout, config.num_moe_experts),
                              persistent=False)
         if layout.nodes == 1:
+            # no inter-node link to spare: like the other modes this is plain top-k (a pull toward
+            # this rank's own experts would only fight the load-balancing loss)
+            self.coeff = 0.0
             _say_once_one_node(layout, self.mode)
 
     def routing(self, logits, padding_mask=None):
