@@ -29,8 +29,32 @@ class EagerFlexMoE(FlexMoEPolicy):
         super().__init__(PlannerCost(**_FREE_COMM), num_experts, num_ranks, threshold=1.0)
 
 
+class RandomFlex(FlexMoEPolicy):
+    """Random vExpert counts every call (seeded by the call number, so identical on every rank):
+    placements where the owner holds no vExpert, several replicas share an expert's overflow, etc."""
+    name = "flexmoe_random"
+
+    def __init__(self, num_experts, num_ranks, **kw):
+        super().__init__(PlannerCost(**_FREE_COMM), num_experts, num_ranks, threshold=1.0)
+        self.calls_ = 0
+
+    def plan(self, counts, current=None):
+        import numpy as np
+
+        from megatron_moe.balance.policies.base import Placement, default_owner
+
+        rng = np.random.default_rng(self.calls_)
+        self.calls_ += 1
+        n = rng.integers(0, 3, size=(self.num_experts, self.num_ranks))
+        n[n.sum(axis=1) == 0, 0] = 1
+        owner = default_owner(self.num_experts, self.num_ranks)
+        sets = [sorted(set(np.nonzero(n[e])[0].tolist()) | {int(owner[e])}) for e in range(self.num_experts)]
+        return Placement(sets, self.num_ranks, n.tolist()).validate()
+
+
 register_policy(EagerFasterMoE)
 register_policy(EagerFlexMoE)
+register_policy(RandomFlex)
 
 
 def policy_equivalence_rank(rank, world, cases):
@@ -48,13 +72,19 @@ def policy_equivalence_rank(rank, world, cases):
     for case in cases:
         ref = bc._build(case["topk"], False, torch.float64)
         ours = bc._build(case["topk"], True, torch.float64)
-        mgr = BalanceManager(bc._args(moe_balance_policy=case["policy"]), [ours], num_microbatches=1)
+        mgr = BalanceManager(bc._args(moe_balance_policy=case["policy"],
+                                      moe_balance_overlap=case.get("overlap", False)),
+                             [ours], num_microbatches=1)
+        if "plan_ahead" in case:
+            mgr.plan_ahead = case["plan_ahead"]
         opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
         opt_o = torch.optim.Adam(ours.parameters(), lr=1e-2)
         worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
         replicated = 0
+        placements = []
         for it in range(case["iters"]):
             replicated += sum(len(m.balance.placement.replicated()) for m in mgr.layers)
+            placements.append([m.balance.placement.to_dict() for m in mgr.layers])
             lr, gr = bc._iteration(ref, opt_r, it, rank)
             lo, go = bc._iteration(ours, opt_o, it, rank, mgr)      # after_step plans the next placement
             worst["loss"] = max(worst["loss"], abs(lr - lo))
@@ -65,7 +95,9 @@ def policy_equivalence_rank(rank, world, cases):
         # replicas never become parameters, optimizer state or checkpoint entries
         assert sum(1 for _ in ours.parameters()) == sum(1 for _ in ref.parameters())
         assert set(ours.state_dict().keys()) == set(ref.state_dict().keys())
-        results.append(dict(worst, replicated=replicated))
+        results.append(dict(worst, replicated=replicated, placements=placements,
+                            replica_rows=sum(m.balance.a2a_rows_recv_replica for m in mgr.layers),
+                            a2a_rows=sum(m.balance.a2a_rows_recv for m in mgr.layers)))
     return results
 
 

@@ -252,3 +252,53 @@ def test_one_policy_shared_by_layers_keeps_each_layers_table():
     again = FlexMoEPolicy(COMPUTE_ONLY, 4, 4, 2, threshold=1.0)
     assert again.load_state_dict(sd)
     assert again.plan(b, pb).replica_sets == pol.plan(b, pb).replica_sets
+
+
+def test_dispatch_matrix_flexible_router_and_locality_rule():
+    """The layer executes ``dispatch_matrix``: FlexMoE placements (vExpert counts) use the integer
+    flexible router (locality first, overflow by spare capacity); Pro-Prophet placements keep inputs
+    on replica ranks and send the rest to the owner; loads() agrees with both."""
+    from megatron_moe.balance.policies.base import Placement, dispatch_matrix, loads as bal_loads
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        origin = rng.integers(0, 40, size=(4, 4))
+        n = rng.integers(0, 3, size=(4, 4))
+        n[n.sum(axis=1) == 0, 1] = 1
+        owner = np.arange(4)
+        sets = [sorted(set(np.nonzero(n[e])[0].tolist()) | {e}) for e in range(4)]
+        p = Placement(sets, 4, n.tolist()).validate()
+        send = dispatch_matrix(origin, p)
+        np.testing.assert_array_equal(send, route_tokens(origin, n))
+        np.testing.assert_array_equal(send.sum(axis=2).T, origin)               # nothing dropped
+        assert all((send[e][:, n[e] == 0] == 0).all() for e in range(4))         # only to vExperts
+        H, R = bal_loads(origin, p)
+        np.testing.assert_array_equal(H, send.sum(axis=(0, 1)))
+        np.testing.assert_array_equal(R, H - np.einsum("egg->g", send))
+        # the same replica sets without vExperts: Pro-Prophet's rule, and loads() unchanged
+        q = Placement(sets, 4)
+        sq = dispatch_matrix(origin, q)
+        for e in range(4):
+            for d in range(4):
+                tgt = d if d in sets[e] else owner[e]
+                assert sq[e, d, tgt] == origin[d, e] and sq[e, d].sum() == origin[d, e]
+        Hq, Rq = bal_loads(origin, q)
+        np.testing.assert_array_equal(Hq, sq.sum(axis=(0, 1)))
+        np.testing.assert_array_equal(Rq, Hq - np.einsum("egg->g", sq))
+    # overflow goes to the replica with spare room: e0 hot on rank 0, one vExpert on each rank
+    p = Placement([[0, 1], [1]], 2, [[1, 1], [0, 1]])
+    send = dispatch_matrix(np.array([[10, 0], [2, 4]]), p)
+    assert send[0].tolist() == [[6, 4], [0, 2]]          # capacity 6 each: rank 0 keeps 6, spills 4
+
+
+def test_vexpert_placement_validation_and_round_trip():
+    from megatron_moe.balance.policies.base import Placement
+
+    p = Placement([[0, 1], [1]], 2, [[0, 2], [0, 1]]).validate()   # owner without a vExpert is fine
+    assert Placement.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="vExpert"):
+        Placement([[0], [1]], 2, [[1, 1], [0, 1]]).validate()        # slot outside the replica set
+    with pytest.raises(ValueError, match="vExpert"):
+        Placement([[0], [1]], 2, [[0, 0], [0, 1]]).validate()        # expert without a slot
+    with pytest.raises(ValueError, match="vexperts"):
+        Placement([[0], [1]], 2, [[1, 0]]).validate()

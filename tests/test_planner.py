@@ -172,3 +172,39 @@ def test_policy_interface_and_errors(tmp_path):
         CostModel.from_profile(str(bad))
     with pytest.raises(ValueError, match="owner"):
         Placement([[1], [1], [2], [3]], 4).validate()
+
+
+def test_trans_split_rule():
+    """Scheduler: part A (under T_FNEC) = longest expert-id prefix of the next layer's replicated
+    experts whose Eq. 4 time fits the calibrated t_fnec; part B (under T_FEC) = the rest."""
+    import types
+
+    from megatron_moe.balance.scheduler import BalanceScheduler
+
+    cm = gold_cost()
+    full = cm.t_trans(1, 0, 4)                     # one expert to all 4 ranks
+    pl = Placement([[0, 1, 2, 3], [1], [0, 1, 2], [0, 1, 2, 3]], 4)
+    st = types.SimpleNamespace(D=4, _active_placement=pl, trans_experts=lambda: pl.replicated())
+    sched = BalanceScheduler(overlap=True, cost=cm)
+    assert sched.split_trans(st) == ([], [0, 2, 3])                      # t_fnec = 0: all under FEC
+    cm.t_fnec = 1.5 * full
+    assert sched.split_trans(st) == ([0], [2, 3])
+    cm.t_fnec = 1.8 * full                         # expert 2 goes to 3 of 4 ranks: 0.75 of a full one
+    assert sched.split_trans(st) == ([0, 2], [3])
+    cm.t_fnec = 10 * full
+    assert sched.split_trans(st) == ([0, 2, 3], [])
+    assert BalanceScheduler(overlap=True).split_trans(st) == ([], [0, 2, 3])   # no cost model
+
+
+def test_stats_peek_equals_add_then_predict():
+    from megatron_moe.balance.stats import RoutingStats
+
+    rng = np.random.default_rng(1)
+    for predictor in ("last", "ema"):
+        a, b = RoutingStats(predictor=predictor), RoutingStats(predictor=predictor)
+        for it in range(4):
+            C = rng.integers(0, 50, size=(2, 4)).astype(float)
+            peek = a.peek(3, C)
+            a.add(3, it, C)
+            b.add(3, it, C)
+            assert np.array_equal(peek, a.predict(3)) and np.array_equal(a.predict(3), b.predict(3))
