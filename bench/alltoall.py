@@ -261,7 +261,8 @@ def _reduce(out, o):
             row = {"algorithm": algo, "degree": int(rr[1:]), "tokens_per_rank": ch["tokens"],
                    "max_abs_diff_vs_r1": max(r["chunked"]["max_abs_diff_vs_r1"][key] for r in out)}
             for phase in ("fwd", "fwd+bwd"):
-                row[phase + "_s"] = _critical([r["chunked"]["times"][f"{key}/{phase}"] for r in out])
+                row[phase + "_s"] = _critical([r["chunked"]["times"][f"{key}/{phase}"]
+                                               for r in out])
             results["chunked"].append(row)
         for row in results["chunked"]:
             r1 = next(x for x in results["chunked"]
