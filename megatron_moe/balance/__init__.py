@@ -230,8 +230,11 @@ class BalanceManager:
             replicated += len(used.replicated())
             self.stats.add(st.layer_number, iteration, C)
             if self.trace_path:
-                rows.append({"iteration": int(iteration), "layer": int(st.layer_number),
-                             "counts": C.astype(np.int64).tolist(), "placement": used.to_plan()})
+                row = {"iteration": int(iteration), "layer": int(st.layer_number),
+                       "counts": C.astype(np.int64).tolist(), "placement": used.to_plan()}
+                if used.vexperts is not None:      # FlexMoE: the router's slot counts [E][D]
+                    row["vexperts"] = used.vexperts
+                rows.append(row)
             if replan and st.layer_number in self.policies:
                 if ahead is not None and ahead[0] == self.scheduler.iteration and np.array_equal(ahead[1], C):
                     st.placement = ahead[2]              # same inputs, same deterministic planner

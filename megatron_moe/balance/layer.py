@@ -6,7 +6,7 @@ rank holds a replica of its expert must be computed there and never sent:
 
 1. route (megatron-core router, aux losses unchanged); all-gather the local per-expert counts over
    the EP group -> C[D, E] (the planner's statistics and the all-to-all split sizes);
-2. the placement's dispatch matrix ``send[e, src, dst]`` (``placement.dispatch_matrix``) says where
+2. the placement's dispatch matrix ``send[e, src, dst]`` (``policies.base.dispatch_matrix``) says where
    every (token, expert) pair is computed: Pro-Prophet/FasterMoE placements keep pairs whose expert
    has a replica (or the owner) on this rank local and send the others to the owner; FlexMoE
    placements keep what fits the local vExperts and spread the overflow over the other replicas.
