@@ -233,7 +233,7 @@ class BalanceManager:
                 row = {"iteration": int(iteration), "layer": int(st.layer_number),
                        "counts": C.astype(np.int64).tolist(), "placement": used.to_plan()}
                 if used.vexperts is not None:      # FlexMoE: the router's slot counts [E][D]
-                    row["vexperts"] = used.vexperts
+                    row["vexperts"] = [list(map(int, r)) for r in used.vexperts]
                 rows.append(row)
             if replan and st.layer_number in self.policies:
                 if ahead is not None and ahead[0] == self.scheduler.iteration and np.array_equal(ahead[1], C):
