@@ -55,7 +55,8 @@ def initialize_distributed(args):
 
 def _initialize_topology(args):
     """Nodes x ranks per node (--ranks-per-node / --topology-file / LOCAL_WORLD_SIZE), and the
-    intra/inter-node groups the hierarchical and pipe all-to-alls use, made once on every rank."""
+    intra/inter-node groups the non-flat all-to-alls use (built-in or registered), made once on
+    every rank."""
     from megatron.core import parallel_state
 
     from megatron_moe import topology
@@ -66,7 +67,7 @@ def _initialize_topology(args):
         raise ValueError(f"--ranks-per-node {topo.ranks_per_node} ({topo.source}) must divide the "
                          f"world size {dist.get_world_size()}")
     if getattr(args, "num_experts", None) and \
-            getattr(args, "moe_a2a_algorithm", "flat") in ("hierarchical", "pipe"):
+            getattr(args, "moe_a2a_algorithm", "flat") != "flat":
         topology.init_hierarchy_groups(parallel_state.get_expert_model_parallel_group())
 
 

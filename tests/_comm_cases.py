@@ -13,9 +13,9 @@ from megatron_moe import comm, topology
 from megatron_moe.comm.compress import get_compression
 
 
-def _split_matrix(world, seed, max_rows=5, zero_prob=0.25):
+def _split_matrix(world, seed, max_rows=5, zero_prob=0.25, min_rows=0):
     g = torch.Generator().manual_seed(seed)
-    m = torch.randint(0, max_rows + 1, (world, world), generator=g)
+    m = torch.randint(min_rows, max_rows + 1, (world, world), generator=g)
     m[torch.rand((world, world), generator=g) < zero_prob] = 0
     return m
 
@@ -164,3 +164,48 @@ def world_cases(rank, world, rpns, seed=0):
     out["strided"] = _exactness(rank, world, 1, seed + 7, group=mine2)
     out["_t"]["end"] = time.time() - t0
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# user extension points: a registered algorithm and a compressor subclass without its own name
+
+class _HalfNoName(comm.Compressor):
+    """Casts to fp16; deliberately no ``name`` attribute of its own."""
+
+    def compress(self, x):
+        return x.half()
+
+    def wire_bytes_per_row(self, cols, dtype):
+        return 2 * cols
+
+
+def _sequential_a2a(x, out_s, in_s, group, ranks_per_node):
+    """Reference-style user algorithm: one all_to_all_single, reporting its sends."""
+    me = dist.get_rank(group)
+    for j, rows in enumerate(in_s):
+        if j != me:
+            comm.record_wire_bytes(j // ranks_per_node == me // ranks_per_node, rows * x.shape[1])
+    return _ref_a2a(x, out_s, in_s, group)
+
+
+def register_user_plugins():
+    comm.register_algorithm("user_seq_test", _sequential_a2a)
+    comm.register_compression("user_half_test", _HalfNoName())
+
+
+def user_plugins(rank, world, rpn=1):
+    register_user_plugins()
+    in_s = _split_matrix(world, seed=3, zero_prob=0.0, min_rows=1)[rank].tolist()
+    out_s = _split_matrix(world, seed=3, zero_prob=0.0, min_rows=1)[:, rank].tolist()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(sum(in_s), 6, generator=g, dtype=torch.float32)
+    ref = _ref_a2a(x, out_s, in_s)
+    with comm.count_wire_bytes() as counted:
+        y = comm.all_to_all(x, out_s, in_s, algorithm="user_seq_test", ranks_per_node=rpn)
+    expected = comm.wire_stats("flat", _split_matrix(world, seed=3, zero_prob=0.0, min_rows=1), 6 * 4, rpn, rank=rank)
+    z = comm.all_to_all(x, out_s, in_s, algorithm="user_seq_test", ranks_per_node=rpn,
+                        compression="user_half_test")
+    return {"exact": torch.equal(y, ref), "counted": counted, "expected": expected,
+            "compressed_as_fp16": torch.equal(z, ref.half().float()),
+            "lossy": not torch.equal(z, ref),
+            "name": get_compression("user_half_test").name}

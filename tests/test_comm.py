@@ -208,3 +208,43 @@ def test_brute_force_finds_better_than_a_bad_order():
     best, order = schedule.brute_force_best(2, d, all_comm_orders=False, bound=26.0)
     assert order is not None and best == pytest.approx(20.0)
     assert math.isclose(schedule.simulate(*schedule.stage_major_order(2), d)[0], 26.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# user extension points
+
+
+def test_user_algorithm_and_nameless_compressor_on_two_ranks():
+    for res in run_distributed(_comm_cases.user_plugins, 2, 1, timeout_s=120):
+        assert res["exact"]
+        # the user algorithm's record_wire_bytes calls reach count_wire_bytes
+        assert res["counted"] == res["expected"] and res["counted"]["inter_bytes"] > 0
+        # a subclass without its own name is registered under, and used as, the given name
+        assert res["name"] == "user_half_test"
+        assert res["compressed_as_fp16"] and res["lossy"]
+
+
+def test_registered_algorithm_is_accepted_on_the_command_line():
+    from megatron_moe import comm
+
+    _comm_cases.register_user_plugins()
+
+    class Args:
+        moe_a2a_algorithm = "user_seq_test"
+        moe_a2a_compression = "user_half_test"
+
+    comm.validate_args(Args())
+    parser = comm.add_arguments(__import__("argparse").ArgumentParser())
+    args = parser.parse_args(["--moe-a2a-algorithm", "user_seq_test"])
+    assert args.moe_a2a_algorithm == "user_seq_test"
+    Args.moe_a2a_algorithm = "nope"
+    with pytest.raises(ValueError, match="--moe-a2a-algorithm='nope'"):
+        comm.validate_args(Args())
+
+
+def test_int8_non_finite_row_decodes_to_nan():
+    c = get_compression("int8")
+    x = torch.tensor([[1.0, float("inf"), 2.0], [1.0, 2.0, 3.0]])
+    y = c.decompress(c.compress(x), x.dtype, 3)
+    assert torch.isnan(y[0]).all()  # loud, not silently clipped
+    assert torch.isfinite(y[1]).all()

@@ -5,6 +5,7 @@ Public API::
     all_to_all(input, output_split_sizes, input_split_sizes, group, algorithm="flat",
                ranks_per_node=None, compression="none") -> Tensor
     register_algorithm(name, fn, supports_async=False); register_compression(name, obj)
+    record_wire_bytes(intra, nbytes)  # byte accounting from inside a registered algorithm
     chunked_moe_exchange(tokens, input_splits, output_splits, expert_fn, group, degree,
                          order="schemoe", algorithm="flat", compression="none")
     wire_stats(algorithm, split_matrix, row_bytes, ranks_per_node); formula_wire_stats(...)
@@ -14,24 +15,26 @@ See docs/comm.md.
 """
 
 from megatron_moe.comm.alltoall import (all_to_all, available_algorithms, count_wire_bytes,
-                                        formula_wire_stats, get_algorithm, register_algorithm,
-                                        start_all_to_all, wire_stats)
+                                        formula_wire_stats, get_algorithm, record_wire_bytes,
+                                        register_algorithm, start_all_to_all, wire_stats)
 from megatron_moe.comm.compress import (Compressor, available_compressions, get_compression,
                                         register_compression)
 from megatron_moe.comm.schedule import chunked_moe_exchange
 
 __all__ = ["all_to_all", "register_algorithm", "available_algorithms", "get_algorithm",
-           "start_all_to_all", "wire_stats", "formula_wire_stats", "count_wire_bytes",
+           "start_all_to_all", "wire_stats", "record_wire_bytes", "formula_wire_stats", "count_wire_bytes",
            "Compressor", "register_compression", "get_compression", "available_compressions",
            "chunked_moe_exchange", "add_arguments", "validate_args"]
 
 
 def add_arguments(parser):
     g = parser.add_argument_group("moe communication and topology")
-    g.add_argument("--moe-a2a-algorithm", default="flat", choices=["flat", "hierarchical", "pipe"],
+    # no argparse choices: algorithms registered by the user's launch script are valid too
+    g.add_argument("--moe-a2a-algorithm", default="flat",
                    help="Expert-parallel all-to-all: flat (all_to_all_single), hierarchical "
                         "(2D: intra-node then inter-node among same local rank), pipe (ScheMoE: "
-                        "intra- and inter-node peers on two concurrent channels).")
+                        "intra- and inter-node peers on two concurrent channels), or a name "
+                        "registered with megatron_moe.comm.register_algorithm.")
     g.add_argument("--moe-a2a-compression", default="none",
                    help="Compression around the all-to-all, forward and backward: none, fp16, "
                         "bf16, int8 (per-row min/max), or a name registered with "
@@ -62,6 +65,7 @@ def validate_args(args):
     """Checks that need no process group; raise ValueError naming the flag."""
     if getattr(args, "moe_a2a_overlap_degree", 1) < 1:
         raise ValueError(f"--moe-a2a-overlap-degree={args.moe_a2a_overlap_degree} must be >= 1")
+    get_algorithm(getattr(args, "moe_a2a_algorithm", "flat"))
     get_compression(getattr(args, "moe_a2a_compression", "none"))
     rpn = getattr(args, "ranks_per_node", None)
     if rpn is not None and rpn < 1:

@@ -115,7 +115,9 @@ def count_wire_bytes():
         _COUNTERS.remove(c)
 
 
-def _record(intra: bool, nbytes: int):
+def record_wire_bytes(intra: bool, nbytes: int) -> None:
+    """Count one message of ``nbytes`` on an intra- (True) or inter-node link in every open
+    ``count_wire_bytes`` block. A registered algorithm calls this for each send it issues."""
     if nbytes <= 0 or not _COUNTERS:
         return
     k = "intra" if intra else "inter"
@@ -136,7 +138,7 @@ def _flat(x, out_splits, in_splits, group, rpn, async_op=False):
     me, rb = _group_rank(group), x.shape[1]
     for j, s in enumerate(in_splits):
         if j != me:
-            _record(j // rpn == me // rpn, s * rb)
+            record_wire_bytes(j // rpn == me // rpn, s * rb)
     out = x.new_empty((sum(out_splits), rb))
     work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
     return (out, work) if async_op else out
@@ -159,7 +161,7 @@ def _hierarchical(x, out_splits, in_splits, group, rpn, async_op=False):
     recv1 = cnt_recv.sum(1).tolist()
     for h, s in enumerate(send1):
         if h != g0:
-            _record(True, s * rb)
+            record_wire_bytes(True, s * rb)
     y1 = x.new_empty((sum(recv1), rb))
     dist.all_to_all_single(y1, x1, recv1, send1, group=hg.intra)
     # phase 2: (source local, dest node) -> (dest node, source local)
@@ -168,7 +170,7 @@ def _hierarchical(x, out_splits, in_splits, group, rpn, async_op=False):
     recv2 = torch.tensor(out_splits, dtype=torch.long).view(N, M).sum(1).tolist()
     for n, s in enumerate(send2):
         if n != n0:
-            _record(False, s * rb)
+            record_wire_bytes(False, s * rb)
     out = x.new_empty((sum(out_splits), rb))
     # phase 3: inter-node among same local rank; arrives in global source-rank order
     dist.all_to_all_single(out, x2, recv2, send2, group=hg.inter)
@@ -211,7 +213,7 @@ def _pipe(x, out_splits, in_splits, group, rpn, async_op=False):
         ops = intra_ops if intra else inter_ops
         # zero-size transfers are skipped on both sides (both know the size)
         if in_splits[j]:
-            _record(intra, in_splits[j] * rb)
+            record_wire_bytes(intra, in_splits[j] * rb)
             ops.append(dist.P2POp(dist.isend, x[ioff[j]:ioff[j] + in_splits[j]], peer, group=pg,
                                   tag=tag))
         if out_splits[j]:
@@ -296,7 +298,7 @@ def start_all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm=
     comp = get_compression(compression)
     cols = math.prod(x.shape[1:])
     x2 = x.contiguous().reshape(rows, cols)
-    use = comp.name != "none" and comp.applies_to(x)
+    use = comp is not get_compression("none") and comp.applies_to(x)
     w = comp.compress(x2).contiguous() if use else x2
     wb = w.view(torch.uint8)  # [rows, bytes per row]: algorithms move bytes, bit-exact
     out_shape = (sum(out_s),) + tuple(x.shape[1:])

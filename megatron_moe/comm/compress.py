@@ -14,7 +14,9 @@ bf16       |x^ - x| <= 2^-8 |x| for normal fp32 values (round to nearest)
 int8       per-row affine: lo = min(row), s = max(row) - min(row), q = floor((x-lo)/s*255);
            x^ = lo + q*s/255 with 0 <= x - x^ <= s/255 (+ fp32 rounding of lo, s: <= 2 ulp of
            max|row|); a constant row (s = 0) is exact. Wire: cols bytes + 8 bytes per row
-           (lo, s as fp32) vs 4*cols for fp32
+           (lo, s as fp32) vs 4*cols for fp32. Assumes finite input: a row holding inf or
+           NaN decodes to all-NaN, so the loss turns NaN and the NaN-loss check stops the run
+           instead of training on silently clipped values
 =========  ===========================================================================
 
 Used in forward AND backward: the gradient of an all-to-all is itself compressed with the same
@@ -109,6 +111,10 @@ def register_compression(name: str, compressor) -> None:
     for m in ("compress", "decompress", "wire_bytes_per_row", "applies_to"):
         if not callable(getattr(obj, m, None)):
             raise TypeError(f"register_compression({name!r}): object lacks method {m}()")
+    try:
+        obj.name = name  # the registered name is the one flags, logs and the bench show
+    except AttributeError:
+        pass
     _REGISTRY[name] = obj
 
 
