@@ -42,13 +42,12 @@ def _build(hidden, ffn, experts, seq, topk, skew, seed=1234):
 
 
 def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=512, experts=4, seq=128,
-                    mbs=4, topk=2, skew=True, trace_dir=None):
+                    mbs=4, topk=2, skew=True, trace_dir=None, profile=None):
     """All policies' models are built up front and stepped round-robin (rotating order every
     iteration), so machine-load drift on the shared CPU hits every policy alike."""
     from megatron.core import parallel_state as ps
 
     from megatron_moe.balance import BalanceManager
-    from megatron_moe.balance.policies.base import make_policy
     from tests._balance_cases import _args
 
     # one intra-op thread per rank: each rank is one "device" (a core); otherwise an idle rank's core
@@ -59,11 +58,8 @@ def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=51
     for pol in policies:
         model = _build(hidden, ffn, experts, seq, topk, skew)
         tdir = trace_dir if (trace_dir and pol == "none") else None     # the real routing, for the simulator
-        mgr = BalanceManager(_args(moe_balance_policy=pol, moe_routing_trace_dir=tdir), [model],
-                             num_microbatches=1)
-        if pol in ("fastermoe", "flexmoe") and mgr.policy is not None:
-            # the manager passes its CostModel (built from the model's real sizes) only to proprophet
-            mgr.policy = make_policy(pol, mgr.policy.num_experts, mgr.policy.num_ranks, cost=mgr.cost)
+        mgr = BalanceManager(_args(moe_balance_policy=pol, moe_routing_trace_dir=tdir,
+                                   moe_balance_profile=profile), [model], num_microbatches=1)
         opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         runs[pol] = dict(model=model, mgr=mgr, opt=opt, times=[], replicated=0)
     g = torch.Generator().manual_seed(rank)
@@ -101,8 +97,9 @@ def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=51
 
 
 def calibrate_rank(rank, world, hidden=128, ffn=512, inputs=1024, reps=7):
-    """Micro-benchmarks on the 2 gloo ranks, run concurrently as in training: expert forward
-    seconds per input, all-to-all and broadcast bandwidth (bytes/s)."""
+    """Micro-benchmarks on the 2 gloo ranks, run concurrently as in training: expert forward and
+    forward+backward seconds per input (at the per-expert batch of the skewed run), all-to-all and
+    broadcast bandwidth (bytes/s) and per-message latency (seconds, from a one-row exchange)."""
     import torch.nn as nn
 
     def med(fn):
@@ -120,10 +117,29 @@ def calibrate_rank(rank, world, hidden=128, ffn=512, inputs=1024, reps=7):
     x = torch.randn(inputs, hidden)
     with torch.no_grad():
         t_fwd = med(lambda: mlp(x))
-    buf = torch.randn(inputs, hidden)
+    # forward + backward of the model's own MoE layer (router, token shuffling, experts,
+    # combine: everything whose cost grows with the inputs a rank computes), with EP = 1 so that
+    # each rank computes all of its inputs itself; per input = the slope between two batch sizes
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(expert_model_parallel_size=1)
+    moe = _build(hidden, ffn, 2 * world, 128, 2, skew=False).decoder.layers[0].mlp
+
+    def moe_fwd_bwd(tokens):
+        h = torch.randn(tokens, 1, hidden, requires_grad=True)
+        return lambda: moe(h)[0].sum().backward()
+
+    t_small, t_large = med(moe_fwd_bwd(inputs // 2)), med(moe_fwd_bwd(inputs))
+    t_fwd_bwd = (t_large - t_small) / inputs        # top-2: inputs // 2 more tokens = inputs more inputs
+    ps.destroy_model_parallel()
+    buf = torch.randn(4 * inputs, hidden)
     out = torch.empty_like(buf)
     t_a2a = med(lambda: dist.all_to_all_single(out, buf))
+    tiny, tiny_out = torch.randn(world, 1), torch.empty(world, 1)
+    t_lat = med(lambda: dist.all_to_all_single(tiny_out, tiny))
     params = torch.randn(2 * hidden * ffn)
     t_bc = med(lambda: dist.broadcast(params, 0))
     a2a_bytes = buf.numel() * 4 * (world - 1) / world          # what leaves each rank
-    return dict(fwd_s_per_input=t_fwd / inputs, a2a_bw=a2a_bytes / t_a2a, bcast_bw=params.numel() * 4 / t_bc)
+    return dict(fwd_s_per_input=t_fwd / inputs, fwd_bwd_s_per_input=t_fwd_bwd,
+                a2a_bw=a2a_bytes / max(t_a2a - t_lat, 0.25 * t_a2a),   # guard: noisy difference
+                a2a_lat=t_lat / max(1, world - 1),
+                bcast_bw=params.numel() * 4 / t_bc)

@@ -30,6 +30,14 @@ def _proprophet_cls():
         return None
 
 
+def _training_planner_defaults() -> Dict[str, float]:
+    import argparse
+
+    from megatron_moe.balance import add_arguments
+    a = add_arguments(argparse.ArgumentParser()).parse_args([])
+    return {"alpha": a.moe_balance_alpha, "n": a.moe_balance_n}
+
+
 def available_policies() -> List[str]:
     pols = ["none", "fastermoe", "flexmoe"]
     if _proprophet_cls() is not None:
@@ -93,6 +101,10 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
             raise ValueError("sim: policy 'proprophet' needs megatron_moe.balance.policies.proprophet."
                              "ProProphetPolicy (the balance engineer's planner), which is not importable")
         kw.setdefault("eq8", overlap)
+        # plan as training does by default (--moe-balance-alpha / --moe-balance-n defaults), so a
+        # replayed trace gets the placements the training run would have used
+        for k, v in _training_planner_defaults().items():
+            kw.setdefault(k, v)
         pols = {(g, l): cls(num_experts=n_exp, num_ranks=p, cost=cluster.cost_model(ranks[g]), **kw)
                 for g in range(groups) for l in range(layers)}
     prev = {}
