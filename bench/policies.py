@@ -129,6 +129,7 @@ def part_c(args, measured, profile_path, profile):
     skewed = load_trace_dir(measured[True]["trace_dir"])[2:]
     print(f"   recorded routing, rank max/mean load per layer: learned "
           f"{_maxmean(learned):.2f}, skewed {_maxmean(skewed):.2f}")
+
     def median_iter(trace, cl, pol):     # part (a) reports median iterations: compare like with like
         return float(np.median(simulate(trace, cl, pol, plan_time="measured").values["iter_s"]))
 
@@ -222,13 +223,16 @@ def main(argv=None):
     p.add_argument("--sim-tolerance", type=float, default=0.25,
                    help="part (c): the simulator-vs-measured relative error we state and check")
     args = p.parse_args(argv)
+    result = {}
     if not args.skip_a:
         path = os.path.join(tempfile.mkdtemp(prefix="policies_profile_"), "profile.json")
         profile = calibrate(args, path)
         measured = part_a(args, profile=path)
+        result.update(profile=profile, measured=measured)
         if measured:
-            part_c(args, measured, path, profile)
+            result["errors"] = part_c(args, measured, path, profile)
     part_b(args)
+    return result
 
 
 if __name__ == "__main__":
