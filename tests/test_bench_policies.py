@@ -24,13 +24,13 @@ def test_short_run(tmp_path, capsys):
     cm = CostModel.from_dict({k: v for k, v in prof.items() if k != "meta"})
     assert cm.throughput > 0 and prof["meta"]["a2a_latency_s"] > 0
 
-    skewed, learned = res["measured"][True], res["measured"][False]
+    skewed = res["measured"][True]
     trace = load_trace_dir(skewed["trace_dir"])          # [iterations, layers, src, experts]
     assert trace.shape[1:] == (2, 2, 4)
     per_rank = trace.reshape(-1, 2, 2, 2).sum(axis=(1, 3))  # inputs computed per owner rank
     assert np.allclose(per_rank.max(axis=1) / per_rank.mean(axis=1), 2.0)
     for pol in ("fastermoe", "proprophet"):   # replicating is worth 30x its cost at this skew
-        assert skewed[pol]["replicated"] > 0 and learned[pol]["replicated"] >= 0
+        assert skewed[pol]["replicated"] > 0
     assert set(res["errors"]) == {"none", "fastermoe", "flexmoe", "proprophet"}
     assert all(math.isfinite(e) for e in res["errors"].values())
     assert "stated tolerance 25%" in out and "speedup" in out
