@@ -83,7 +83,7 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler)
-    hooks = TrainingHooks(args, model)
+    hooks = TrainingHooks(args, model, optimizer)
 
     iteration, consumed_train, consumed_valid, extra = 0, 0, 0, {}
     if args.load is not None:
@@ -153,7 +153,7 @@ def _iterator(args, dataset, consumed):
 class TrainingHooks:
     """Feature modules that act around a training step (telemetry, load balancing, writers)."""
 
-    def __init__(self, args, model):
+    def __init__(self, args, model, optimizer=None):
         from megatron.core import parallel_state
 
         from megatron_moe.model import unwrap
@@ -178,15 +178,23 @@ class TrainingHooks:
 
             def finalize_with_agg(*a, **k):
                 self.balance.before_finalize_grads()
-                return finalize(*a, **k)
+                out = finalize(*a, **k)
+                self.balance.after_finalize_grads()    # persistent replicas: final grads to replicas
+                return out
 
             config.finalize_model_grads_func = finalize_with_agg
+            if optimizer is not None:
+                self.balance.set_optimizer(optimizer)
         self.writer = None
         if args.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
+
+    def after_optimizer_step(self, update_successful, grad_norm):
+        if self.balance is not None:
+            self.balance.after_optimizer_step(update_successful, grad_norm)
 
     def after_step(self, iteration):
         if self.balance is not None:
@@ -240,6 +248,7 @@ class Trainer:
             micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
             forward_only=False)
         update_successful, grad_norm, num_zeros = self.optimizer.step()
+        self.hooks.after_optimizer_step(update_successful, grad_norm)   # before the lr moves
         if update_successful:
             self.scheduler.step(increment=args.global_batch_size)
         else:

@@ -6,8 +6,11 @@ Integration (the training loop calls exactly these):
     spec = balance.install(args, spec)                 # MoELayer -> BalancedMoELayer in the layer spec
     mgr = balance.BalanceManager(args, model_chunks)   # after the model is built
     ... forward/backward of all micro-batches ...
+    mgr.set_optimizer(optimizer)                       # FlexMoE persistent replicas (else transient)
     mgr.before_finalize_grads()                        # Agg: before finalize_model_grads / clip / step
-    ... optimizer.step() ...
+    mgr.after_finalize_grads()                         # persistent: finalised grads back to the replicas
+    ok, grad_norm, _ = optimizer.step()
+    mgr.after_optimizer_step(ok, grad_norm)            # persistent: the same update on every replica
     mgr.after_step(iteration)                          # stats, next plan, trace files
     log.update(mgr.metrics())
     ckpt["balance"] = mgr.state_dict(); mgr.load_state_dict(ckpt["balance"])
@@ -25,7 +28,7 @@ __all__ = ["add_arguments", "install", "customize_spec", "BalanceManager"]
 
 _DEFAULTS = dict(moe_balance_policy="none", moe_balance_alpha=1.0, moe_balance_n=0, moe_balance_interval=1,
                  moe_balance_overlap=False, moe_balance_profile=None, moe_balance_predictor="last",
-                 moe_routing_trace_dir=None)
+                 moe_routing_trace_dir=None, moe_flexmoe_replicas="persistent")
 
 
 def _with_defaults(args):
@@ -42,7 +45,8 @@ def add_arguments(parser):
                    default="none",
                    help="Placement policy: none = plain expert parallelism; proprophet (planned "
                         "lightweight replicas), fastermoe (dynamic shadowing), flexmoe (vExperts with "
-                        "the flexible token router; replicas are transient, see docs/balance.md).")
+                        "the flexible token router; persistent replicas, see --moe-flexmoe-replicas "
+                        "and docs/balance.md).")
     g.add_argument("--moe-balance-alpha", type=float, default=1.0,
                    help="Balance tolerance alpha of Eq. 7: stop the search when max H - min H < alpha*I/E "
                         "(default 1.0; the paper artifact hard-codes 3, which never triggers for few experts).")
@@ -56,6 +60,12 @@ def add_arguments(parser):
                    help="Calibration JSON (tools/calibrate_balance.py); default: documented constants.")
     g.add_argument("--moe-balance-predictor", choices=["last", "ema"], default="last",
                    help="Locality predictor of the next iteration's routing.")
+    g.add_argument("--moe-flexmoe-replicas", choices=["persistent", "transient"], default="persistent",
+                   help="flexmoe: persistent = a replica keeps its weights and its own optimizer state "
+                        "across iterations (params + state move only when the placement changes; grads "
+                        "summed over the replica group, every member applies the same update); transient "
+                        "= parameters sent from the owner every iteration, as proprophet. Persistent "
+                        "needs the non-distributed fp32 optimizer; otherwise transient with a log line.")
     g.add_argument("--moe-routing-trace-dir", type=str, default=None,
                    help="Write per-layer/iteration count matrices (JSON lines) here.")
     return parser
@@ -180,15 +190,64 @@ class BalanceManager:
                                                                  st.num_experts, st.D, **kw)
                              for m in self.layers}
             self.policy = self.policies[st.layer_number]
+        # FlexMoE persistent replicas: requested here, switched on by set_optimizer (it needs the
+        # megatron-core optimizer); any other configuration runs transient replicas
+        self.replica_mode = "transient"
+        self.replica_fallback: Optional[str] = None
+        self.persistent_requested = (args.moe_balance_policy == "flexmoe" and bool(self.layers)
+                                     and args.moe_flexmoe_replicas == "persistent")
+        if self.persistent_requested:
+            self.replica_fallback = _persistent_unsupported(args)
+            if self.replica_fallback:
+                _log_rank0(f"> balance: flexmoe replicas transient: {self.replica_fallback}")
+        self._totals_prev: Dict[str, float] = {}
+        self.op_counts = {"expand": 0, "shrink": 0, "migrate": 0}
         self.trace_path = None
         if args.moe_routing_trace_dir and self.layers and self.layers[0].balance.rank == 0:
             os.makedirs(args.moe_routing_trace_dir, exist_ok=True)
             g = dist.get_rank() if dist.is_initialized() else 0
             self.trace_path = os.path.join(args.moe_routing_trace_dir, f"counts_rank{g:05d}.jsonl")
 
+    # -- persistent replicas (FlexMoE) --------------------------------------------------------------
+    def set_optimizer(self, optimizer) -> str:
+        """Hand the megatron-core optimizer over; with ``--moe-flexmoe-replicas persistent`` (flexmoe)
+        and a non-distributed fp32 optimizer the layers switch to persistent replicas. Returns the
+        replica mode."""
+        if not self.persistent_requested or self.replica_fallback:
+            return self.replica_mode
+        lookup, reason = _optimizer_lookup(optimizer)
+        if reason is None:
+            missing = [m.balance.layer_number for m in self.layers
+                       if any(id(p) not in lookup for p in m.balance._ref_params())]
+            if missing:
+                reason = f"expert params of MoE layers {missing} are not in the optimizer"
+        if reason is not None:
+            self.replica_fallback = reason
+            _log_rank0(f"> balance: flexmoe replicas transient: {reason}")
+            return self.replica_mode
+        self.replica_mode = "persistent"
+        for m in self.layers:
+            m.balance.optim_lookup = lambda p, _l=lookup: _l[id(p)]
+            if m.balance.mode != "persistent":
+                m.balance.mode = "persistent"
+                m.balance.invalidate_replicas()    # built from the owners at the next forward
+        return self.replica_mode
+
     def before_finalize_grads(self) -> None:
         """Agg: every replica gradient summed into its owner's grad (call before finalize_model_grads)."""
         self.scheduler.finish_agg()
+
+    def after_finalize_grads(self) -> None:
+        """Persistent replicas: the owners' finalised gradients go to their replicas (issued here,
+        waited in ``after_optimizer_step``, so the owner's step overlaps the transfer)."""
+        for m in self.layers:
+            m.balance.issue_sumback(self.scheduler.iteration)
+
+    def after_optimizer_step(self, update_successful: bool, grad_norm) -> None:
+        """Persistent replicas: right after megatron-core's ``optimizer.step()`` (before the lr
+        scheduler steps): every replica applies the owner's update (skipped if the step was)."""
+        for m in self.layers:
+            m.balance.step_replicas(bool(update_successful), grad_norm)
 
     def _replan_expected(self) -> bool:
         k = self.args.moe_balance_interval
@@ -243,6 +302,18 @@ class BalanceManager:
                     policy = self.policies[st.layer_number]
                     st.placement = policy.plan(self.stats.predict(st.layer_number), used)
                     self.log.record("plan", st.layer_number, self.scheduler.iteration)
+                for op in getattr(self.policies[st.layer_number], "last_ops", None) or []:
+                    if op[0] in self.op_counts:
+                        self.op_counts[op[0]] += 1
+        for m in self.layers:
+            st = m.balance
+            if st.mode == "persistent" and st.agg_issued and st.trans_issued and not st.replicas_stepped:
+                # the loop skipped after_finalize_grads/after_optimizer_step: the replicas missed this
+                # update, so they are rebuilt from the owners (same decision on every rank)
+                st.invalidate_replicas()
+        totals = self._replica_totals()
+        delta = {k: v - self._totals_prev.get(k, 0.0) for k, v in totals.items()}
+        self._totals_prev = totals
         self.scheduler.end_iteration()
         if rows:
             with open(self.trace_path, "a") as f:
@@ -256,6 +327,26 @@ class BalanceManager:
                 "balance/replicated_experts": float(replicated),
                 "balance/trans_bytes": float(sum(m.balance.bytes_trans_sent for m in self.layers)),
             }
+        if self.layers:
+            # this iteration, sent by this rank: replica upkeep (transient: Trans of the parameters;
+            # persistent: params + optimizer state for new replicas) and gradient sync (Agg, and for
+            # persistent the finalised grads back to the replicas)
+            self.metrics_.update({
+                "balance/replicas_persistent": float(self.replica_mode == "persistent"),
+                "balance/replica_upkeep_bytes": delta["bytes_trans_sent"] + delta["bytes_move_sent"],
+                "balance/replica_upkeep_msgs": delta["msgs_trans_sent"] + delta["msgs_move_sent"],
+                "balance/grad_sync_bytes": delta["bytes_agg_sent"] + delta["bytes_sumback_sent"],
+                "balance/grad_sync_msgs": delta["msgs_agg_sent"] + delta["msgs_sumback_sent"],
+                "balance/replicas_added": delta["replicas_added"],
+                "balance/replicas_dropped": delta["replicas_dropped"],
+            })
+
+    _COUNTERS = ("bytes_trans_sent", "msgs_trans_sent", "bytes_move_sent", "msgs_move_sent",
+                 "bytes_agg_sent", "msgs_agg_sent", "bytes_sumback_sent", "msgs_sumback_sent",
+                 "replicas_added", "replicas_dropped", "replica_steps")
+
+    def _replica_totals(self) -> Dict[str, float]:
+        return {k: float(sum(getattr(m.balance, k) for m in self.layers)) for k in self._COUNTERS}
 
     def metrics(self) -> Dict[str, float]:
         return dict(self.metrics_)
@@ -274,6 +365,7 @@ class BalanceManager:
         self._next_iteration = None
         pl = {int(k): v for k, v in sd.get("placements", {}).items()}
         for m in self.layers:
+            m.balance.invalidate_replicas()    # never checkpointed: rebuilt from the (loaded) owners
             if int(m.balance.layer_number) in pl:
                 p = Placement.from_dict(pl[int(m.balance.layer_number)])
                 if p.num_experts == m.balance.num_experts and p.num_ranks == m.balance.D:
@@ -282,3 +374,41 @@ class BalanceManager:
             policy = self.policies.get(int(layer))
             if policy is not None and hasattr(policy, "load_state_dict"):
                 policy.load_state_dict(state)  # flexmoe falls back to its initial slots on an EP change
+
+
+def _log_rank0(msg: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _persistent_unsupported(args) -> Optional[str]:
+    """Why persistent FlexMoE replicas cannot run with these flags (None: they can)."""
+    if getattr(args, "use_distributed_optimizer", False):
+        return "--use-distributed-optimizer shards the optimizer state (not supported)"
+    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+        return "--fp16/--bf16 keep fp32 main params outside the model (not supported)"
+    dt = getattr(args, "params_dtype", None)
+    if dt is not None and str(dt) not in ("fp32", "torch.float32"):
+        return f"params dtype {dt} (only fp32 supported)"
+    return None
+
+
+def _optimizer_lookup(optimizer):
+    """id(param) -> (torch optimizer, its live param group, clip_grad) over a megatron-core
+    FP32Optimizer or a ChainedOptimizer of them; (None, reason) for anything else."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    subs = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    lookup = {}
+    for sub in subs:
+        if not isinstance(sub, FP32Optimizer):
+            return None, f"optimizer {type(sub).__name__} is not megatron-core's FP32Optimizer"
+        if getattr(sub, "is_stub_optimizer", False) or sub.optimizer is None:
+            continue
+        clip = float(sub.config.clip_grad or 0.0)
+        for group in sub.optimizer.param_groups:
+            for p in group["params"]:
+                lookup[id(p)] = (sub.optimizer, group, clip)
+    return lookup, None

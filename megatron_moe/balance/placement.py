@@ -1,4 +1,4 @@
-"""Execution of a placement inside one MoE layer: transient replicas, Trans and Agg.
+"""Execution of a placement inside one MoE layer: transient or persistent replicas, Trans and Agg.
 
 ``LayerBalance`` is a plain object (never an ``nn.Module``), so the replicas it holds are invisible
 to ``model.parameters()``, the optimizer, DDP buffers, the grad norm and ``state_dict``.
@@ -12,11 +12,31 @@ to ``model.parameters()``, the optimizer, DDP buffers, the grad norm and ``state
   sum into the owner parameters' ``main_grad`` (megatron DDP) or ``grad``.
 * Byte counters check the note's accounting: Trans moves sum_e (|S_e|-1) * size(params) out of the
   owners, Agg the same into them.
+
+Persistent replicas (FlexMoE vExperts, ``mode == "persistent"``, set by ``BalanceManager.set_optimizer``):
+
+* a replica rank keeps the replica's weights (``_Replica.flat``) and its own optimizer state (a torch
+  optimizer of the megatron-core inner optimizer's class, one param group per tensor mirroring the
+  owner-equivalent local param group) across iterations; nothing is sent while its replica set
+  is unchanged;
+* ``held[e]`` = ranks holding a valid replica of e (identical on every rank: it only follows the
+  placement sequence). At the first forward after a placement change the owner sends params + the
+  optimizer state to every new member (Expand / the target of a Migrate); members that left drop
+  their copy (Shrink / the source of a Migrate), with no communication. The source is always the
+  owner: it holds the master copy that megatron-core steps;
+* gradients: Agg (replicas -> owner, summed into the owner's ``main_grad``) before grad finalisation,
+  then ``issue_sumback`` after it sends the owner's finalised gradient (DP-reduced and scaled by
+  megatron-core exactly as the owner's) back to every replica: every member holds the same sum;
+* ``step_replicas`` after ``optimizer.step()``: megatron-core's own ``clip_grad_by_total_norm_fp32``
+  with the step's global grad norm and the owner's ``clip_grad``, then the replica optimizer's
+  ``step()`` with the live hyperparameters (lr, wd, betas, eps) of the owner-equivalent group: the
+  replica stays bit-identical to the owner without a per-iteration parameter transfer.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import dataclasses
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -25,6 +45,20 @@ import torch.distributed as dist
 from megatron_moe.balance.policies.base import Placement
 
 __all__ = ["LayerBalance"]
+
+# message kinds in the point-to-point tag (one sender/receiver pair may exchange several per iteration)
+_TRANS, _AGG, _MOVE, _SUMBACK, _STATE = 0, 1, 2, 3, 4     # _STATE + i: the i-th state dtype buffer
+_KINDS = 8
+
+
+@dataclasses.dataclass
+class _Replica:
+    """A persistent replica of one expert on this rank."""
+    flat: torch.Tensor                  # the parameters, flattened (the leaves view it)
+    leaves: List[torch.Tensor]          # names order, requires_grad leaves
+    opt: torch.optim.Optimizer          # replica optimizer: one group per leaf
+    ref_groups: List[dict]              # live megatron-core param groups the hyperparameters come from
+    stepped: int = 0                    # optimizer steps applied to this copy
 
 
 def _grad_target(p: torch.Tensor) -> torch.Tensor:
@@ -61,6 +95,22 @@ class LayerBalance:
         self.bytes_agg_recv = 0
         self.a2a_rows_recv = 0
         self.a2a_rows_recv_replica = 0               # rows received for experts this rank does not own
+        # persistent replicas (module doc); mode and optim_lookup are set by BalanceManager.set_optimizer
+        self.mode = "transient"
+        self.optim_lookup: Optional[Callable] = None  # param -> (torch optimizer, live group, clip_grad)
+        self.persist: Dict[int, _Replica] = {}       # expert -> this rank's persistent replica
+        self.held: Dict[int, Set[int]] = {}          # expert -> ranks holding a valid replica (all ranks)
+        self.bytes_move_sent = 0                     # params + optimizer state for new replicas
+        self.bytes_move_recv = 0
+        self.msgs_move_sent = 0
+        self.msgs_trans_sent = 0
+        self.msgs_agg_sent = 0
+        self.bytes_sumback_sent = 0
+        self.bytes_sumback_recv = 0
+        self.msgs_sumback_sent = 0
+        self.replicas_added = 0                      # replica copies created on this rank (all time)
+        self.replicas_dropped = 0
+        self.replica_steps = 0                       # replica optimizer steps applied on this rank
         self._reset()
 
     # -- iteration state ------------------------------------------------------------------------
@@ -84,6 +134,13 @@ class LayerBalance:
         self.replicas: Dict[int, List[torch.Tensor]] = {}    # expert -> leaf tensors (names order)
         self._hooks: List = []
         self._active_placement = self.placement
+        self._move_recv: Dict[int, Tuple[torch.Tensor, List[torch.Tensor], list]] = {}
+        self._dropped_checked = False
+        self.sumback_issued = False
+        self._sumback_work: List = []
+        self._sumback_keep: List[torch.Tensor] = []
+        self._sumback_bufs: Dict[int, torch.Tensor] = {}
+        self.replicas_stepped = False
 
     def end_iteration(self):
         for h in self._hooks:
@@ -103,7 +160,7 @@ class LayerBalance:
         return dist.get_global_rank(self.ep_group, r)
 
     def _tag(self, e: int, kind: int) -> int:
-        return ((self.layer_number or 0) * self.num_experts + e) * 2 + kind
+        return ((self.layer_number or 0) * self.num_experts + e) * _KINDS + kind
 
     def owner_params(self, e: int) -> List[torch.Tensor]:
         return list(self.experts.local_experts[e - self.rank * self.num_local].parameters())
@@ -136,6 +193,10 @@ class LayerBalance:
         todo = [e for e in (self.trans_pending() if experts is None else experts) if e not in self._trans_sent]
         self.trans_issued = True
         self._log("trans_issue", iteration, part=part, experts=list(todo))
+        if self.mode == "persistent":
+            self._trans_sent.update(todo)
+            self._trans_pieces.append((part, todo, self._issue_moves(todo)))
+            return
         works = []
         for e in todo:
             self._trans_sent.add(e)
@@ -148,14 +209,15 @@ class LayerBalance:
                 self._trans_keep.append(flat)
                 for dst in s:
                     if dst != o:
-                        works.append(dist.isend(flat, self._global(dst), self.ep_group, tag=self._tag(e, 0)))
+                        works.append(dist.isend(flat, self._global(dst), self.ep_group, tag=self._tag(e, _TRANS)))
                         self.bytes_trans_sent += flat.numel() * flat.element_size()
+                        self.msgs_trans_sent += 1
             else:
                 p0 = self.template.weight if hasattr(self.template, "weight") else next(
                     self.template.parameters())
                 buf = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
                 self._trans_bufs[e] = buf
-                works.append(dist.irecv(buf, self._global(o), self.ep_group, tag=self._tag(e, 0)))
+                works.append(dist.irecv(buf, self._global(o), self.ep_group, tag=self._tag(e, _TRANS)))
                 self.bytes_trans_recv += buf.numel() * buf.element_size()
         self._trans_pieces.append((part, todo, works))
 
@@ -171,6 +233,9 @@ class LayerBalance:
         self._trans_pieces = []
         self._trans_keep = []
         self.trans_done = True
+        if self.mode == "persistent":
+            self._finish_moves()
+            return
         for e, buf in self._trans_bufs.items():
             leaves, off = [], 0
             for shape, k in zip(self.shapes, self.numels):
@@ -212,7 +277,7 @@ class LayerBalance:
                         b = torch.empty(self.numel, dtype=self.owner_params(e)[0].dtype)
                         bufs.append(b)
                         self._agg_work.append(dist.irecv(b, self._global(src), self.ep_group,
-                                                         tag=self._tag(e, 1)))
+                                                         tag=self._tag(e, _AGG)))
                         self.bytes_agg_recv += b.numel() * b.element_size()
                 self._agg_bufs[e] = bufs
             else:
@@ -220,8 +285,9 @@ class LayerBalance:
                 flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
                                   for t in leaves])
                 self._agg_keep.append(flat)
-                self._agg_work.append(dist.isend(flat, self._global(o), self.ep_group, tag=self._tag(e, 1)))
+                self._agg_work.append(dist.isend(flat, self._global(o), self.ep_group, tag=self._tag(e, _AGG)))
                 self.bytes_agg_sent += flat.numel() * flat.element_size()
+                self.msgs_agg_sent += 1
 
     def wait_agg(self, iteration):
         if self.agg_done or not self.agg_issued:
@@ -245,3 +311,231 @@ class LayerBalance:
         self.agg_done = True
         if self.trans_issued:
             self._log("agg_wait", iteration)
+
+    # -- persistent replicas (module doc) -------------------------------------------------------
+    def _ref_params(self) -> List[torch.Tensor]:
+        """This rank's owner-equivalent params (local expert 0, names order): same layer, same names,
+        so the same megatron-core param group (lr, wd, betas, eps) and optimizer-state layout."""
+        return list(self.template.parameters())
+
+    def _state_layout(self) -> List[Tuple[int, str, tuple, torch.dtype]]:
+        """(param index, key, shape, dtype) of the optimizer state a replica needs. Read from the local
+        reference params: every rank steps in lockstep, so owner and receiver derive the same layout
+        (empty before the first step: the replica optimizer then initialises lazily, as the owner's)."""
+        out = []
+        for i, rp in enumerate(self._ref_params()):
+            opt, _, _ = self.optim_lookup(rp)
+            st = opt.state.get(rp, {})
+            for k in sorted(st):
+                v = st[k]
+                if not torch.is_tensor(v):
+                    raise ValueError(f"persistent replicas: optimizer state {k!r} is not a tensor ({type(v)})")
+                out.append((i, k, tuple(v.shape), v.dtype))
+        return out
+
+    @staticmethod
+    def _dtype_groups(layout) -> List[Tuple[torch.dtype, List]]:
+        dtypes = sorted({d for *_, d in layout}, key=str)
+        return [(d, [x for x in layout if x[3] == d]) for d in dtypes]
+
+    def _flat_state(self, params: List[torch.Tensor], layout) -> List[torch.Tensor]:
+        """One flat buffer per state dtype, in layout order, of ``params``' optimizer state."""
+        out = []
+        for _, entries in self._dtype_groups(layout):
+            parts = []
+            for i, k, shape, _ in entries:
+                opt, _, _ = self.optim_lookup(params[i])
+                st = opt.state.get(params[i], {})
+                if sorted(st) != sorted(kk for ii, kk, *_ in layout if ii == i):
+                    raise RuntimeError(f"persistent replicas: layer {self.layer_number} owner state keys "
+                                       f"{sorted(st)} differ from the reference layout")
+                parts.append(st[k].detach().reshape(-1))
+            out.append(torch.cat(parts))
+        return out
+
+    def _drop(self, e: int, ranks) -> None:
+        if self.rank in ranks and self.persist.pop(e, None) is not None:
+            self.replicas_dropped += 1
+
+    def invalidate_replicas(self) -> None:
+        """Forget every persistent replica (all ranks call it together): rebuilt from the owners at
+        the next forward (resume, a missed replica update)."""
+        for e in list(self.persist):
+            self._drop(e, {self.rank})
+        self.held = {}
+
+    def _issue_moves(self, todo: List[int]) -> List:
+        """Persistent Trans: only members that joined e's replica set since the last forward get a copy
+        (params + optimizer state, from the owner); members that left drop theirs."""
+        act = self._active_placement
+        if not self._dropped_checked:
+            self._dropped_checked = True
+            for e in sorted(self.held):
+                if len(act.replica_sets[e]) <= 1:             # no longer replicated anywhere
+                    self._drop(e, self.held.pop(e))
+        works, layout = [], None
+        for e in todo:
+            o = self.owner(e)
+            members = set(act.replica_sets[e]) - {o}
+            old = self.held.get(e, set())
+            self._drop(e, old - members)
+            new = sorted(members - old)
+            self.held[e] = members
+            if self.rank in members and self.rank not in new and e not in self.persist:
+                raise RuntimeError(f"persistent replicas: layer {self.layer_number} expert {e} is held "
+                                   f"by rank {self.rank} per the placement history but has no copy")
+            if not new or (o != self.rank and self.rank not in new):
+                continue
+            layout = self._state_layout() if layout is None else layout
+            if o == self.rank:
+                bufs = [torch.cat([p.detach().reshape(-1) for p in self.owner_params(e)])]
+                bufs += self._flat_state(self.owner_params(e), layout)
+                self._trans_keep.extend(bufs)
+                for dst in new:
+                    for j, b in enumerate(bufs):
+                        works.append(dist.isend(b, self._global(dst), self.ep_group,
+                                                tag=self._tag(e, _MOVE if j == 0 else _STATE + j - 1)))
+                        self.bytes_move_sent += b.numel() * b.element_size()
+                        self.msgs_move_sent += 1
+            else:
+                p0 = self._ref_params()[0]
+                buf = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
+                sbufs = [torch.empty(sum(int(np.prod(s, dtype=np.int64)) for _, _, s, _ in ent), dtype=d,
+                                     device=p0.device) for d, ent in self._dtype_groups(layout)]
+                for j, b in enumerate([buf] + sbufs):
+                    works.append(dist.irecv(b, self._global(o), self.ep_group,
+                                            tag=self._tag(e, _MOVE if j == 0 else _STATE + j - 1)))
+                    self.bytes_move_recv += b.numel() * b.element_size()
+                self._move_recv[e] = (buf, sbufs, layout)
+        return works
+
+    def _new_replica(self, buf: torch.Tensor, sbufs: List[torch.Tensor], layout) -> _Replica:
+        leaves, off = [], 0
+        for shape, k in zip(self.shapes, self.numels):
+            leaves.append(buf[off:off + k].view(shape).requires_grad_(True))
+            off += k
+        groups, ref_groups, cls = [], [], None
+        for leaf, rp in zip(leaves, self._ref_params()):
+            opt, group, _ = self.optim_lookup(rp)
+            if cls is not None and type(opt) is not cls:
+                raise ValueError("persistent replicas: one expert's params are in optimizers of different "
+                                 f"classes ({cls.__name__}, {type(opt).__name__})")
+            cls = type(opt)
+            groups.append(dict({k: v for k, v in group.items() if k != "params"}, params=[leaf]))
+            ref_groups.append(group)
+        ropt = cls(groups)                  # the megatron-core inner optimizer's own class
+        for (_, entries), sb in zip(self._dtype_groups(layout), sbufs):
+            off = 0
+            for i, k, shape, _ in entries:
+                n = int(np.prod(shape, dtype=np.int64))
+                ropt.state[leaves[i]][k] = sb[off:off + n].view(shape).clone()
+                off += n
+        return _Replica(buf, leaves, ropt, ref_groups)
+
+    def _finish_moves(self) -> None:
+        for e, (buf, sbufs, layout) in self._move_recv.items():
+            self.persist[e] = self._new_replica(buf, sbufs, layout)
+            self.replicas_added += 1
+        self._move_recv = {}
+        for e in self.my_replica_experts():
+            leaves = self.persist[e].leaves
+            for t in leaves:
+                t.grad = None
+                self._hooks.append(t.register_post_accumulate_grad_hook(self._on_grad))
+            self.replicas[e] = leaves
+
+    def _grad_dtype(self) -> torch.dtype:
+        p = self._ref_params()[0]
+        g = getattr(p, "main_grad", None)
+        return g.dtype if g is not None else p.dtype
+
+    def issue_sumback(self, iteration) -> None:
+        """After grad finalisation: the owner's finalised gradient (its own + the Agg'd replica grads,
+        DP-reduced and scaled by megatron-core) goes to every replica."""
+        if self.mode != "persistent" or self.sumback_issued or not self.trans_issued:
+            return
+        self.sumback_issued = True
+        self._log("sumback_issue", iteration)
+        for e in self._active_placement.replicated():
+            s = self._active_placement.replica_sets[e]
+            if self.rank not in s:
+                continue
+            o = self.owner(e)
+            if o == self.rank:
+                flat = torch.cat([_grad_target(p).detach().reshape(-1) for p in self.owner_params(e)])
+                self._sumback_keep.append(flat)
+                for dst in s:
+                    if dst != o:
+                        self._sumback_work.append(dist.isend(flat, self._global(dst), self.ep_group,
+                                                             tag=self._tag(e, _SUMBACK)))
+                        self.bytes_sumback_sent += flat.numel() * flat.element_size()
+                        self.msgs_sumback_sent += 1
+            else:
+                buf = torch.empty(self.numel, dtype=self._grad_dtype())
+                self._sumback_work.append(dist.irecv(buf, self._global(o), self.ep_group,
+                                                     tag=self._tag(e, _SUMBACK)))
+                self.bytes_sumback_recv += buf.numel() * buf.element_size()
+                self._sumback_bufs[e] = buf
+
+    def wait_sumback(self) -> None:
+        for w in self._sumback_work:
+            w.wait()
+        self._sumback_work, self._sumback_keep = [], []
+        for e, buf in self._sumback_bufs.items():
+            off = 0
+            for t, k in zip(self.persist[e].leaves, self.numels):
+                t.grad = buf[off:off + k].view(t.shape).to(t.dtype)
+                off += k
+
+    def step_replicas(self, update_successful: bool, grad_norm) -> None:
+        """After megatron-core's optimizer.step(): the identical update on every replica of this rank
+        (same clipping function, coefficient and hyperparameters; its own optimizer state)."""
+        if self.mode != "persistent" or not self.sumback_issued or self.replicas_stepped:
+            return
+        self.wait_sumback()
+        self.replicas_stepped = True
+        bufs, self._sumback_bufs = self._sumback_bufs, {}
+        if update_successful:
+            from megatron.core.optimizer import optimizer as mopt     # the function the step used
+
+            for e in sorted(bufs):
+                rep = self.persist[e]
+                by_clip: Dict[float, List[torch.Tensor]] = {}
+                for t, rp in zip(rep.leaves, self._ref_params()):
+                    by_clip.setdefault(float(self.optim_lookup(rp)[2] or 0.0), []).append(t)
+                for clip, leaves in by_clip.items():
+                    if clip > 0.0 and grad_norm is not None:
+                        mopt.clip_grad_by_total_norm_fp32(leaves, max_norm=clip, total_norm=grad_norm)
+                for g, rg in zip(rep.opt.param_groups, rep.ref_groups):
+                    g.update({k: v for k, v in rg.items() if k != "params"})
+                rep.opt.step()
+                rep.stepped += 1
+                self.replica_steps += 1
+        for e in bufs:
+            for t in self.persist[e].leaves:
+                t.grad = None
+
+    # -- inspection (tests, tools) ----------------------------------------------------------------
+    def _snapshot(self, params: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        out = {"params": torch.cat([p.detach().reshape(-1) for p in params]).clone()}
+        for i, p in enumerate(params):
+            opt = self.optim_lookup(p)[0] if self.optim_lookup else None
+            for k, v in (opt.state.get(p, {}) if opt is not None else {}).items():
+                out[f"{self.names[i]}.{k}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(v)
+        return out
+
+    def replica_snapshot(self) -> Dict[int, Dict[str, torch.Tensor]]:
+        """expert -> params and optimizer state of this rank's persistent replicas."""
+        out = {}
+        for e, rep in sorted(self.persist.items()):
+            snap = {"params": rep.flat.detach().clone()}
+            for i, t in enumerate(rep.leaves):
+                for k, v in rep.opt.state.get(t, {}).items():
+                    snap[f"{self.names[i]}.{k}"] = v.detach().clone()
+            out[e] = snap
+        return out
+
+    def owner_snapshot(self) -> Dict[int, Dict[str, torch.Tensor]]:
+        """expert -> params and optimizer state of the experts this rank owns."""
+        return {e: self._snapshot(self.owner_params(e))
+                for e in range(self.rank * self.num_local, (self.rank + 1) * self.num_local)}

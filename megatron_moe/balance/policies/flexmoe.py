@@ -201,9 +201,10 @@ class FlexMoEPolicy(BalancePolicy):
     ``Placement`` (replica set = ranks holding a vExpert, plus the owner; ``vexperts`` = the slot
     counts).  The balance layer executes it with the flexible token router (``route_tokens``, via
     ``dispatch_matrix``): local vExperts first, overflow spread over the other replicas by spare
-    capacity.  Replicas are transient there (parameters sent from the owner each iteration, grads
-    summed back into it); persistent replica optimizer state and Expand/Migrate state moves are not
-    executed in training (docs/balance.md); the simulator models them.
+    capacity.  Replicas are persistent there by default (``--moe-flexmoe-replicas``; they keep weights
+    and optimizer state, params + state move from the owner only when a rank joins an expert's
+    replica set, see ``placement.LayerBalance``), or transient (parameters sent from the owner each
+    iteration, grads summed back into it).
     """
 
     name = "flexmoe"
@@ -230,6 +231,7 @@ class FlexMoEPolicy(BalancePolicy):
             raise ValueError(f"flexmoe: slot table shape {self.table.slots.shape} != "
                              f"({num_ranks}, {slots_per_rank})")
         self.calls = 0            # planner invocations (trigger fired)
+        self.last_ops: List[Tuple] = []   # the primitives of the last plan() call
         # plan() may be shared by several MoE layers (the balance manager holds one policy): the slot
         # table of each layer is found again from the placement it last produced (bounded LRU)
         self._by_placement: "collections.OrderedDict" = collections.OrderedDict()
@@ -402,7 +404,7 @@ class FlexMoEPolicy(BalancePolicy):
             self.table = (SlotTable(t.slots.copy(), t.num_experts, t.version) if t is not None else
                           SlotTable(initial_slots(self.num_experts, self.num_ranks, self.slots_per_rank),
                                     self.num_experts))
-        self.step(np.asarray(counts))
+        self.last_ops = self.step(np.asarray(counts))     # the balance manager counts them
         p = self.placement()
         k = self._key(p)
         self._by_placement[k] = SlotTable(self.table.slots.copy(), self.num_experts, self.table.version)
