@@ -142,3 +142,19 @@ def test_calibration_compute_part_feeds_the_cost_model(tmp_path):
     path.write_text(json.dumps(prof))
     cm = CostModel.from_profile(str(path))
     assert cm.bandwidth(1000) == 1e8 and cm.bandwidth(1 << 20) == 1e9 and cm.t_fnec == prof["t_fnec"]
+
+
+def test_routing_report_follows_flexmoe_vexperts(tmp_path):
+    """With a trace row's vexperts, the 'after' load is FlexMoE's router split, not locality."""
+    from tools import routing_report
+
+    d = tmp_path / "trace"
+    d.mkdir()
+    # rank 0 sends all 200 inputs to expert 0; expert 0 has one vExpert slot on each rank
+    row = {"iteration": 1, "layer": 1, "counts": [[200, 0], [0, 0]], "placement": [[0, []]]}
+    (d / "counts_rank00000.jsonl").write_text(json.dumps(dict(row, vexperts=[[1, 1], [0, 1]])) + "\n")
+    flex = routing_report.main([str(d), "--out", str(tmp_path / "f.png")])
+    assert "rank max/mean 2.000 -> 1.000" in flex[0], flex
+    (d / "counts_rank00000.jsonl").write_text(json.dumps(row) + "\n")   # Pro-Prophet locality rule
+    local = routing_report.main([str(d), "--out", str(tmp_path / "l.png")])
+    assert "rank max/mean 2.000 -> 2.000" in local[0], local

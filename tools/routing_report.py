@@ -5,7 +5,9 @@ before (plain EP) and after the placement that was used, plus a short text summa
     python tools/routing_report.py TRACE_DIR --out report.png [--summary summary.txt]
 
 Trace format (written by ``BalanceManager.after_step``): JSON lines ``{"iteration", "layer",
-"counts": [[D x E]], "placement": [[expert, [excluded ranks]], ...]}`` in ``counts_rank*.jsonl``.
+"counts": [[D x E]], "placement": [[expert, [excluded ranks]], ...]}`` in ``counts_rank*.jsonl``,
+plus ``"vexperts": [[E x D]]`` (slots per expert and rank) under FlexMoE: the "after" loads then follow
+its flexible token router rather than the locality rule.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def read_trace(trace_dir):
                 try:
                     row = json.loads(line)
                     C = np.asarray(row["counts"], dtype=np.float64)
-                    per_layer[int(row["layer"])][int(row["iteration"])] = (C, row.get("placement", []))
+                    per_layer[int(row["layer"])][int(row["iteration"])] = (
+                        C, row.get("placement", []), row.get("vexperts"))
                 except (ValueError, KeyError, TypeError) as exc:
                     raise SystemExit(f"{path}:{lineno}: bad trace row: {exc}")
     return per_layer
@@ -50,10 +53,14 @@ def summarise(per_layer):
         Hb, Ha, loc_err, repl = [], [], [], []
         prev = None
         for it in its:
-            C, plan = per_layer[layer][it]
+            C, plan, vexperts = per_layer[layer][it]
             D, E = C.shape
+            used = Placement.from_plan(plan, E, D)
+            if vexperts is not None:     # FlexMoE: its token router splits over the vExpert slots
+                used.vexperts = vexperts
+                used.validate()
             Hb.append(loads(C, Placement.plain(E, D))[0])
-            Ha.append(loads(C, Placement.from_plan(plan, E, D))[0])
+            Ha.append(loads(C, used)[0])
             repl.append(len(plan))
             if prev is not None:
                 load, pload = C.sum(0), prev.sum(0)
