@@ -33,19 +33,31 @@ def _equal(a, b) -> bool:
 
 
 def run(rank, world, argv, strength=4.0, period=2):
+    import sys
+
     import torch
     import torch.distributed as dist
 
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe import balance as balance_mod
     from megatron_moe import training as T
 
     _patch_router(strength, period)
     logs = []
-    orig_log = balance_mod._log_rank0
-    balance_mod._log_rank0 = lambda msg: (logs.append(msg), orig_log(msg))
+
+    class _Tee:                    # keep what the balance module prints (the fallback line)
+        def __init__(self, out):
+            self.out = out
+
+        def write(self, text):
+            logs.extend(line for line in text.splitlines() if line.startswith("> balance:"))
+            return self.out.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.out, name)
+
+    sys.stdout = _Tee(sys.stdout)
     per_iter, captured = [], {}
 
     orig_step = T.Trainer.train_step
@@ -72,7 +84,9 @@ def run(rank, world, argv, strength=4.0, period=2):
             dist.all_gather_object(every, owned)
             owners = {k: v for d in every for k, v in d.items()}
             rec["replicas"] = len(mine)
-            rec["replica_mismatch"] = [list(k) for k, s in mine.items() if not _equal(s, owners[k])]
+            rec["replica_mismatch"] = [list(k) + [(n, float((s[n] - owners[k][n]).abs().max()))
+                                                  for n in s if not torch.equal(s[n], owners[k][n])]
+                                       for k, s in mine.items() if not _equal(s, owners[k])]
             rec["replica_state_keys"] = sorted({k for s in mine.values() for k in s})
         orig_after(self, iteration)
         if mgr is not None:

@@ -218,7 +218,7 @@ class BalanceManager:
         lookup, reason = _optimizer_lookup(optimizer)
         if reason is None:
             missing = [m.balance.layer_number for m in self.layers
-                       if any(id(p) not in lookup for p in m.balance._ref_params())]
+                       if any(p not in lookup for p in m.balance._ref_params())]
             if missing:
                 reason = f"expert params of MoE layers {missing} are not in the optimizer"
         if reason is not None:
@@ -227,7 +227,7 @@ class BalanceManager:
             return self.replica_mode
         self.replica_mode = "persistent"
         for m in self.layers:
-            m.balance.optim_lookup = lambda p, _l=lookup: _l[id(p)]
+            m.balance.optim_lookup = lookup
             if m.balance.mode != "persistent":
                 m.balance.mode = "persistent"
                 m.balance.invalidate_replicas()    # built from the owners at the next forward
@@ -395,20 +395,43 @@ def _persistent_unsupported(args) -> Optional[str]:
     return None
 
 
+class _OptimizerLookup:
+    """param -> (torch optimizer, its live param group, clip_grad). Re-indexed whenever the groups
+    change: torch's ``Optimizer.load_state_dict`` (checkpoint load) replaces the group dicts, and the
+    lr scheduler writes into the live ones."""
+
+    def __init__(self, subs):
+        self.subs = subs
+        self._sig = None
+        self._map = {}
+
+    def _signature(self):
+        return tuple((id(s.optimizer), tuple(id(g) for g in s.optimizer.param_groups)) for s in self.subs)
+
+    def __call__(self, p):
+        sig = self._signature()
+        if sig != self._sig:
+            self._map = {id(q): (s.optimizer, g, float(s.config.clip_grad or 0.0))
+                         for s in self.subs for g in s.optimizer.param_groups for q in g["params"]}
+            self._sig = sig
+        return self._map[id(p)]
+
+    def __contains__(self, p):
+        try:
+            self(p)
+        except KeyError:
+            return False
+        return True
+
+
 def _optimizer_lookup(optimizer):
-    """id(param) -> (torch optimizer, its live param group, clip_grad) over a megatron-core
-    FP32Optimizer or a ChainedOptimizer of them; (None, reason) for anything else."""
+    """An ``_OptimizerLookup`` over a megatron-core FP32Optimizer or a ChainedOptimizer of them;
+    (None, reason) for anything else."""
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
     subs = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    lookup = {}
     for sub in subs:
         if not isinstance(sub, FP32Optimizer):
             return None, f"optimizer {type(sub).__name__} is not megatron-core's FP32Optimizer"
-        if getattr(sub, "is_stub_optimizer", False) or sub.optimizer is None:
-            continue
-        clip = float(sub.config.clip_grad or 0.0)
-        for group in sub.optimizer.param_groups:
-            for p in group["params"]:
-                lookup[id(p)] = (sub.optimizer, group, clip)
-    return lookup, None
+    return _OptimizerLookup([s for s in subs if not getattr(s, "is_stub_optimizer", False)
+                             and s.optimizer is not None]), None

@@ -30,7 +30,8 @@ Persistent replicas (FlexMoE vExperts, ``mode == "persistent"``, set by ``Balanc
 * ``step_replicas`` after ``optimizer.step()``: megatron-core's own ``clip_grad_by_total_norm_fp32``
   with the step's global grad norm and the owner's ``clip_grad``, then the replica optimizer's
   ``step()`` with the live hyperparameters (lr, wd, betas, eps) of the owner-equivalent group: the
-  replica stays bit-identical to the owner without a per-iteration parameter transfer.
+  replica stays bit-identical to the owner without a per-iteration parameter transfer. The group is
+  looked up at every step (a checkpoint load replaces megatron-core's group dicts).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ class _Replica:
     flat: torch.Tensor                  # the parameters, flattened (the leaves view it)
     leaves: List[torch.Tensor]          # names order, requires_grad leaves
     opt: torch.optim.Optimizer          # replica optimizer: one group per leaf
-    ref_groups: List[dict]              # live megatron-core param groups the hyperparameters come from
     stepped: int = 0                    # optimizer steps applied to this copy
 
 
@@ -414,7 +414,7 @@ class LayerBalance:
         for shape, k in zip(self.shapes, self.numels):
             leaves.append(buf[off:off + k].view(shape).requires_grad_(True))
             off += k
-        groups, ref_groups, cls = [], [], None
+        groups, cls = [], None
         for leaf, rp in zip(leaves, self._ref_params()):
             opt, group, _ = self.optim_lookup(rp)
             if cls is not None and type(opt) is not cls:
@@ -422,7 +422,6 @@ class LayerBalance:
                                  f"classes ({cls.__name__}, {type(opt).__name__})")
             cls = type(opt)
             groups.append(dict({k: v for k, v in group.items() if k != "params"}, params=[leaf]))
-            ref_groups.append(group)
         ropt = cls(groups)                  # the megatron-core inner optimizer's own class
         for (_, entries), sb in zip(self._dtype_groups(layout), sbufs):
             off = 0
@@ -430,7 +429,7 @@ class LayerBalance:
                 n = int(np.prod(shape, dtype=np.int64))
                 ropt.state[leaves[i]][k] = sb[off:off + n].view(shape).clone()
                 off += n
-        return _Replica(buf, leaves, ropt, ref_groups)
+        return _Replica(buf, leaves, ropt)
 
     def _finish_moves(self) -> None:
         for e, (buf, sbufs, layout) in self._move_recv.items():
@@ -506,8 +505,8 @@ class LayerBalance:
                 for clip, leaves in by_clip.items():
                     if clip > 0.0 and grad_norm is not None:
                         mopt.clip_grad_by_total_norm_fp32(leaves, max_norm=clip, total_norm=grad_norm)
-                for g, rg in zip(rep.opt.param_groups, rep.ref_groups):
-                    g.update({k: v for k, v in rg.items() if k != "params"})
+                for g, rp in zip(rep.opt.param_groups, self._ref_params()):   # live lr / wd
+                    g.update({k: v for k, v in self.optim_lookup(rp)[1].items() if k != "params"})
                 rep.opt.step()
                 rep.stepped += 1
                 self.replica_steps += 1
