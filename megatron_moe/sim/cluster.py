@@ -103,7 +103,8 @@ class Cluster:
                    intra_bw=intra_bw or big, inter_bw=inter_bw or big,
                    expert_tokens_per_s=float(cm.throughput), bytes_per_input=float(cm.input_bytes),
                    expert_param_bytes=float(cm.expert_bytes),
-                   expert_state_bytes=float(cm.expert_bytes) * 4.0,   # params + fp32 Adam m, v, master
+                   # fp32 params + Adam m, v: what training's persistent replicas move on Expand
+                   expert_state_bytes=float(cm.expert_bytes) * 3.0,
                    t_fnec_s=float(cm.t_fnec), t_bnec_s=float(cm.t_bnec), a2a_bw_table=table,
                    source=source, **kw)
 
