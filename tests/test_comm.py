@@ -248,3 +248,32 @@ def test_int8_non_finite_row_decodes_to_nan():
     y = c.decompress(c.compress(x), x.dtype, 3)
     assert torch.isnan(y[0]).all()  # loud, not silently clipped
     assert torch.isfinite(y[1]).all()
+
+
+def test_router_topology_flag_checks_at_parse_time():
+    """Checks that need only flags run in validate_args, before any process group exists."""
+    import argparse
+
+    from megatron_moe import comm
+
+    def args(*argv):
+        a = comm.add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+        a.num_experts, a.moe_router_num_groups, a.moe_router_group_topk = 4, None, None
+        a.moe_router_fusion = False
+        return a
+
+    comm.validate_args(args("--moe-router-topology", "node_limited"))   # valid: no error
+    a = args("--moe-router-topology", "node_limited")
+    a.moe_router_num_groups = 2
+    with pytest.raises(ValueError, match="drop --moe-router-num-groups"):
+        comm.validate_args(a)
+    a = args("--moe-router-topology", "congestion")
+    a.moe_router_fusion = True
+    with pytest.raises(ValueError, match="drop --moe-router-fusion"):
+        comm.validate_args(a)
+    with pytest.raises(ValueError, match="--moe-topology-loss-coeff=-1.0"):
+        comm.validate_args(args("--moe-router-topology", "ta_loss", "--moe-topology-loss-coeff", "-1"))
+    a = args("--moe-router-topology", "ta_loss")
+    a.num_experts = None
+    with pytest.raises(ValueError, match="set --num-experts"):
+        comm.validate_args(a)

@@ -75,6 +75,27 @@ def validate_args(args):
         raise ValueError(f"--ranks-per-node={rpn} must divide the world size {world}")
     if getattr(args, "moe_router_max_nodes", 1) < 1:
         raise ValueError(f"--moe-router-max-nodes={args.moe_router_max_nodes} must be >= 1")
+    _validate_router_topology(args)
     if getattr(args, "topology_file", None):
         from megatron_moe.topology import load_topology_file
         load_topology_file(args.topology_file)
+
+
+def _validate_router_topology(args):
+    """The --moe-router-topology checks that need only the flags, so they fail at parse time; the
+    ones that need the node layout (max nodes, experts per node) run when the router is built."""
+    mode = getattr(args, "moe_router_topology", "none")
+    if mode == "none":
+        return
+    if not getattr(args, "num_experts", None):
+        raise ValueError(f"--moe-router-topology {mode} needs an MoE model: set --num-experts")
+    if mode == "node_limited" and (getattr(args, "moe_router_num_groups", None)
+                                   or getattr(args, "moe_router_group_topk", None)):
+        raise ValueError("--moe-router-topology node_limited sets the expert groups itself "
+                         "(groups = nodes, --moe-router-max-nodes per token); drop "
+                         "--moe-router-num-groups / --moe-router-group-topk")
+    if mode == "congestion" and getattr(args, "moe_router_fusion", False):
+        raise ValueError("--moe-router-topology congestion needs the unfused router: drop "
+                         "--moe-router-fusion")
+    if mode == "ta_loss" and getattr(args, "moe_topology_loss_coeff", 0.0) < 0:
+        raise ValueError(f"--moe-topology-loss-coeff={args.moe_topology_loss_coeff} must be >= 0")
