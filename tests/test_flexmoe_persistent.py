@@ -168,3 +168,16 @@ def test_persistent_unsupported_flags():
     assert "--fp16/--bf16" in _persistent_unsupported(argparse.Namespace(**{**vars(ok), "bf16": True}))
     assert "distributed" in _persistent_unsupported(
         argparse.Namespace(**{**vars(ok), "use_distributed_optimizer": True}))
+
+
+def test_new_replica_copies_from_a_replica_on_its_node(profile):
+    """Two emulated nodes of 2 ranks: a rank joining an expert's replica set copies params + Adam
+    state from a replica on its own node when one exists (FlexMoE's cheapest link), not from the
+    owner across nodes; the copy is still bit-equal, and the run equals transient replicas."""
+    iters = 10
+    nodes = ("--ranks-per-node", "2")
+    pers = _run(4, _argv(4, iters, profile, *nodes, *_flex(profile, "persistent")))
+    trans = _run(4, _argv(4, iters, profile, *nodes, *_flex(profile, "transient")))
+    _check_replicas_bit_equal(pers)
+    _check_identical(pers, trans)
+    assert sum(_summed(pers, "balance/replica_moves_from_replica")) >= 1

@@ -339,11 +339,12 @@ class BalanceManager:
                 "balance/grad_sync_msgs": delta["msgs_agg_sent"] + delta["msgs_sumback_sent"],
                 "balance/replicas_added": delta["replicas_added"],
                 "balance/replicas_dropped": delta["replicas_dropped"],
+                "balance/replica_moves_from_replica": delta["moves_from_replica"],
             })
 
     _COUNTERS = ("bytes_trans_sent", "msgs_trans_sent", "bytes_move_sent", "msgs_move_sent",
                  "bytes_agg_sent", "msgs_agg_sent", "bytes_sumback_sent", "msgs_sumback_sent",
-                 "replicas_added", "replicas_dropped", "replica_steps")
+                 "replicas_added", "replicas_dropped", "replica_steps", "moves_from_replica")
 
     def _replica_totals(self) -> Dict[str, float]:
         return {k: float(sum(getattr(m.balance, k) for m in self.layers)) for k in self._COUNTERS}

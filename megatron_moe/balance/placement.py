@@ -101,6 +101,8 @@ class LayerBalance:
         self.persist: Dict[int, _Replica] = {}       # expert -> this rank's persistent replica
         self.held: Dict[int, Set[int]] = {}          # expert -> ranks holding a valid replica (all ranks)
         self.bytes_move_sent = 0                     # params + optimizer state for new replicas
+        self.moves_from_replica = 0                  # of those, sent from a replica (cheapest link)
+        self._rpn: Optional[int] = None              # EP-group members per node (topology)
         self.bytes_move_recv = 0
         self.msgs_move_sent = 0
         self.msgs_trans_sent = 0
@@ -380,34 +382,65 @@ class LayerBalance:
             old = self.held.get(e, set())
             self._drop(e, old - members)
             new = sorted(members - old)
+            holders = {o} | (old & members)              # copies that stay valid this iteration
             self.held[e] = members
             if self.rank in members and self.rank not in new and e not in self.persist:
                 raise RuntimeError(f"persistent replicas: layer {self.layer_number} expert {e} is held "
                                    f"by rank {self.rank} per the placement history but has no copy")
-            if not new or (o != self.rank and self.rank not in new):
+            if not new:
+                continue
+            src = {dst: self._move_source(o, dst, holders) for dst in new}
+            if self.rank not in new and self.rank not in src.values():
                 continue
             layout = self._state_layout() if layout is None else layout
-            if o == self.rank:
-                bufs = [torch.cat([p.detach().reshape(-1) for p in self.owner_params(e)])]
-                bufs += self._flat_state(self.owner_params(e), layout)
+            to_send = [dst for dst in new if src[dst] == self.rank]
+            if to_send:
+                if self.rank == o:
+                    bufs = [torch.cat([p.detach().reshape(-1) for p in self.owner_params(e)])]
+                    bufs += self._flat_state(self.owner_params(e), layout)
+                else:                                     # an existing replica, bit-equal to the owner's
+                    bufs = [self.persist[e].flat.detach().clone()] + self._flat_replica_state(e, layout)
+                    self.moves_from_replica += len(to_send)
                 self._trans_keep.extend(bufs)
-                for dst in new:
+                for dst in to_send:
                     for j, b in enumerate(bufs):
                         works.append(dist.isend(b, self._global(dst), self.ep_group,
                                                 tag=self._tag(e, _MOVE if j == 0 else _STATE + j - 1)))
                         self.bytes_move_sent += b.numel() * b.element_size()
                         self.msgs_move_sent += 1
-            else:
+            if self.rank in new:
                 p0 = self._ref_params()[0]
                 buf = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
                 sbufs = [torch.empty(sum(int(np.prod(s, dtype=np.int64)) for _, _, s, _ in ent), dtype=d,
                                      device=p0.device) for d, ent in self._dtype_groups(layout)]
                 for j, b in enumerate([buf] + sbufs):
-                    works.append(dist.irecv(b, self._global(o), self.ep_group,
+                    works.append(dist.irecv(b, self._global(src[self.rank]), self.ep_group,
                                             tag=self._tag(e, _MOVE if j == 0 else _STATE + j - 1)))
                     self.bytes_move_recv += b.numel() * b.element_size()
                 self._move_recv[e] = (buf, sbufs, layout)
         return works
+
+    def _move_source(self, owner: int, dst: int, holders: Set[int]) -> int:
+        """Where a new member copies expert state from. Every holder's copy is bit-identical to the
+        owner's (params and optimizer state; tests/test_flexmoe_persistent.py), so, as FlexMoE does,
+        take the cheapest link: a holder on dst's node, the owner among them first, then the lowest
+        rank; with none on dst's node, the owner. Same answer on every rank (no communication)."""
+        from megatron_moe import topology
+
+        if self._rpn is None:
+            self._rpn = topology.ranks_per_node_in(self.ep_group) if self.ep_group is not None else 1
+        near = sorted(h for h in holders if h // self._rpn == dst // self._rpn)
+        if not near or owner in near:
+            return owner
+        return near[0]
+
+    def _flat_replica_state(self, e: int, layout) -> List[torch.Tensor]:
+        """As ``_flat_state``, from this rank's persistent replica of ``e`` and its own optimizer."""
+        rep, out = self.persist[e], []
+        for _, entries in self._dtype_groups(layout):
+            out.append(torch.cat([rep.opt.state[rep.leaves[i]][k].detach().reshape(-1)
+                                  for i, k, _, _ in entries]))
+        return out
 
     def _new_replica(self, buf: torch.Tensor, sbufs: List[torch.Tensor], layout) -> _Replica:
         leaves, off = [], 0
