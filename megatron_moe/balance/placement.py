@@ -325,9 +325,7 @@ class LayerBalance:
         reference params: every rank steps in lockstep, so owner and receiver derive the same layout
         (empty before the first step: the replica optimizer then initialises lazily, as the owner's)."""
         out = []
-        for i, rp in enumerate(self._ref_params()):
-            opt, _, _ = self.optim_lookup(rp)
-            st = opt.state.get(rp, {})
+        for i, st in enumerate(self._opt_states(self._ref_params())):
             for k in sorted(st):
                 v = st[k]
                 if not torch.is_tensor(v):
@@ -340,16 +338,22 @@ class LayerBalance:
         dtypes = sorted({d for *_, d in layout}, key=str)
         return [(d, [x for x in layout if x[3] == d]) for d in dtypes]
 
-    def _flat_state(self, params: List[torch.Tensor], layout) -> List[torch.Tensor]:
-        """One flat buffer per state dtype, in layout order, of ``params``' optimizer state."""
+    def _opt_states(self, params: List[torch.Tensor], opt=None) -> List[dict]:
+        """Per param, its optimizer state: from ``opt`` (a replica's own optimizer) or, for owner
+        params, megatron-core's (empty before ``set_optimizer``)."""
+        if opt is None and self.optim_lookup is None:
+            return [{} for _ in params]
+        return [(opt if opt is not None else self.optim_lookup(p)[0]).state.get(p, {}) for p in params]
+
+    def _flat_state(self, states: List[dict], layout) -> List[torch.Tensor]:
+        """One flat buffer per state dtype, in layout order, of ``states`` (``_opt_states``)."""
         out = []
         for _, entries in self._dtype_groups(layout):
             parts = []
             for i, k, shape, _ in entries:
-                opt, _, _ = self.optim_lookup(params[i])
-                st = opt.state.get(params[i], {})
+                st = states[i]
                 if sorted(st) != sorted(kk for ii, kk, *_ in layout if ii == i):
-                    raise RuntimeError(f"persistent replicas: layer {self.layer_number} owner state keys "
+                    raise RuntimeError(f"persistent replicas: layer {self.layer_number} state keys "
                                        f"{sorted(st)} differ from the reference layout")
                 parts.append(st[k].detach().reshape(-1))
             out.append(torch.cat(parts))
@@ -397,9 +401,11 @@ class LayerBalance:
             if to_send:
                 if self.rank == o:
                     bufs = [torch.cat([p.detach().reshape(-1) for p in self.owner_params(e)])]
-                    bufs += self._flat_state(self.owner_params(e), layout)
+                    bufs += self._flat_state(self._opt_states(self.owner_params(e)), layout)
                 else:                                     # an existing replica, bit-equal to the owner's
-                    bufs = [self.persist[e].flat.detach().clone()] + self._flat_replica_state(e, layout)
+                    rep = self.persist[e]
+                    bufs = [rep.flat.detach().clone()] + self._flat_state(
+                        self._opt_states(rep.leaves, rep.opt), layout)
                     self.moves_from_replica += len(to_send)
                 self._trans_keep.extend(bufs)
                 for dst in to_send:
@@ -433,14 +439,6 @@ class LayerBalance:
         if not near or owner in near:
             return owner
         return near[0]
-
-    def _flat_replica_state(self, e: int, layout) -> List[torch.Tensor]:
-        """As ``_flat_state``, from this rank's persistent replica of ``e`` and its own optimizer."""
-        rep, out = self.persist[e], []
-        for _, entries in self._dtype_groups(layout):
-            out.append(torch.cat([rep.opt.state[rep.leaves[i]][k].detach().reshape(-1)
-                                  for i, k, _, _ in entries]))
-        return out
 
     def _new_replica(self, buf: torch.Tensor, sbufs: List[torch.Tensor], layout) -> _Replica:
         leaves, off = [], 0
@@ -548,26 +546,20 @@ class LayerBalance:
                 t.grad = None
 
     # -- inspection (tests, tools) ----------------------------------------------------------------
-    def _snapshot(self, params: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
-        out = {"params": torch.cat([p.detach().reshape(-1) for p in params]).clone()}
-        for i, p in enumerate(params):
-            opt = self.optim_lookup(p)[0] if self.optim_lookup else None
-            for k, v in (opt.state.get(p, {}) if opt is not None else {}).items():
+    def _snapshot(self, flat: torch.Tensor, states: List[dict]) -> Dict[str, torch.Tensor]:
+        out = {"params": flat.detach().clone()}
+        for i, st in enumerate(states):
+            for k, v in st.items():
                 out[f"{self.names[i]}.{k}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(v)
         return out
 
     def replica_snapshot(self) -> Dict[int, Dict[str, torch.Tensor]]:
         """expert -> params and optimizer state of this rank's persistent replicas."""
-        out = {}
-        for e, rep in sorted(self.persist.items()):
-            snap = {"params": rep.flat.detach().clone()}
-            for i, t in enumerate(rep.leaves):
-                for k, v in rep.opt.state.get(t, {}).items():
-                    snap[f"{self.names[i]}.{k}"] = v.detach().clone()
-            out[e] = snap
-        return out
+        return {e: self._snapshot(rep.flat, self._opt_states(rep.leaves, rep.opt))
+                for e, rep in sorted(self.persist.items())}
 
     def owner_snapshot(self) -> Dict[int, Dict[str, torch.Tensor]]:
         """expert -> params and optimizer state of the experts this rank owns."""
-        return {e: self._snapshot(self.owner_params(e))
+        return {e: self._snapshot(torch.cat([p.detach().reshape(-1) for p in self.owner_params(e)]),
+                                  self._opt_states(self.owner_params(e)))
                 for e in range(self.rank * self.num_local, (self.rank + 1) * self.num_local)}
