@@ -89,13 +89,8 @@ def _validate_router_topology(args):
         return
     if not getattr(args, "num_experts", None):
         raise ValueError(f"--moe-router-topology {mode} needs an MoE model: set --num-experts")
-    if mode == "node_limited" and (getattr(args, "moe_router_num_groups", None)
-                                   or getattr(args, "moe_router_group_topk", None)):
-        raise ValueError("--moe-router-topology node_limited sets the expert groups itself "
-                         "(groups = nodes, --moe-router-max-nodes per token); drop "
-                         "--moe-router-num-groups / --moe-router-group-topk")
-    if mode == "congestion" and getattr(args, "moe_router_fusion", False):
-        raise ValueError("--moe-router-topology congestion needs the unfused router: drop "
-                         "--moe-router-fusion")
-    if mode == "ta_loss" and getattr(args, "moe_topology_loss_coeff", 0.0) < 0:
-        raise ValueError(f"--moe-topology-loss-coeff={args.moe_topology_loss_coeff} must be >= 0")
+    from megatron_moe.moe.topo_router import check_topology_flags
+    check_topology_flags(mode, num_groups=getattr(args, "moe_router_num_groups", None),
+                         group_topk=getattr(args, "moe_router_group_topk", None),
+                         fusion=getattr(args, "moe_router_fusion", False),
+                         loss_coeff=getattr(args, "moe_topology_loss_coeff", 0.0))

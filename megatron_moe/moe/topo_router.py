@@ -180,6 +180,21 @@ def _layout_for(pg_collection, layout):
     return ep_layout(getattr(pg_collection, "ep", None))
 
 
+def check_topology_flags(mode: str, *, num_groups=None, group_topk=None, fusion: bool = False,
+                         loss_coeff: float = 0.0) -> None:
+    """The --moe-router-topology checks that need only flag values (no node layout): run at parse
+    time by ``comm.validate_args`` and again by the routers, which can be built directly."""
+    if mode == "node_limited" and (group_topk or num_groups):
+        raise ValueError("--moe-router-topology node_limited sets the expert groups itself "
+                         "(groups = nodes, --moe-router-max-nodes per token); drop "
+                         "--moe-router-num-groups / --moe-router-group-topk")
+    if mode == "congestion" and fusion:
+        raise ValueError("--moe-router-topology congestion needs the unfused router: drop "
+                         "--moe-router-fusion")
+    if mode == "ta_loss" and loss_coeff < 0:
+        raise ValueError(f"--moe-topology-loss-coeff={loss_coeff} must be >= 0")
+
+
 class NodeLimitedRouter(TopKRouter):
     """Group-limited top-k (megatron-core) with groups = nodes of the EP group, M per token."""
 
@@ -197,10 +212,8 @@ class NodeLimitedRouter(TopKRouter):
             raise ValueError(f"--moe-router-topk {config.moe_router_topk} exceeds "
                              f"--moe-router-max-nodes={max_nodes} x {experts_per_node} experts "
                              "per node: a token could not get k distinct experts")
-        if config.moe_router_group_topk or config.moe_router_num_groups:
-            raise ValueError("--moe-router-topology node_limited sets the expert groups itself "
-                             "(groups = nodes, --moe-router-max-nodes per token); drop "
-                             "--moe-router-num-groups / --moe-router-group-topk")
+        check_topology_flags(self.mode, num_groups=config.moe_router_num_groups,
+                             group_topk=config.moe_router_group_topk)
         # k experts span at most k nodes: with k <= M (or M = all nodes) the limit never binds,
         # and group_limited_topk's top-(k // M) group score would be degenerate for k < M
         if nodes > 1 and config.moe_router_topk > max_nodes and max_nodes < nodes:
@@ -225,9 +238,7 @@ class CongestionRouter(TopKRouter):
         if config.moe_enable_routing_replay:
             raise ValueError("--moe-router-topology congestion cannot be combined with routing "
                              "replay (it selects the experts through the same hook)")
-        if config.moe_router_fusion:
-            raise ValueError("--moe-router-topology congestion needs the unfused router: drop "
-                             "--moe-router-fusion")
+        check_topology_flags(self.mode, fusion=config.moe_router_fusion)
         experts_per_node = config.num_moe_experts // layout.nodes
         if layout.nodes > 1 and config.moe_router_topk > experts_per_node:
             raise ValueError(f"--moe-router-topology congestion: --moe-router-topk "
@@ -256,8 +267,7 @@ class TopologyLossRouter(TopKRouter):
     def __init__(self, config, pg_collection=None, *, coeff: float = 1e-2,
                  layout: Optional[EPLayout] = None):
         layout = _layout_for(pg_collection, layout)
-        if coeff < 0:
-            raise ValueError(f"--moe-topology-loss-coeff={coeff} must be >= 0")
+        check_topology_flags(self.mode, loss_coeff=coeff)
         super().__init__(config=config, pg_collection=pg_collection)
         self.layout = layout
         self.coeff = float(coeff)
