@@ -97,10 +97,9 @@ def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=51
 
 
 def calibrate_rank(rank, world, hidden=128, ffn=512, inputs=1024, reps=7):
-    """Micro-benchmarks on the 2 gloo ranks, run concurrently as in training: expert forward and
-    forward+backward seconds per input (at the per-expert batch of the skewed run), all-to-all and
-    broadcast bandwidth (bytes/s) and per-message latency (seconds, from a one-row exchange)."""
-    import torch.nn as nn
+    """Micro-benchmarks on the 2 gloo ranks, run concurrently as in training: the MoE layer's
+    forward+backward seconds per input, all-to-all and broadcast bandwidth (bytes/s) and the
+    all-to-all's per-message latency (seconds, from a one-row exchange)."""
 
     def med(fn):
         ts = []
@@ -113,10 +112,6 @@ def calibrate_rank(rank, world, hidden=128, ffn=512, inputs=1024, reps=7):
 
     torch.set_num_threads(1)               # as in throughput_rank
     torch.manual_seed(rank)
-    mlp = nn.Sequential(nn.Linear(hidden, ffn, bias=False), nn.GELU(), nn.Linear(ffn, hidden, bias=False))
-    x = torch.randn(inputs, hidden)
-    with torch.no_grad():
-        t_fwd = med(lambda: mlp(x))
     # forward + backward of the model's own MoE layer (router, token shuffling, experts,
     # combine: everything whose cost grows with the inputs a rank computes), with EP = 1 so that
     # each rank computes all of its inputs itself; per input = the slope between two batch sizes
@@ -139,7 +134,7 @@ def calibrate_rank(rank, world, hidden=128, ffn=512, inputs=1024, reps=7):
     params = torch.randn(2 * hidden * ffn)
     t_bc = med(lambda: dist.broadcast(params, 0))
     a2a_bytes = buf.numel() * 4 * (world - 1) / world          # what leaves each rank
-    return dict(fwd_s_per_input=t_fwd / inputs, fwd_bwd_s_per_input=t_fwd_bwd,
+    return dict(fwd_bwd_s_per_input=t_fwd_bwd,
                 a2a_bw=a2a_bytes / max(t_a2a - t_lat, 0.25 * t_a2a),   # guard: noisy difference
                 a2a_lat=t_lat / max(1, world - 1),
                 bcast_bw=params.numel() * 4 / t_bc)
