@@ -43,3 +43,10 @@ def apply_cpu_shims(force: bool = False) -> bool:
     from megatron_moe.compat import cpu
 
     return cpu.apply(force=force)
+
+
+def megatron_tokenizer_base() -> type:
+    """Base class of Megatron-LM-style tokenizers on the installed megatron-core (compat/tokenizer.py)."""
+    from megatron_moe.compat.tokenizer import megatron_tokenizer_base as base
+
+    return base()

@@ -37,10 +37,9 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Iterable, List, Optional
 
-try:  # megatron-core >= 0.14 renamed the legacy base; the older name is the same class.
-    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer as _TokenizerBase
-except ImportError:  # pragma: no cover - older megatron-core
-    from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer as _TokenizerBase
+from megatron_moe.compat import megatron_tokenizer_base
+
+_TokenizerBase = megatron_tokenizer_base()  # megatron-core's legacy base moved in 0.17: compat/tokenizer.py
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
