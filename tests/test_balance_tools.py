@@ -106,14 +106,15 @@ def test_customize_spec_swaps_moe_layers_in_block_spec():
 
     from megatron_moe.balance import customize_spec
     from megatron_moe.balance.layer import BalancedMoELayer
+    from megatron_moe.compat import replace_spec, spec_module  # ModuleSpec or partial (mcore >= 0.18)
 
     a = add_arguments(argparse.ArgumentParser()).parse_args(["--moe-balance-policy", "proprophet"])
     a.num_experts = 4
     block = SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4), get_gpt_layer_local_spec()])
-    dense_mlp = block.layer_specs[1].submodules.mlp.module
+    dense_mlp = spec_module(block.layer_specs[1].submodules.mlp)
     customize_spec(a, block)
-    assert block.layer_specs[0].submodules.mlp.module is BalancedMoELayer
-    assert block.layer_specs[1].submodules.mlp.module is dense_mlp
+    assert spec_module(block.layer_specs[0].submodules.mlp) is BalancedMoELayer
+    assert spec_module(block.layer_specs[1].submodules.mlp) is dense_mlp
     a.moe_grouped_gemm = True
     with pytest.raises(ValueError, match="--moe-grouped-gemm"):
         customize_spec(a, SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4)]))
@@ -121,13 +122,13 @@ def test_customize_spec_swaps_moe_layers_in_block_spec():
         pass
     a.moe_grouped_gemm = False
     spec = get_gpt_layer_local_spec(num_experts=4)
-    spec.submodules.mlp.module = Other
+    spec.submodules.mlp = replace_spec(spec.submodules.mlp, module=Other)
     with pytest.raises(ValueError, match="already customised"):
         customize_spec(a, spec)
     # args built without the balance flags: defaults apply, nothing is swapped
     bare = argparse.Namespace(num_experts=4)
     s = get_gpt_layer_local_spec(num_experts=4)
-    assert customize_spec(bare, s).submodules.mlp.module is MoELayer
+    assert spec_module(customize_spec(bare, s).submodules.mlp) is MoELayer
 
 
 def test_calibration_compute_part_feeds_the_cost_model(tmp_path):

@@ -93,13 +93,14 @@ def install(args, layer_spec, force: bool = False):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_moe.balance.layer import BalancedMoELayer
+    from megatron_moe.compat import replace_spec, spec_module
 
     specs = getattr(layer_spec, "layer_specs", None) or [layer_spec]
     for spec in specs:
         mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
-        cls = getattr(mlp, "module", None)
+        cls = spec_module(mlp)  # a ModuleSpec or (megatron-core >= 0.18) a partial
         if cls is MoELayer:
-            mlp.module = BalancedMoELayer
+            spec.submodules.mlp = replace_spec(mlp, module=BalancedMoELayer)
         elif isinstance(cls, type) and issubclass(cls, MoELayer) and not issubclass(cls, BalancedMoELayer):
             raise ValueError(f"--moe-balance-policy {args.moe_balance_policy}: the MoE layer class is "
                              f"already customised ({cls.__module__}.{cls.__name__}); cannot combine")

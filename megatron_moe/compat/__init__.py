@@ -50,3 +50,6 @@ def megatron_tokenizer_base() -> type:
     from megatron_moe.compat.tokenizer import megatron_tokenizer_base as base
 
     return base()
+
+
+from megatron_moe.compat.spec import replace_spec, spec_module, spec_params, spec_submodules  # noqa: E402,F401

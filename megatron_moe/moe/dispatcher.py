@@ -109,8 +109,10 @@ def _use_chunked_layer(args, spec):
     ChunkedMoELayer.schedule = getattr(args, "moe_a2a_schedule", "schemoe")
     ChunkedMoELayer.algorithm = getattr(args, "moe_a2a_algorithm", "flat")
     ChunkedMoELayer.compression = getattr(args, "moe_a2a_compression", "none")
+    from megatron_moe.compat import replace_spec, spec_module
+
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         mlp = getattr(getattr(layer, "submodules", None), "mlp", None)
-        if getattr(mlp, "module", None) is MoELayer:
-            mlp.module = ChunkedMoELayer
+        if spec_module(mlp) is MoELayer:  # a ModuleSpec or (megatron-core >= 0.18) a partial
+            layer.submodules.mlp = replace_spec(mlp, module=ChunkedMoELayer)
     return spec

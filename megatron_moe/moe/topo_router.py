@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_moe.compat import replace_spec, spec_submodules
+
 __all__ = ["EPLayout", "ep_layout", "customize_spec", "NodeLimitedRouter", "CongestionRouter",
            "TopologyLossRouter", "congestion_cap", "congestion_topk", "link_costs", "ROUTERS"]
 
@@ -367,7 +369,7 @@ def customize_spec(args, spec):
     ours = tuple(ROUTERS.values())
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         mlp = getattr(getattr(layer, "submodules", None), "mlp", None)
-        sub = getattr(mlp, "submodules", None)
+        sub = spec_submodules(mlp)  # a ModuleSpec or (megatron-core >= 0.18) a partial
         if sub is None or not hasattr(sub, "router"):
             continue  # a dense layer
         current = sub.router
@@ -376,5 +378,5 @@ def customize_spec(args, spec):
             raise ValueError(f"--moe-router-topology {args.moe_router_topology}: the router is already "
                              f"customised ({getattr(cls, '__qualname__', cls)}); cannot combine")
         # a fresh submodules object: spec objects may be shared between layers and builds
-        mlp.submodules = dataclasses.replace(sub, router=builder)
+        layer.submodules.mlp = replace_spec(mlp, submodules=dataclasses.replace(sub, router=builder))
     return spec
