@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 
 import torch
 
@@ -40,11 +41,18 @@ class _CpuTorchProxy:
 
 
 class _NoopEvent:
+    # With no device queue an event completes when recorded; its timestamp serves elapsed_time
+    # (megatron-core's static text-generation controller times every decode step with events).
     def __init__(self, *args, **kwargs):
-        pass
+        self._t = None
 
     def record(self, stream=None):
-        pass
+        self._t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        if self._t is None or end._t is None:
+            return 0.0
+        return (end._t - self._t) * 1000.0
 
     def wait(self, stream=None):
         pass
