@@ -1,0 +1,69 @@
+"""megatron-core's static text-generation stack, built the way the installed version wants it.
+
+We use ``StaticInferenceEngine(legacy=True)`` + ``TextGenerationController`` +
+``GPTInferenceWrapper`` + ``StaticInferenceContext`` (KV cache per layer, prefill then one-token
+decode steps): it runs on CPU with the shims in compat/cpu.py. The dynamic engine needs CUDA
+(managed memory, Triton kernels, CUDA graphs), so ``legacy=True`` is always passed.
+
+The constructors differ between versions:
+* 0.16: ``GPTInferenceWrapper(model, InferenceWrapperConfig, context)``; the context is built from
+  that config.
+* >= 0.17 (0.19 checked): ``GPTInferenceWrapper(model, context)``; the context carries an
+  ``InferenceConfig`` and takes (max batch, max sequence length) directly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+
+def build_static_engine(model, tokenizer, *, hidden_size: int, params_dtype, padded_vocab_size: int,
+                        max_batch_size: int, max_sequence_length: int, random_seed: int):
+    """A StaticInferenceEngine over ``model`` (a GPTModel, possibly in Float16Module)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.engines import StaticInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+        GPTInferenceWrapper,
+    )
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    params = inspect.signature(GPTInferenceWrapper.__init__).parameters
+    if "inference_wrapper_config" in params:  # megatron-core <= 0.16
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig,
+        )
+
+        config = InferenceWrapperConfig(
+            hidden_size=hidden_size, params_dtype=params_dtype,
+            inference_batch_times_seqlen_threshold=-1,  # no micro-batch pipelining over PP
+            padded_vocab_size=padded_vocab_size, inference_max_requests=max_batch_size,
+            inference_max_seq_length=max_sequence_length)
+        context = StaticInferenceContext.from_config(config)
+        wrapped = GPTInferenceWrapper(model, config, context)
+    else:
+        context = StaticInferenceContext(max_batch_size, max_sequence_length)
+        wrapped = GPTInferenceWrapper(model, context)
+    controller = TextGenerationController(inference_wrapped_model=wrapped, tokenizer=tokenizer)
+    with warnings.catch_warnings():  # "the static engine will be deprecated": known, see above
+        warnings.simplefilter("ignore")
+        engine = StaticInferenceEngine(controller, max_batch_size=max_batch_size,
+                                       random_seed=random_seed, legacy=True)
+    return engine
+
+
+def sampling_params(**kwargs):
+    """megatron-core's SamplingParams (0.16: sampling_params.py; later also under inference/)."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    names = set(inspect.signature(SamplingParams).parameters)
+    return SamplingParams(**{k: v for k, v in kwargs.items() if k in names})
+
+
+def max_sequence_length_error():
+    """The exception megatron-core raises when prompt + tokens exceed the context length."""
+    from megatron.core.inference.contexts.dynamic_context import MaxSequenceLengthOverflowError
+
+    return MaxSequenceLengthOverflowError

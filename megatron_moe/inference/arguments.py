@@ -1,0 +1,152 @@
+"""Command line of the inference tools: Megatron's training flags + ``--use-checkpoint-args``.
+
+With ``--use-checkpoint-args`` (Megatron-LM's flag) the architecture, tokenizer and data flags come
+from the ``args`` stored in the checkpoint under ``--load``; any flag given on the command line
+wins. The parallel layout (TP/PP/EP/ETP/CP) and the seed always come from the command line: a
+checkpoint is reshardable, so it loads into whatever layout this launch asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+# Never taken from the checkpoint: this launch's layout, process identity, paths, derived values.
+NOT_FROM_CHECKPOINT = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+    "use_distributed_optimizer", "distributed_backend", "distributed_timeout_minutes",
+    "overlap_grad_reduce", "overlap_param_gather", "local_rank", "rank", "world_size",
+    "data_parallel_size", "num_microbatches", "load", "save", "seed", "tensorboard_dir",
+    "moe_routing_trace_dir", "exit_interval", "exit_signal_handler",
+})
+
+
+def _explicit(parser, argv) -> argparse.Namespace:
+    """Only the flags that ``argv`` names (every default replaced by SUPPRESS for one parse)."""
+    saved = [(a, a.default, a.required) for a in parser._actions]
+    saved_defaults = dict(parser._defaults)
+    try:
+        parser._defaults.clear()
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS
+            action.required = False
+        return parser.parse_args(argv)
+    finally:
+        parser._defaults.update(saved_defaults)
+        for action, default, required in saved:
+            action.default, action.required = default, required
+
+
+def read_checkpoint_common(load: str) -> tuple[str, dict]:
+    """(checkpoint directory, common state) of the latest checkpoint under ``load``; ValueError
+    naming the file when there is none (generation must never run on random weights)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_moe.checkpointing import TRACKER, checkpoint_dir, read_tracker
+
+    if not os.path.isdir(load):
+        raise ValueError(f"--load: {load} is not a directory")
+    iteration = read_tracker(load)
+    if iteration is None:
+        raise ValueError(f"--load: no {TRACKER} under {load}")
+    ckpt = checkpoint_dir(load, iteration)
+    if not os.path.isdir(ckpt):
+        raise ValueError(f"--load: {os.path.join(load, TRACKER)} points at iteration {iteration}, "
+                         f"but {ckpt} does not exist")
+    try:
+        return ckpt, dist_checkpointing.load_common_state_dict(ckpt)
+    except Exception as exc:
+        raise ValueError(f"--load: cannot read {ckpt} ({type(exc).__name__}: {exc})") from None
+
+
+def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = False,
+                         keep_batch_size: bool = False, validate_tool=None):
+    """Megatron flags + the tool's flags, merged with the checkpoint's args; validated before any
+    process group starts. Errors exit with code 2 and one line naming the flag (argparse style).
+
+    ``keep_batch_size``: keep the checkpoint's micro/global batch size (evaluation reproduces the
+    training validation line); otherwise the batch flags default to one sequence per rank.
+    """
+    from megatron_moe import arguments as margs
+
+    parser = margs.build_parser(extra_args_provider=add_tool_args, prog=prog)
+    g = parser.add_argument_group("checkpoint args")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take the model, tokenizer and data flags from the checkpoint under --load; "
+                        "flags given here override them.")
+    required = {a.dest: a.option_strings[0] for a in parser._actions if a.required}
+    for action in parser._actions:
+        action.required = False
+    parser.set_defaults(train_iters=1, lr=0.0)  # training-only values a model build never reads
+    explicit = vars(_explicit(parser, argv))
+    args = parser.parse_args(argv)
+    if args.load is None:
+        parser.error("--load is required (a checkpoint directory written by pretrain_gpt_moe.py)")
+    try:
+        ckpt_dir, common = read_checkpoint_common(args.load)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.checkpoint_dir = ckpt_dir
+    args.checkpoint_iteration = common.get("iteration")
+    if args.use_checkpoint_args:
+        stored = vars(common.get("args") or argparse.Namespace())
+        dests = {a.dest for a in parser._actions}
+        for key, value in stored.items():
+            if key in dests and key not in NOT_FROM_CHECKPOINT and key not in explicit:
+                setattr(args, key, value)
+        if not keep_batch_size:
+            for key in ("micro_batch_size", "global_batch_size"):
+                if key not in explicit:
+                    setattr(args, key, None)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = 1
+    missing = [flag for dest, flag in required.items() if getattr(args, dest, None) is None]
+    if missing:
+        parser.error(f"{', '.join(missing)} required (or --use-checkpoint-args to read them from "
+                     f"the checkpoint under --load)")
+    if args.num_experts and args.tensor_model_parallel_size > 1:
+        args.sequence_parallel = True  # megatron-core's MoE+TP requirement; same math
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = int(os.environ.get("RANK", "0"))
+    no_data = not (args.mock_data or args.data_path or args.train_data_path or args.valid_data_path)
+    if no_data and need_data:
+        parser.error("--data-path (or --valid-data-path) is required")
+    try:
+        if no_data:  # generation reads no dataset: validate as if data were mocked
+            args.mock_data = True
+            margs.validate_args(args, check_data_paths=False)
+            args.mock_data = False
+        else:
+            margs.validate_args(args, check_data_paths=need_data)
+        for name in margs._EXTENSION_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            if hasattr(module, "validate_args"):
+                module.validate_args(args)
+        _check_tokenizer_files(args)
+        if validate_tool is not None:
+            validate_tool(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        from megatron_moe.model import transformer_config_from_args
+
+        transformer_config_from_args(args)
+    except (AssertionError, ValueError) as exc:
+        parser.error(f"invalid model configuration: {exc}")
+    # Inference loads weights only; optimizer and RNG state stay in the checkpoint.
+    args.no_load_optim = args.no_load_rng = True
+    args.finetune = False
+    return args
+
+
+def _check_tokenizer_files(args):
+    for flag in ("tokenizer_model", "vocab_file", "merge_file"):
+        path = getattr(args, flag, None)
+        if path is not None and not os.path.exists(path):
+            raise ValueError(f"--{flag.replace('_', '-')}: {path} does not exist (pass the file's "
+                             f"current path if the checkpoint was written elsewhere)")

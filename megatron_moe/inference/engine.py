@@ -1,0 +1,127 @@
+"""Checkpoint -> model -> megatron-core static inference engine -> text.
+
+Every rank runs the same engine on the same prompts (the MoE all-to-alls, TP all-reduces and PP
+sends need all of them); rank 0 reports. Greedy decoding (``top_k=1``) is deterministic; sampling
+draws from the controller's own generator, re-seeded per request, so all ranks draw alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def single_process_port():
+    """A free rendezvous port when not launched by torchrun (the default 6000 may be taken)."""
+    import os
+
+    if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
+        from megatron_moe.testing import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def setup_model(args):
+    """Process groups, tokenizer, this rank's model chunk in eval mode with the checkpoint's weights.
+
+    Returns (model, tokenizer, iteration). No DDP wrapper: nothing here needs gradients.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_moe import global_vars
+    from megatron_moe.checkpointing import load_checkpoint
+    from megatron_moe.initialize import initialize_distributed
+    from megatron_moe.model import gpt_model_provider
+    from megatron_moe.training import _build_tokenizer
+
+    global_vars.set_args(args)
+    initialize_distributed(args)
+    tokenizer = _build_tokenizer(args)
+    model = gpt_model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
+                               post_process=parallel_state.is_pipeline_last_stage())
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.bf16 or args.fp16:
+        model = Float16Module(model.config, model)
+    model.eval()
+    iteration, _, _, _ = load_checkpoint([model], None, None, args)
+    return model, tokenizer, iteration
+
+
+@dataclasses.dataclass
+class Generation:
+    prompt: str
+    text: str                    # prompt + completion (Megatron's server answers this)
+    completion: str
+    prompt_tokens: list
+    tokens: list                 # generated token ids (an EOD that ended generation included)
+    log_probs: list | None = None  # of the generated tokens, when asked for
+
+
+class TextGenerator:
+    """megatron-core's StaticInferenceEngine (KV cache, prefill + decode) over one model chunk."""
+
+    def __init__(self, model, tokenizer, args):
+        from megatron_moe.compat.inference import build_static_engine
+
+        self.tokenizer = tokenizer
+        self.args = args
+        self.max_sequence_length = args.inference_max_seq_length or args.max_position_embeddings
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        self.engine = build_static_engine(
+            model, tokenizer, hidden_size=args.hidden_size, params_dtype=dtype[args.params_dtype],
+            padded_vocab_size=args.padded_vocab_size, max_batch_size=args.inference_max_requests,
+            max_sequence_length=self.max_sequence_length, random_seed=args.seed)
+
+    def tokenize(self, prompt: str) -> list:
+        return list(self.tokenizer.tokenize(prompt))
+
+    def check_lengths(self, prompts, tokens_to_generate: int):
+        """ValueError naming the prompt that does not fit the context with its completion."""
+        for i, prompt in enumerate(prompts):
+            n = len(self.tokenize(prompt))
+            if n == 0:
+                raise ValueError(f"prompt {i} is empty after tokenization")
+            if n + tokens_to_generate > self.max_sequence_length:
+                raise ValueError(
+                    f"prompt {i} has {n} tokens; with {tokens_to_generate} tokens to generate it "
+                    f"exceeds the context length {self.max_sequence_length} "
+                    f"(--inference-max-seq-length / --max-position-embeddings)")
+
+    def generate(self, prompts, tokens_to_generate: int = 30, temperature: float = 1.0,
+                 top_k: int = 1, top_p: float = 0.0, return_log_probs: bool = False,
+                 seed: int | None = None) -> list[Generation]:
+        from megatron.core.inference.inference_request import InferenceRequest
+
+        from megatron_moe.compat.inference import sampling_params
+
+        self.check_lengths(prompts, tokens_to_generate)
+        params = sampling_params(temperature=temperature, top_k=top_k, top_p=top_p,
+                                 return_log_probs=return_log_probs,
+                                 num_tokens_to_generate=tokens_to_generate)
+        controller = self.engine.controller
+        controller.sampling_rng.manual_seed(self.args.seed if seed is None else seed)
+        requests = [InferenceRequest(request_id=self.engine.get_new_request_id(), prompt=p,
+                                     prompt_tokens=self.tokenize(p), sampling_params=params)
+                    for p in prompts]
+        done = self.engine.generate(inference_requests=requests)
+        eod = getattr(self.tokenizer, "eod", None)
+        out = []
+        for prompt, req in zip(prompts, done):
+            tokens = [int(t) for t in req.generated_tokens.tolist()]
+            text_tokens = tokens[:-1] if tokens and tokens[-1] == eod else tokens
+            completion = self._completion(req.prompt_tokens, text_tokens)
+            log_probs = list(req.generated_log_probs) if return_log_probs else None
+            out.append(Generation(prompt=prompt, text=prompt + completion, completion=completion,
+                                  prompt_tokens=list(req.prompt_tokens), tokens=tokens,
+                                  log_probs=log_probs))
+        return out
+
+    def _completion(self, prompt_tokens, tokens) -> str:
+        # Detokenize in context (sentencepiece/BPE spacing depends on the previous piece), then
+        # cut the detokenized prompt off.
+        head = self.tokenizer.detokenize(list(prompt_tokens))
+        full = self.tokenizer.detokenize(list(prompt_tokens) + list(tokens))
+        return full[len(head):] if full.startswith(head) else self.tokenizer.detokenize(tokens)
