@@ -89,6 +89,8 @@ def _add_model_args(p):
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--add-bias-linear", action="store_true", dest="add_bias_linear",
                    help="The default; undoes an earlier --disable-bias-linear.")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="Bias in the QKV projection only (Qwen2); works with --disable-bias-linear.")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -100,6 +102,8 @@ def _add_moe_args(p):
     g.add_argument("--num-experts", type=int, default=None)
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Sigmoid gate on the shared experts' output (Qwen2-MoE).")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
                    help="int N (every Nth layer is MoE) or a list such as '[1,0,1,0]'.")
@@ -350,6 +354,11 @@ def validate_args(args, check_data_paths=True):
                              "alltoall (megatron-core drops tokens only there)")
         if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
             raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
+            raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+        if args.moe_shared_expert_intermediate_size is not None and args.add_bias_linear:
+            raise ValueError("--moe-shared-expert-intermediate-size needs --disable-bias-linear "
+                             "(megatron-core's shared experts have no biases)")
         if args.moe_grouped_gemm and not _cuda_available():
             raise ValueError("--moe-grouped-gemm needs CUDA (grouped_gemm or Transformer Engine)")
         if args.moe_token_dispatcher_type == "flex" and not _cuda_available():
