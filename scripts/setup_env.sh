@@ -1,19 +1,40 @@
 #!/usr/bin/env bash
-# Create .venv (once) with everything the quickstart and the tests need; idempotent.
-# CPU machines: torch 2.13.0 (CPU build), megatron-core 0.16.1 (Python 3.11). GPU images: see Dockerfile.
+# Create a venv (once) with everything the quickstart and the tests need; idempotent.
+#   PYTHON=  the interpreter to build it with (default python3); python3.12 is found under pyenv
+#            when it is not on PATH (scripts/find_python.sh).
+#   VENV=    the venv directory (default .venv; a relative path is taken from the repository root).
+#            One venv per Python, e.g. VENV=.venv312 PYTHON=python3.12.
+#   TORCH_VERSION=  torch pin (default 2.13.0).
+# pip resolves megatron-core from pyproject's range: 0.16.1 on Python 3.11, the newest 0.19.x on 3.12.
+# GPU images: see Dockerfile.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$ROOT/.venv}"
-PY="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 STAMP="$VENV/.megatron-moe-installed"
-if [ -f "$STAMP" ] && [ "$STAMP" -nt "$ROOT/pyproject.toml" ]; then
-  exit 0
-fi
-if [ ! -x "$VENV/bin/python" ]; then
+pyver() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
+
+if [ -x "$VENV/bin/python" ]; then
+  if [ -n "${PYTHON:-}" ]; then  # a venv is tied to its Python: refuse a silent mismatch
+    want="$(pyver "$(bash "$ROOT/scripts/find_python.sh" "$PYTHON")")"
+    have="$(pyver "$VENV/bin/python")"
+    if [ "$want" != "$have" ]; then
+      echo "error: $VENV was built with Python $have but PYTHON=$PYTHON is Python $want;" \
+           "pick another venv directory (e.g. VENV=.venv${want/./}) or remove $VENV" >&2
+      exit 1
+    fi
+  fi
+  if [ -f "$STAMP" ] && [ "$STAMP" -nt "$ROOT/pyproject.toml" ]; then
+    exit 0
+  fi
+else
+  PY="$(bash "$ROOT/scripts/find_python.sh" "${PYTHON:-python3}")"
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-# Pin torch first: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
+# Pin torch first: an unpinned torch would pull whatever is newest (and untested).
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+"$VENV/bin/python" -c 'import sys, torch, megatron.core as m
+print(f"{sys.argv[1]}: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")' "$VENV"
 touch "$STAMP"

@@ -5,8 +5,9 @@ state, CUDA streams, ``param.type() == 'torch.cuda.FloatTensor'`` checks, uneven
 gloo lacks). Each shim below replaces exactly one such spot and is idempotent. ``apply()`` is a
 no-op when CUDA is available, so GPU runs use megatron-core unmodified.
 
-Verified against megatron-core 0.16.1 (and the 0.19.x source; see docs/compat.md).
-Each shim has a test in tests/test_compat.py that fails without it.
+Tested on megatron-core 0.16.1 and 0.19.x (see docs/compat.md). Each shim has a scenario in
+tests/test_compat.py that fails without it; a shim a newer release no longer needs (NEEDED_BEFORE)
+is not applied there, and its scenario must pass without it.
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def patch_alltoall_dispatcher():
 
 
 def patch_te_general_gemm():
-    """megatron-core 0.16.1 references ``te_general_gemm`` unguarded when TE is absent."""
+    """megatron-core 0.16 references ``te_general_gemm`` unguarded when TE is absent (0.17 binds it
+    to None itself, so the shim is dropped there: see ``NEEDED_BEFORE``)."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -319,6 +321,18 @@ SHIMS = (
 )
 
 
+# Shims that a newer megatron-core no longer needs: name -> first release that fixed it.
+NEEDED_BEFORE = {"patch_te_general_gemm": "0.17"}
+
+
+def active_shims():
+    """The shims the installed megatron-core needs."""
+    from megatron_moe.compat.versions import mcore_at_least
+
+    return tuple(s for s in SHIMS
+                 if s.__name__ not in NEEDED_BEFORE or not mcore_at_least(NEEDED_BEFORE[s.__name__]))
+
+
 def apply(force: bool = False) -> bool:
     """Apply every shim once, only when CUDA is unavailable (or ``force``). Returns True if applied."""
     global _APPLIED
@@ -326,7 +340,7 @@ def apply(force: bool = False) -> bool:
         return True
     if torch.cuda.is_available() and not force:
         return False
-    for shim in SHIMS:
+    for shim in active_shims():
         shim()
     _APPLIED = True
     return True

@@ -10,6 +10,10 @@ megatron-core's; this module rebinds those names inside ``token_dispatcher`` to:
 * ``megatron_moe.comm.all_to_all`` with ``--moe-a2a-algorithm`` other than ``flat`` or with
   ``--moe-a2a-compression`` (hierarchical / pipe all-to-all, compression).
 
+The same choice (:func:`exchange_config`, :func:`permute_fns`) is read by the layers that exchange
+tokens themselves: ``ChunkedMoELayer`` and the balanced layer (``--moe-balance-policy``), so the
+three flags apply under every policy.
+
 With ``--moe-a2a-overlap-degree`` > 1 (or ``--moe-a2a-schedule fastermoe``) the MoE layer class in
 the spec becomes ``megatron_moe.moe.chunked.ChunkedMoELayer`` (chunked, overlapped dispatch ->
 experts -> combine on the same algorithm and compression).
@@ -21,9 +25,33 @@ The choice is process-wide (one model per process), made once from the parsed ar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 _ORIGINAL = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeConfig:
+    """The process-wide all-to-all choice, read by every MoE layer that exchanges tokens itself
+    (the chunked layer, the balanced layer): one exchange path for all of them."""
+    algorithm: str = "flat"
+    compression: str = "none"
+    permute_fusion: bool = False
+
+
+_EXCHANGE = ExchangeConfig()
+
+
+def exchange_config() -> ExchangeConfig:
+    return _EXCHANGE
+
+
+def permute_fns():
+    """The (permute, unpermute) pair the token dispatchers use now: megatron-core's, or
+    kernels.permute / kernels.unpermute with ``--moe-permute-fusion`` (looked up at call time)."""
+    td = _token_dispatcher_module()
+    return td.permute, td.unpermute
 
 
 def add_arguments(parser):
@@ -74,6 +102,8 @@ def _rebind(name, value):
 
 def restore_defaults():
     """Undo every rebinding (tests build several models in one process)."""
+    global _EXCHANGE
+    _EXCHANGE = ExchangeConfig()
     td = _token_dispatcher_module()
     for name, value in _ORIGINAL.items():
         setattr(td, name, value)
@@ -85,15 +115,19 @@ def customize_spec(args, spec):
     restore_defaults()
     if not getattr(args, "num_experts", None):
         return spec
-    if getattr(args, "moe_permute_fusion", False):
-        _rebind("permute", _fused_permute)
-        _rebind("unpermute", _fused_unpermute)
-    algorithm = getattr(args, "moe_a2a_algorithm", "flat")
-    compression = getattr(args, "moe_a2a_compression", "none")
-    if algorithm != "flat" or compression not in (None, "none"):
-        _rebind("all_to_all", functools.partial(
+    from megatron_moe.compat.dispatch import adapt_all_to_all, adapt_permute, adapt_unpermute
+
+    if getattr(args, "moe_permute_fusion", False):  # call contracts per megatron-core version
+        _rebind("permute", adapt_permute(_fused_permute))
+        _rebind("unpermute", adapt_unpermute(_fused_unpermute))
+    algorithm = getattr(args, "moe_a2a_algorithm", "flat") or "flat"
+    compression = getattr(args, "moe_a2a_compression", "none") or "none"
+    global _EXCHANGE
+    _EXCHANGE = ExchangeConfig(algorithm, compression, bool(getattr(args, "moe_permute_fusion", False)))
+    if algorithm != "flat" or compression != "none":
+        _rebind("all_to_all", adapt_all_to_all(functools.partial(
             _pluggable_all_to_all, algorithm=algorithm, compression=compression,
-            ranks_per_node=None))  # derived per EP group from the topology
+            ranks_per_node=None)))  # derived per EP group from the topology
     if getattr(args, "moe_a2a_overlap_degree", 1) > 1 or \
             getattr(args, "moe_a2a_schedule", "schemoe") == "fastermoe":
         spec = _use_chunked_layer(args, spec)

@@ -1,0 +1,59 @@
+"""Call contracts of the megatron-core functions the dispatchers call by name (moe/dispatcher.py
+rebinds them inside ``megatron.core.transformer.moe.token_dispatcher``).
+
+permute / unpermute (``moe_utils``):
+    <= 0.16: ``permute(...) -> (tokens, probs, sorted_indices)``.
+    >= 0.17: ``permute(..., tokens_per_expert=None, align_size=...)`` returns
+        ``(tokens, probs, sorted_indices, pad_offsets, tokens_per_expert)``; ``unpermute`` takes
+        ``pad_offsets``. Only TE's fused permute-and-pad kernel fills pad_offsets (FP8/FP4
+        alignment); megatron-core's unfused path returns ``None`` and passes tokens_per_expert
+        through, and ``adapt_permute`` does exactly the same around our kernels.
+all_to_all (``tensor_parallel.mappings``):
+    >= 0.18: the alltoall dispatcher passes ``use_nccl_stream=`` (run on a side NCCL stream so the
+        shared experts overlap); ``adapt_all_to_all`` accepts and drops it: ours runs on the current
+        stream (correct, without that overlap).
+"""
+
+import functools
+
+from megatron_moe.compat.versions import mcore_at_least
+
+
+def adapt_permute(fn):
+    """Wrap a permute with megatron-core 0.16's contract for the installed megatron-core."""
+    if not mcore_at_least("0.17"):
+        return fn
+
+    @functools.wraps(fn)
+    def permute(*args, tokens_per_expert=None, align_size=0, **kwargs):
+        tokens, probs, sorted_indices = fn(*args, **kwargs)
+        return tokens, probs, sorted_indices, None, tokens_per_expert
+
+    return permute
+
+
+def adapt_unpermute(fn):
+    """Wrap an unpermute with megatron-core 0.16's contract for the installed megatron-core."""
+    if not mcore_at_least("0.17"):
+        return fn
+
+    @functools.wraps(fn)
+    def unpermute(*args, pad_offsets=None, **kwargs):
+        if pad_offsets is not None:  # only TE's fused permute-and-pad produces these
+            raise NotImplementedError("unpermute with pad_offsets (TE fused permute-and-pad) is not "
+                                      "supported by --moe-permute-fusion's kernels")
+        return fn(*args, **kwargs)
+
+    return unpermute
+
+
+def adapt_all_to_all(fn):
+    """Wrap an ``all_to_all(group, input, output_splits, input_splits)`` for megatron-core's call."""
+    if not mcore_at_least("0.18"):
+        return fn
+
+    @functools.wraps(fn)
+    def all_to_all(*args, use_nccl_stream=False, **kwargs):
+        return fn(*args, **kwargs)
+
+    return all_to_all
