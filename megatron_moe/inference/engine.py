@@ -58,6 +58,7 @@ class Generation:
     prompt_tokens: list
     tokens: list                 # generated token ids (an EOD that ended generation included)
     log_probs: list | None = None  # of the generated tokens, when asked for
+    prompt_log_probs: list | None = None  # of prompt tokens 2..n, when asked for
 
 
 class TextGenerator:
@@ -78,10 +79,21 @@ class TextGenerator:
     def tokenize(self, prompt: str) -> list:
         return list(self.tokenizer.tokenize(prompt))
 
-    def check_lengths(self, prompts, tokens_to_generate: int):
-        """ValueError naming the prompt that does not fit the context with its completion."""
-        for i, prompt in enumerate(prompts):
-            n = len(self.tokenize(prompt))
+    def tokenize_prompts(self, prompts, tokens_to_generate: int, add_bos: bool = False) -> list:
+        """Token ids per prompt; ValueError naming a prompt that is empty or does not fit the
+        context together with its completion."""
+        prompt_tokens = [self.tokenize(p) for p in prompts]
+        if add_bos:
+            try:
+                bos = self.tokenizer.bos
+            except (AttributeError, NotImplementedError):
+                bos = None
+            if bos is None or bos < 0:
+                raise ValueError(f"add_BOS: the tokenizer {type(self.tokenizer).__name__} has no "
+                                 f"BOS token")
+            prompt_tokens = [[bos] + t for t in prompt_tokens]
+        for i, tokens in enumerate(prompt_tokens):
+            n = len(tokens)
             if n == 0:
                 raise ValueError(f"prompt {i} is empty after tokenization")
             if n + tokens_to_generate > self.max_sequence_length:
@@ -89,23 +101,24 @@ class TextGenerator:
                     f"prompt {i} has {n} tokens; with {tokens_to_generate} tokens to generate it "
                     f"exceeds the context length {self.max_sequence_length} "
                     f"(--inference-max-seq-length / --max-position-embeddings)")
+        return prompt_tokens
 
     def generate(self, prompts, tokens_to_generate: int = 30, temperature: float = 1.0,
                  top_k: int = 1, top_p: float = 0.0, return_log_probs: bool = False,
-                 seed: int | None = None) -> list[Generation]:
+                 seed: int | None = None, add_bos: bool = False) -> list[Generation]:
         from megatron.core.inference.inference_request import InferenceRequest
 
         from megatron_moe.compat.inference import sampling_params
 
-        self.check_lengths(prompts, tokens_to_generate)
+        prompt_tokens = self.tokenize_prompts(prompts, tokens_to_generate, add_bos)
         params = sampling_params(temperature=temperature, top_k=top_k, top_p=top_p,
                                  return_log_probs=return_log_probs,
                                  num_tokens_to_generate=tokens_to_generate)
         controller = self.engine.controller
         controller.sampling_rng.manual_seed(self.args.seed if seed is None else seed)
         requests = [InferenceRequest(request_id=self.engine.get_new_request_id(), prompt=p,
-                                     prompt_tokens=self.tokenize(p), sampling_params=params)
-                    for p in prompts]
+                                     prompt_tokens=t, sampling_params=params)
+                    for p, t in zip(prompts, prompt_tokens)]
         done = self.engine.generate(inference_requests=requests)
         eod = getattr(self.tokenizer, "eod", None)
         out = []
@@ -113,10 +126,11 @@ class TextGenerator:
             tokens = [int(t) for t in req.generated_tokens.tolist()]
             text_tokens = tokens[:-1] if tokens and tokens[-1] == eod else tokens
             completion = self._completion(req.prompt_tokens, text_tokens)
-            log_probs = list(req.generated_log_probs) if return_log_probs else None
-            out.append(Generation(prompt=prompt, text=prompt + completion, completion=completion,
-                                  prompt_tokens=list(req.prompt_tokens), tokens=tokens,
-                                  log_probs=log_probs))
+            out.append(Generation(
+                prompt=prompt, text=prompt + completion, completion=completion,
+                prompt_tokens=list(req.prompt_tokens), tokens=tokens,
+                log_probs=list(req.generated_log_probs) if return_log_probs else None,
+                prompt_log_probs=list(req.prompt_log_probs) if return_log_probs else None))
         return out
 
     def _completion(self, prompt_tokens, tokens) -> str:
