@@ -90,6 +90,7 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
         parser.error(str(exc))
     args.checkpoint_dir = ckpt_dir
     args.checkpoint_iteration = common.get("iteration")
+    args.checkpoint_args = common.get("args")  # the training run's flags (evaluate.py sizes splits)
     if args.use_checkpoint_args:
         stored = vars(common.get("args") or argparse.Namespace())
         dests = {a.dest for a in parser._actions}
