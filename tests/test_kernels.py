@@ -10,6 +10,7 @@ from kernels import ops as kops
 from kernels import reference as ref
 
 mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+from megatron_moe.compat.dispatch import mcore_permute  # megatron-core's, 0.16 contract
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -124,7 +125,7 @@ def test_mcore_dropin_bit_identical(dtype, pdtype, T, E, k, drop_and_pad, chunk_
     x = torch.randn(T, 24, generator=g).to(dtype)
     probs = dense.to(pdtype)
     nout = (E * max(1, (T * k) // (2 * E))) if drop_and_pad else T * k  # capacity < demand
-    want = mu.permute(x, rmap, probs=probs, num_out_tokens=nout, drop_and_pad=drop_and_pad)
+    want = mcore_permute(x, rmap, probs=probs, num_out_tokens=nout, drop_and_pad=drop_and_pad)
     for be in ("torch", "reference"):
         with kernels.use_backend(be):
             got = kernels.permute(x, rmap, probs=probs, num_out_tokens=nout,
@@ -154,7 +155,7 @@ def test_mcore_dropin_drops_over_capacity_columns():
     idx, _, rmap, dense = make_routing(T, E, 3, seed=2)
     x = torch.randn(T, 8)
     nout = E * 5  # capacity 5 << ~22 routed per expert
-    want = mu.permute(x, rmap, probs=dense, num_out_tokens=nout, drop_and_pad=True)
+    want = mcore_permute(x, rmap, probs=dense, num_out_tokens=nout, drop_and_pad=True)
     got = kernels.permute(x, rmap, probs=dense, num_out_tokens=nout, drop_and_pad=True)
     for a, b in zip(want, got):
         assert_bit_equal(a, b)
@@ -217,7 +218,7 @@ def test_gradcheck_mcore_dropin_and_grads_match_mcore(drop_and_pad):
                                  drop_and_pad=drop_and_pad)
 
     def theirs(a, b):
-        xp, pp, si = mu.permute(a, rmap, probs=b, num_out_tokens=nout, drop_and_pad=drop_and_pad)
+        xp, pp, si = mcore_permute(a, rmap, probs=b, num_out_tokens=nout, drop_and_pad=drop_and_pad)
         return mu.unpermute(xp * pp[:, None] + 1.0, si, a.shape, probs=b, routing_map=rmap,
                             drop_and_pad=drop_and_pad)
 
@@ -236,7 +237,7 @@ def test_backward_bf16_matches_mcore(chunk_bytes, monkeypatch):
     _, _, rmap, dense = make_routing(T, E, k, seed=9)
     x = torch.randn(T, h).bfloat16()
     outs = []
-    for fns in ((kernels.permute, kernels.unpermute), (mu.permute, mu.unpermute)):
+    for fns in ((kernels.permute, kernels.unpermute), (mcore_permute, mu.unpermute)):
         a = x.clone().requires_grad_()
         b = dense.clone().requires_grad_()
         xp, _, si = fns[0](a, rmap, probs=b, num_out_tokens=T * k)
@@ -298,7 +299,7 @@ def test_pool_never_hands_out_a_held_buffer():
     view = c[:10]
     del c
     d = kernels.permute(x1, rmap, dense)[0]  # a view keeps c's buffer alive
-    assert d.data_ptr() != ptr and torch.equal(view, x2[mu.permute(x2, rmap)[2][:10]])
+    assert d.data_ptr() != ptr and torch.equal(view, x2[mcore_permute(x2, rmap)[2][:10]])
     kernels.empty_cache()
 
 

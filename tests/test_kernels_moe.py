@@ -16,6 +16,8 @@ def moe_layer_fused_vs_unfused(rank, world_size, drop_and_pad):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     import kernels
+    from megatron_moe.compat import spec_submodules
+    from megatron_moe.compat.dispatch import adapt_permute, adapt_unpermute  # per megatron-core
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1,
                                  expert_model_parallel_size=world_size)
@@ -28,7 +30,7 @@ def moe_layer_fused_vs_unfused(rank, world_size, drop_and_pad):
         expert_model_parallel_size=world_size, bf16=False, params_dtype=torch.float32, **extra)
     torch.manual_seed(0)
     spec = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)
-    layer = MoELayer(cfg, submodules=spec.submodules)
+    layer = MoELayer(cfg, submodules=spec_submodules(spec))
     torch.manual_seed(100 + rank)
     x = torch.randn(7, 3, 16)
 
@@ -49,8 +51,8 @@ def moe_layer_fused_vs_unfused(rank, world_size, drop_and_pad):
             return fn(*a, **k)
         return wrapper
 
-    token_dispatcher.permute = counted(kernels.permute)
-    token_dispatcher.unpermute = counted(kernels.unpermute)
+    token_dispatcher.permute = counted(adapt_permute(kernels.permute))
+    token_dispatcher.unpermute = counted(adapt_unpermute(kernels.unpermute))
     try:
         ours = run()
     finally:

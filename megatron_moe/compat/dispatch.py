@@ -57,3 +57,20 @@ def adapt_all_to_all(fn):
         return fn(*args, **kwargs)
 
     return all_to_all
+
+
+def mcore_permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
+                  drop_and_pad=False):
+    """megatron-core's own ``moe_utils.permute`` under the 0.16 contract (the reference our kernels
+    are compared with): ``(tokens, probs, sorted_indices)``. From 0.17 the unfused path requires
+    ``num_out_tokens`` (0.16 ignored it there and kept every routed pair: the same count)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not mcore_at_least("0.17"):
+        return moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                                 fused=fused, drop_and_pad=drop_and_pad)
+    if num_out_tokens is None and not drop_and_pad:
+        num_out_tokens = int(routing_map.bool().sum())
+    out = moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                            fused=fused, drop_and_pad=drop_and_pad)
+    return out[:3]
