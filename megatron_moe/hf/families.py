@@ -1,0 +1,412 @@
+"""Per-family mappings between Hugging Face checkpoints and megatron-core's GPTModel.
+
+Both sides are described by one ``Spec`` (layer count, heads, experts, which layers are MoE, ...),
+made from an HF ``config.json`` or from a Megatron checkpoint's stored args. ``rules_for(spec)``
+lists, for every megatron-core parameter (its name in an unsharded TP=EP=PP=1 model), the HF
+tensors it is made of and how: a plain copy, the fused QKV layout, or gate/up concatenated for
+SwiGLU. The same rules run forwards (HF -> megatron, ``merge``) and backwards (``split``); both
+are pure concatenation/slicing, so a round trip is bit-exact.
+
+Layout facts the rules encode (megatron-core 0.16):
+  * ``linear_qkv`` rows are grouped per query group: for each KV head g, the q heads that share
+    it (heads/groups of them), then k_g, then v_g. HF keeps q_proj, k_proj, v_proj apart, and q
+    head h uses KV head h // (heads/groups) (transformers' repeat_kv).
+  * ``linear_fc1`` of a SwiGLU MLP is [gate; up] (megatron-core applies silu to the first half);
+    HF calls them gate_proj/up_proj (Qwen2) or w1/w3 (Mixtral), w2/down_proj is linear_fc2.
+  * RoPE: megatron-core's default (rotary_interleaved=False) rotates halves like HF's
+    rotate_half, with inv_freq = base^(-2i/d): only the base (rope_theta) has to be carried.
+  * Router: ``mlp.router.weight`` [experts, hidden] is HF's gate. Mixtral renormalises the top-k
+    softmax probabilities = megatron-core's softmax over the top-k logits (no pre-softmax);
+    Qwen2-MoE with norm_topk_prob=False keeps softmax-then-top-k = --moe-router-pre-softmax.
+  * Qwen2-MoE's shared expert gate is sigmoid(x @ w^T), w [1, hidden] = megatron-core's
+    ``shared_experts.gate_weight`` (--moe-shared-expert-gate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config this converter cannot map faithfully; the message says which field."""
+
+
+@dataclasses.dataclass
+class Spec:
+    family: str
+    num_layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int                       # true vocabulary (HF vocab_size), before Megatron's padding
+    num_experts: int
+    moe_layers: list                 # per layer: True = MoE, False = dense SwiGLU MLP
+    ffn: int                         # dense MLP intermediate size
+    moe_ffn: int
+    shared_ffn: int | None = None    # shared expert intermediate size (Qwen2-MoE)
+    shared_gate: bool = False
+    qkv_bias: bool = False
+    tied: bool = False
+
+
+@dataclasses.dataclass
+class Rule:
+    meg: str                         # megatron-core parameter name (unsharded model)
+    hf: tuple                        # HF tensor names, in merge order
+    merge: Callable                  # list of HF tensors -> megatron tensor
+    split: Callable                  # megatron tensor -> list of HF tensors
+    vocab: bool = False              # rows are the vocabulary (Megatron pads them)
+
+
+def _copy():
+    return (lambda ts: ts[0]), (lambda t: [t])
+
+
+def _cat(sizes):
+    """[gate; up] along rows (SwiGLU linear_fc1)."""
+    return (lambda ts: torch.cat(ts, dim=0)), (lambda t: list(torch.split(t, sizes, dim=0)))
+
+
+def _qkv(heads, groups, head_dim):
+    """q/k/v (weights [rows, hidden] or biases [rows]) <-> megatron-core's per-group layout."""
+    per = heads // groups
+
+    def merge(ts):
+        q, k, v = ts
+        tail = q.shape[1:]
+        q = q.reshape(groups, per * head_dim, *tail)
+        k = k.reshape(groups, head_dim, *tail)
+        v = v.reshape(groups, head_dim, *tail)
+        return torch.cat([q, k, v], dim=1).reshape(groups * (per + 2) * head_dim, *tail)
+
+    def split(t):
+        tail = t.shape[1:]
+        g = t.reshape(groups, (per + 2) * head_dim, *tail)
+        q, k, v = torch.split(g, [per * head_dim, head_dim, head_dim], dim=1)
+        return [q.reshape(heads * head_dim, *tail), k.reshape(groups * head_dim, *tail),
+                v.reshape(groups * head_dim, *tail)]
+
+    return merge, split
+
+
+def _rope_theta(cfg, default):
+    """transformers < 5 writes rope_theta at top level, >= 5 inside rope_parameters."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in (None, "default"):
+        raise ConversionError(f"config.json: rope_type {kind!r} is not supported (plain RoPE only)")
+    theta = cfg.get("rope_theta", params.get("rope_theta", default))
+    if float(theta) != int(theta):
+        raise ConversionError(f"config.json: rope_theta {theta} is not an integer "
+                              f"(--rotary-base is an int, as in Megatron-LM)")
+    return int(theta)
+
+
+class Family:
+    name = ""
+    architecture = ""
+    rope_default = 10000
+
+    # -- HF names (per layer i, prefix model.layers.{i}.) ----------------------------------------
+    def router(self, i):
+        raise NotImplementedError
+
+    def expert(self, i, e):
+        """(gate, up, down) names of expert e."""
+        raise NotImplementedError
+
+    def shared(self, i):
+        raise ConversionError(f"{self.name} has no shared experts")
+
+    def dense(self, i):
+        raise ConversionError(f"{self.name} has no dense MLP layers")
+
+    # -- config <-> spec/flags -------------------------------------------------------------------
+    def _common(self, cfg) -> dict:
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConversionError(f"config.json: hidden_act {act!r} (only silu = SwiGLU is supported)")
+        heads = cfg["num_attention_heads"]
+        return dict(
+            family=self.name, num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+            heads=heads, groups=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
+            tied=bool(cfg.get("tie_word_embeddings", False)))
+
+    def spec_from_config(self, cfg) -> Spec:
+        raise NotImplementedError
+
+    def flags_from_config(self, cfg) -> list:
+        """pretrain_gpt_moe.py model flags that build this HF model in megatron-core."""
+        s = self.spec_from_config(cfg)
+        flags = [
+            "--num-layers", s.num_layers, "--hidden-size", s.hidden,
+            "--num-attention-heads", s.heads, "--num-query-groups", s.groups,
+            "--kv-channels", s.head_dim, "--ffn-hidden-size", s.ffn,
+            "--max-position-embeddings", cfg.get("max_position_embeddings", 4096),
+            "--seq-length", min(int(cfg.get("max_position_embeddings", 4096)), 4096),
+            "--position-embedding-type", "rope", "--rotary-base", _rope_theta(cfg, self.rope_default),
+            "--normalization", "RMSNorm", "--norm-epsilon", cfg.get("rms_norm_eps", 1e-6),
+            "--swiglu", "--disable-bias-linear",
+            "--hidden-dropout", 0.0, "--attention-dropout", cfg.get("attention_dropout", 0.0),
+            "--init-method-std", cfg.get("initializer_range", 0.02),
+            "--num-experts", s.num_experts, "--moe-ffn-hidden-size", s.moe_ffn,
+            "--moe-router-topk", cfg["num_experts_per_tok"],
+            "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", cfg.get("router_aux_loss_coef", 0.0),
+        ]
+        if not s.tied:
+            flags.append("--untie-embeddings-and-output-weights")
+        if not all(s.moe_layers):
+            flags += ["--moe-layer-freq", "[" + ",".join(str(int(m)) for m in s.moe_layers) + "]"]
+        return [str(f) for f in flags]
+
+    def config_from_args(self, args, spec: Spec, dtype: str) -> dict:
+        """A config.json for a checkpoint that was not converted from HF (trained here)."""
+        cfg = {
+            "architectures": [self.architecture], "model_type": self.name,
+            "vocab_size": spec.vocab, "hidden_size": spec.hidden,
+            "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.groups, "head_dim": spec.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": args.max_position_embeddings,
+            "rms_norm_eps": args.norm_epsilon, "rope_theta": float(args.rotary_base),
+            "num_experts_per_tok": args.moe_router_topk,
+            "router_aux_loss_coef": args.moe_aux_loss_coeff,
+            "tie_word_embeddings": spec.tied, "attention_dropout": 0.0,
+            "initializer_range": args.init_method_std, "torch_dtype": dtype, "use_cache": True,
+        }
+        return cfg
+
+    def check_args(self, args):
+        """Refuse megatron settings the HF architecture cannot express (never convert silently
+        into a different model)."""
+        problems = []
+        if args.normalization != "RMSNorm":
+            problems.append(f"--normalization {args.normalization} (HF: RMSNorm)")
+        if not args.swiglu:
+            problems.append("no --swiglu (HF: SiLU-gated MLP)")
+        if args.position_embedding_type != "rope":
+            problems.append(f"--position-embedding-type {args.position_embedding_type} (HF: rope)")
+        if args.add_bias_linear:
+            problems.append("linear biases (HF: none; pass --disable-bias-linear)")
+        if args.num_experts is None:
+            problems.append("no --num-experts (a dense model)")
+        if args.moe_router_score_function != "softmax":
+            problems.append(f"--moe-router-score-function {args.moe_router_score_function}")
+        for flag in ("moe_router_topk_scaling_factor", "moe_router_group_topk"):
+            if getattr(args, flag, None):
+                problems.append(f"--{flag.replace('_', '-')}")
+        if getattr(args, "moe_router_enable_expert_bias", False):
+            problems.append("--moe-router-enable-expert-bias")
+        if getattr(args, "qk_layernorm", False):
+            problems.append("--qk-layernorm")
+        if problems:
+            raise ConversionError(f"the checkpoint cannot be written as {self.architecture}: "
+                                  + "; ".join(problems))
+
+
+class Mixtral(Family):
+    name = "mixtral"
+    architecture = "MixtralForCausalLM"
+    rope_default = 1000000  # MixtralConfig's default
+
+    def router(self, i):
+        return f"model.layers.{i}.block_sparse_moe.gate.weight"
+
+    def expert(self, i, e):
+        p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+
+    def spec_from_config(self, cfg) -> Spec:
+        if cfg.get("sliding_window"):
+            # Mistral-style local attention is not in megatron-core's GPT attention here
+            raise ConversionError(f"config.json: sliding_window={cfg['sliding_window']} "
+                                  f"(only full attention is supported; set it to null)")
+        n = cfg["num_hidden_layers"]
+        return Spec(**self._common(cfg), num_experts=cfg["num_local_experts"],
+                    moe_layers=[True] * n, ffn=cfg["intermediate_size"],
+                    moe_ffn=cfg["intermediate_size"])
+
+    def config_from_args(self, args, spec, dtype):
+        cfg = super().config_from_args(args, spec, dtype)
+        cfg.update(intermediate_size=spec.moe_ffn, num_local_experts=spec.num_experts,
+                   sliding_window=None, router_jitter_noise=0.0)
+        return cfg
+
+    def check_args(self, args):
+        super().check_args(args)
+        problems = []
+        if args.moe_router_pre_softmax:
+            problems.append("--moe-router-pre-softmax (Mixtral renormalises the top-k)")
+        if args.moe_shared_expert_intermediate_size:
+            problems.append("shared experts")
+        if args.add_qkv_bias:
+            problems.append("--add-qkv-bias")
+        if not all(moe_layer_list(args)):
+            problems.append("dense layers (--moe-layer-freq)")
+        if problems:
+            raise ConversionError(f"the checkpoint cannot be written as {self.architecture}: "
+                                  + "; ".join(problems) + " (try --hf-family qwen2_moe)")
+
+
+class Qwen2Moe(Family):
+    name = "qwen2_moe"
+    architecture = "Qwen2MoeForCausalLM"
+
+    def router(self, i):
+        return f"model.layers.{i}.mlp.gate.weight"
+
+    def expert(self, i, e):
+        p = f"model.layers.{i}.mlp.experts.{e}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def shared(self, i):
+        p = f"model.layers.{i}.mlp.shared_expert."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def shared_gate(self, i):
+        return f"model.layers.{i}.mlp.shared_expert_gate.weight"
+
+    def dense(self, i):
+        p = f"model.layers.{i}.mlp."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def spec_from_config(self, cfg) -> Spec:
+        if cfg.get("use_sliding_window"):
+            raise ConversionError("config.json: use_sliding_window=true is not supported")
+        if cfg.get("qkv_bias") is False:
+            raise ConversionError("config.json: qkv_bias=false (Qwen2-MoE has QKV biases)")
+        n = cfg["num_hidden_layers"]
+        step = cfg.get("decoder_sparse_step", 1)
+        only_mlp = set(cfg.get("mlp_only_layers") or [])
+        experts = cfg["num_experts"]
+        moe = [experts > 0 and i not in only_mlp and (i + 1) % step == 0 for i in range(n)]
+        shared = cfg.get("shared_expert_intermediate_size") or None
+        return Spec(**self._common(cfg), num_experts=experts, moe_layers=moe,
+                    ffn=cfg["intermediate_size"], moe_ffn=cfg["moe_intermediate_size"],
+                    shared_ffn=shared, shared_gate=shared is not None, qkv_bias=True)
+
+    def flags_from_config(self, cfg):
+        s = self.spec_from_config(cfg)
+        flags = super().flags_from_config(cfg) + ["--add-qkv-bias"]
+        if s.shared_ffn:
+            flags += ["--moe-shared-expert-intermediate-size", str(s.shared_ffn),
+                      "--moe-shared-expert-gate"]
+        if not cfg.get("norm_topk_prob", False):
+            flags.append("--moe-router-pre-softmax")
+        return flags
+
+    def config_from_args(self, args, spec, dtype):
+        cfg = super().config_from_args(args, spec, dtype)
+        n = spec.num_layers
+        cfg.update(intermediate_size=spec.ffn, moe_intermediate_size=spec.moe_ffn,
+                   shared_expert_intermediate_size=spec.shared_ffn or 0,
+                   num_experts=spec.num_experts, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(n) if not spec.moe_layers[i]],
+                   norm_topk_prob=not args.moe_router_pre_softmax, qkv_bias=True,
+                   use_sliding_window=False, sliding_window=None, max_window_layers=n)
+        return cfg
+
+    def check_args(self, args):
+        super().check_args(args)
+        problems = []
+        if not args.add_qkv_bias:
+            problems.append("no --add-qkv-bias (Qwen2-MoE has QKV biases)")
+        if args.moe_shared_expert_intermediate_size and not args.moe_shared_expert_gate:
+            problems.append("shared experts without --moe-shared-expert-gate")
+        if problems:
+            raise ConversionError(f"the checkpoint cannot be written as {self.architecture}: "
+                                  + "; ".join(problems))
+
+
+FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe())}
+
+
+def family_for_config(cfg) -> Family:
+    kind = cfg.get("model_type")
+    if kind not in FAMILIES:
+        raise ConversionError(f"config.json: model_type {kind!r} is not supported "
+                              f"(supported: {', '.join(FAMILIES)})")
+    return FAMILIES[kind]
+
+
+def moe_layer_list(args) -> list:
+    freq = args.moe_layer_freq
+    if isinstance(freq, list):
+        return [bool(x) for x in freq]
+    return [i % freq == 0 for i in range(args.num_layers)]
+
+
+def spec_from_args(args, family: str, vocab: int) -> Spec:
+    """The Spec of a Megatron checkpoint, from its stored args."""
+    heads = args.num_attention_heads
+    return Spec(
+        family=family, num_layers=args.num_layers, hidden=args.hidden_size, heads=heads,
+        groups=args.num_query_groups if args.group_query_attention and args.num_query_groups
+        else heads,
+        head_dim=args.kv_channels or args.hidden_size // heads, vocab=vocab,
+        num_experts=args.num_experts, moe_layers=moe_layer_list(args), ffn=args.ffn_hidden_size,
+        moe_ffn=args.moe_ffn_hidden_size, shared_ffn=args.moe_shared_expert_intermediate_size,
+        shared_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+        tied=not args.untie_embeddings_and_output_weights)
+
+
+def guess_family(args) -> str:
+    if args.moe_shared_expert_intermediate_size or getattr(args, "add_qkv_bias", False) \
+            or args.moe_router_pre_softmax or not all(moe_layer_list(args)):
+        return "qwen2_moe"
+    return "mixtral"
+
+
+def rules_for(spec: Spec) -> list:
+    """Every megatron-core parameter of the model and the HF tensors it is made of."""
+    fam = FAMILIES[spec.family]
+    R = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), *_copy(),
+              vocab=True)]
+    qkv = _qkv(spec.heads, spec.groups, spec.head_dim)
+    for i in range(spec.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        a = h + "self_attn."
+        R.append(Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), *_copy()))
+        R.append(Rule(m + "self_attention.linear_qkv.weight",
+                      (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), *qkv))
+        if spec.qkv_bias:
+            R.append(Rule(m + "self_attention.linear_qkv.bias",
+                          (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), *qkv))
+        R.append(Rule(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), *_copy()))
+        R.append(Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",),
+                      *_copy()))
+        if spec.moe_layers[i]:
+            R.append(Rule(m + "mlp.router.weight", (fam.router(i),), *_copy()))
+            for e in range(spec.num_experts):
+                gate, up, down = fam.expert(i, e)
+                x = m + f"mlp.experts.local_experts.{e}."
+                R.append(Rule(x + "linear_fc1.weight", (gate, up),
+                              *_cat([spec.moe_ffn, spec.moe_ffn])))
+                R.append(Rule(x + "linear_fc2.weight", (down,), *_copy()))
+            if spec.shared_ffn:
+                gate, up, down = fam.shared(i)
+                x = m + "mlp.shared_experts."
+                R.append(Rule(x + "linear_fc1.weight", (gate, up),
+                              *_cat([spec.shared_ffn, spec.shared_ffn])))
+                R.append(Rule(x + "linear_fc2.weight", (down,), *_copy()))
+                if spec.shared_gate:
+                    R.append(Rule(x + "gate_weight", (fam.shared_gate(i),), *_copy()))
+        else:
+            gate, up, down = fam.dense(i)
+            R.append(Rule(m + "mlp.linear_fc1.weight", (gate, up), *_cat([spec.ffn, spec.ffn])))
+            R.append(Rule(m + "mlp.linear_fc2.weight", (down,), *_copy()))
+    R.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), *_copy()))
+    if not spec.tied:
+        R.append(Rule("output_layer.weight", ("lm_head.weight",), *_copy(), vocab=True))
+    return R
+
+
+# HF tensors that carry no weights (recomputed buffers some older exports contain)
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,0 +1,102 @@
+"""The megatron-core side of a conversion: one process, an unsharded GPTModel, our checkpoints.
+
+A ``torch_dist`` checkpoint stores global tensors with their offsets, so it is independent of the
+TP/EP/PP layout that wrote it: megatron-core reshards at load. The converter therefore builds the
+model once, unsharded (TP=EP=PP=1, one gloo rank, stock megatron-core layer spec), and reads or
+writes the checkpoint through megatron_moe.checkpointing -- the exact code training uses. Loading
+a checkpoint saved at EP=k gathers every expert of every rank (dist_checkpointing reads all
+shards), which is why an export can never miss experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import math
+import os
+
+import torch
+
+# Features of ours that change communication or placement, never the weights: off in the
+# conversion model (the stock megatron-core spec), so a checkpoint trained with them converts.
+_RUNTIME_ONLY = dict(moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                     moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+                     sequence_parallel=False, use_distributed_optimizer=False,
+                     overlap_grad_reduce=False, overlap_param_gather=False)
+
+
+def init_single_process():
+    """A one-rank gloo group and megatron-core's parallel state with every size 1."""
+    from megatron_moe.compat import quiet_known_warnings
+
+    quiet_known_warnings()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_moe.compat import apply_cpu_shims
+    from megatron_moe.testing import free_port
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=30))
+    apply_cpu_shims()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def finish():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def conversion_args(args) -> argparse.Namespace:
+    """``args`` with every parallel size 1 and runtime-only features off (fp32 params)."""
+    a = copy.copy(args)
+    a.tensor_model_parallel_size = a.pipeline_model_parallel_size = 1
+    a.expert_model_parallel_size = a.expert_tensor_parallel_size = 1
+    a.context_parallel_size = 1
+    a.world_size, a.rank, a.data_parallel_size = 1, 0, 1
+    a.bf16 = a.fp16 = False
+    a.params_dtype = "fp32"
+    a.use_cpu_initialization = True
+    for key, value in _RUNTIME_ONLY.items():
+        if hasattr(a, key):
+            setattr(a, key, value)
+    return a
+
+
+def build_model(args):
+    """An unsharded, uninitialised-weights GPTModel for ``args`` (after conversion_args)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_moe.model import common_model_kwargs, transformer_config_from_args
+
+    config = transformer_config_from_args(args)
+    config.perform_initialization = False  # every weight is overwritten
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(transformer_layer_spec=spec, rotary_base=args.rotary_base,
+                     **common_model_kwargs(args, config, True, True, None))
+    model.eval()
+    return model
+
+
+def parameters(model) -> dict:
+    """name -> tensor of every weight (no ``_extra_state``)."""
+    return {k: v for k, v in model.state_dict().items()
+            if torch.is_tensor(v) and not k.endswith("_extra_state")}
+
+
+def target_world_size(tp: int, pp: int, ep: int, etp: int) -> int:
+    """The smallest world where the dense (TP x PP) and expert (ETP x EP x PP) grids both fit."""
+    return math.lcm(tp * pp, etp * ep * pp)

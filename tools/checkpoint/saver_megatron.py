@@ -1,0 +1,106 @@
+"""Saver: a Megatron checkpoint in our layout (latest_checkpointed_iteration.txt, iter_XXXXXXX/
+torch_dist), loadable by pretrain_gpt_moe.py at the target TP/PP/EP or any other layout.
+
+The weights are written once, as global tensors, through megatron_moe.checkpointing's own
+save_checkpoint (megatron_moe/hf/megatron_side.py says why no per-rank copies are needed). The
+stored args are what pretrain_gpt_moe.py parses from the model flags plus the target layout; the
+HF config travels in the checkpoint (extra_state['hf']) so an export reproduces it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("Megatron saver")
+    group.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    group.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    group.add_argument("--target-expert-parallel-size", type=int, default=1)
+    group.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                       help="Default: the target tensor parallel size (Megatron's default).")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Megatron's vocabulary padding; use the value you will train with.")
+    group.add_argument("--iteration", type=int, default=0,
+                       help="Iteration the checkpoint is saved as (0: training starts at 1).")
+
+
+def _stored_args(metadata, args):
+    from megatron_moe.arguments import parse_args
+    from megatron_moe.data.tokenizers import vocab_size_with_padding
+    from megatron_moe.hf.megatron_side import target_world_size
+
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    ep = args.target_expert_parallel_size
+    etp = args.target_expert_tensor_parallel_size or tp
+    spec = metadata["spec"]
+    for what, n, size in (("--num-query-groups (num_key_value_heads)", spec.groups, tp),
+                          ("--num-experts", spec.num_experts, ep),
+                          ("--num-layers", spec.num_layers, pp)):
+        if n % size:
+            raise SystemExit(f"target layout: {what} = {n} is not divisible by {size}")
+    argv = list(metadata["megatron_flags"]) + [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
+        "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by),
+        # the rest only makes the stored args a complete pretrain_gpt_moe.py namespace
+        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab - 1)]
+    if tp > 1:
+        argv.append("--sequence-parallel")
+    try:
+        stored = parse_args(argv, world_size=target_world_size(tp, pp, ep, etp))
+    except SystemExit as exc:
+        raise SystemExit(f"the target layout or model flags were refused (above): "
+                         f"{' '.join(argv)}") from exc
+    stored.padded_vocab_size = vocab_size_with_padding(spec.vocab, args.make_vocab_size_divisible_by, tp)
+    stored.save = args.save_dir
+    stored.no_save_optim = stored.no_save_rng = True  # weights only, like Megatron's converter
+    return stored
+
+
+def save_checkpoint(metadata, tensors, args):
+    from megatron_moe.compat import quiet_known_warnings
+
+    quiet_known_warnings()
+    import torch
+
+    from megatron_moe.checkpointing import save_checkpoint as save
+    from megatron_moe.hf import megatron_side
+
+    if metadata.get("hf_config") is None:
+        raise SystemExit("--saver megatron needs an HF source (--loader hf); a torch_dist "
+                         "checkpoint already loads at any TP/EP/PP, no conversion needed")
+    stored = _stored_args(metadata, args)
+    megatron_side.init_single_process()
+    model = megatron_side.build_model(megatron_side.conversion_args(stored))
+    params = megatron_side.parameters(model)
+    filled = set()
+    with torch.no_grad():
+        for name, tensor in tensors:  # the loader shows the progress bar
+            if name not in params:
+                raise SystemExit(f"converted tensor {name} has no parameter in the megatron-core model")
+            param = params[name]
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight") \
+                    and tensor.shape[0] < param.shape[0]:
+                # Megatron's padding (saver_mcore): repeat the last row up to the padded size
+                pad = tensor[-1:].expand(param.shape[0] - tensor.shape[0], -1)
+                tensor = torch.cat([tensor, pad])
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise SystemExit(f"{name}: converted shape {tuple(tensor.shape)} != model shape "
+                                 f"{tuple(param.shape)}")
+            param.copy_(tensor)
+            filled.add(name)
+            del tensor
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise SystemExit(f"{len(missing)} megatron-core parameter(s) got no weights, e.g. {missing[:3]}")
+    extra = {"hf": {"family": metadata["family"], "config": metadata["hf_config"],
+                    "source": metadata.get("source")}}
+    save(args.iteration, [model], None, None, stored, consumed_train_samples=0, extra_state=extra)
+    megatron_side.finish()
+    print("model flags for pretrain_gpt_moe.py: " + shlex.join(metadata["megatron_flags"]))
+    print(f"saved {len(params)} tensors to {os.path.join(args.save_dir, f'iter_{args.iteration:07d}')} "
+          f"(layout TP={stored.tensor_model_parallel_size} PP={stored.pipeline_model_parallel_size} "
+          f"EP={stored.expert_model_parallel_size}; padded vocab {stored.padded_vocab_size})")
