@@ -78,7 +78,7 @@ def write_bert_vocab_for(docs, directory: str, words: int = 400) -> str:
     counts = Counter()
     for d in docs:
         for text in (d["text"] if isinstance(d["text"], list) else [d["text"]]):
-            counts.update(basic._basic(text))
+            counts.update(basic.basic(text).split())
     chars = sorted({c for w in counts for c in w})
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars]
     vocab += [w for w, _ in counts.most_common(words) if len(w) > 1]

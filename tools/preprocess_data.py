@@ -23,6 +23,11 @@ tokenize to nothing are skipped and counted.
 * ``--partitions`` is accepted for command-line compatibility; Megatron uses it to split a large
   input into files processed separately and merged. Streaming makes that unnecessary, so the
   output is always the single dataset above.
+* Start-up: neither torch nor megatron-core is imported (seconds saved per run, and per worker
+  under the spawn start method); the .bin/.idx are written by ``IndexedDatasetWriter`` below,
+  byte for byte what megatron-core's ``IndexedDatasetBuilder`` writes (tests compare them).
+  Each batch of lines is tokenized with one call into the tokenizer library
+  (``tokenize_batch``).
 * A malformed JSON line, a missing key or a non-string value fails with ``file:line``, unless
   ``--skip-malformed`` (skipped lines are counted and the first few reported). Output is written to
   temporary names and renamed at the end, so a failed run leaves no half-written .bin/.idx.
@@ -37,16 +42,17 @@ import json
 import multiprocessing
 import os
 import re
+import struct
 import sys
 import threading
 import time
+from array import array
 
 if __package__ in (None, ""):  # run as a script: make megatron_moe importable from the checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np
-
-from megatron_moe.data.tokenizers import TokenizerError, add_tokenizer_args, build_tokenizer
+# light (no torch, no megatron-core): the tokenizer libraries are imported when one is built
+from megatron_moe.data.tokenizers import TokenizerError, add_tokenizer_args, build_tokenizer  # noqa: E402
 
 
 class PreprocessError(Exception):
@@ -105,6 +111,70 @@ def _punkt_splitter(lang: str, keep_newlines: bool):
     return splitter
 
 
+# ------------------------------------------------------------------------------- .bin/.idx
+_INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron-core's indexed dataset, version 1
+_DTYPE_CODES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float64": 6,
+                "float32": 7, "uint16": 8}
+
+
+def optimal_dtype(vocab_size):
+    """megatron-core's ``DType.optimal_dtype``: uint16 below 65500 ids, else int32."""
+    import numpy as np
+
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+class IndexedDatasetWriter:
+    """megatron-core's ``IndexedDatasetBuilder`` (.bin tokens, .idx header + int32 sequence
+    lengths + int64 byte pointers + int64 document indices), written with numpy alone: that
+    class's module imports torch, whose import is most of this tool's start-up. Lengths and
+    document indices are kept in compact arrays (4 + 8 bytes per sequence/document, not Python
+    lists). tests/test_preprocess.py checks the bytes against megatron-core's builder."""
+
+    def __init__(self, bin_path: str, dtype):
+        import numpy as np
+
+        self.dtype = np.dtype(dtype)
+        self.data_file = open(bin_path, "wb")
+        self.sequence_lengths = array("i")  # C int: int32 on every platform numpy supports
+        self.document_indices = array("q", [0])
+
+    def add_document(self, tokens, lengths):
+        """One document: its tokens (any int sequence) and its sequences' lengths."""
+        import numpy as np
+
+        self.data_file.write(np.asarray(tokens, dtype=self.dtype).tobytes(order="C"))
+        self.sequence_lengths.extend(lengths)
+        self.document_indices.append(len(self.sequence_lengths))
+
+    def add_documents(self, blob: bytes, lengths, sequences_per_document):
+        """Several consecutive documents at once: their tokens as raw bytes of ``dtype``."""
+        self.data_file.write(blob)
+        self.sequence_lengths.extend(lengths)
+        end = len(self.sequence_lengths) - len(lengths)
+        for n in sequences_per_document:
+            end += n
+            self.document_indices.append(end)
+
+    def finalize(self, idx_path: str):
+        import numpy as np
+
+        self.data_file.close()
+        lengths = np.frombuffer(self.sequence_lengths, dtype=np.int32) \
+            if len(self.sequence_lengths) else np.zeros(0, np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        with open(idx_path, "wb") as f:
+            f.write(_INDEX_HEADER)
+            f.write(struct.pack("<Q", 1))
+            f.write(struct.pack("<B", _DTYPE_CODES[self.dtype.name]))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(self.document_indices)))
+            f.write(lengths.astype("<i4").tobytes(order="C"))
+            f.write(pointers.astype("<i8").tobytes(order="C"))
+            f.write(np.frombuffer(self.document_indices, dtype=np.int64).astype("<i8").tobytes())
+
+
 # ------------------------------------------------------------------------------------ workers
 class Encoder:
     """Per-process state: the tokenizer and the sentence splitter (built once per worker)."""
@@ -116,7 +186,7 @@ class Encoder:
 
     def initialize(self):
         self.tokenizer = build_tokenizer(self.args)
-        self.dtype = _token_dtype(self.tokenizer.vocab_size)
+        self.dtype = optimal_dtype(self.tokenizer.vocab_size)
         if self.args.split_sentences:
             self.splitter = _punkt_splitter(self.args.lang, self.args.keep_newlines)
 
@@ -125,79 +195,108 @@ class Encoder:
             return self.splitter.tokenize(text)
         return regex_split_sentences(text, self.args.keep_newlines)
 
-    def encode(self, item):
-        """(lineno, raw line bytes) -> (lineno, nbytes, {key: (ids, lengths)} | None, error)."""
-        lineno, raw = item
-        nbytes = len(raw)
+    def parse(self, lineno, raw):
+        """(lineno, raw line bytes) -> ({key: [sentence, ...]} | None for a blank line, error)."""
         try:  # decoded here, per line, so a bad byte is reported with its line
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            return lineno, nbytes, None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            return None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
         if not line.strip():
-            return lineno, nbytes, None, None
+            return None, None
         try:
             data = json.loads(line)
         except json.JSONDecodeError as exc:
-            return lineno, nbytes, None, f"malformed JSON ({exc.msg} at column {exc.colno})"
+            return None, f"malformed JSON ({exc.msg} at column {exc.colno})"
         if not isinstance(data, dict):
-            return lineno, nbytes, None, f"expected a JSON object, got {type(data).__name__}"
+            return None, f"expected a JSON object, got {type(data).__name__}"
         out = {}
         for key in self.args.json_keys:
             if key not in data:
-                return lineno, nbytes, None, f"missing key {key!r} (--json-keys)"
+                return None, f"missing key {key!r} (--json-keys)"
             text = data[key]
             if isinstance(text, str):
-                sentences = self.split(text) if self.args.split_sentences else [text]
+                out[key] = self.split(text) if self.args.split_sentences else [text]
             elif isinstance(text, list) and all(isinstance(t, str) for t in text):
-                sentences = text
+                out[key] = text
             else:
-                return (lineno, nbytes, None,
-                        f"key {key!r} must be a string or a list of strings, got "
-                        f"{type(text).__name__}")
-            doc, lengths = [], []
-            for sentence in sentences:
-                try:
-                    ids = self.tokenizer.tokenize(sentence)
-                except Exception as exc:  # report it with file:line, not as a worker traceback
-                    return (lineno, nbytes, None,
-                            f"key {key!r}: {type(self.tokenizer).__name__} failed: {exc}")
-                if len(ids) > 0:
-                    doc.extend(ids)
-                    lengths.append(len(ids))
-            if doc and self.args.append_eod:
-                doc.append(self.tokenizer.eod)
-                lengths[-1] += 1
-            out[key] = (doc, lengths)
-        return lineno, nbytes, out, None
+                return None, (f"key {key!r} must be a string or a list of strings, got "
+                              f"{type(text).__name__}")
+        return out, None
+
+    def _tokenize_docs(self, docs):
+        """[(lineno, {key: sentences})] -> ([{key: [ids per sentence]}], first failure
+        (lineno, error) | None). One library call for all sentences; when it fails, sentence
+        by sentence to find the line (results before it are kept)."""
+        name = type(self.tokenizer).__name__
+        flat = [s for _, doc in docs for k in self.args.json_keys for s in doc[k]]
+        try:
+            ids = self.tokenizer.tokenize_batch(flat)
+        except Exception:
+            ids = None
+        out, pos = [], 0
+        for lineno, doc in docs:
+            tokens = {}
+            for key in self.args.json_keys:
+                n = len(doc[key])
+                if ids is not None:
+                    tokens[key] = ids[pos:pos + n]
+                else:
+                    try:
+                        tokens[key] = [self.tokenizer.tokenize(s) for s in doc[key]]
+                    except Exception as exc:  # file:line instead of a worker traceback
+                        return out, (lineno, f"key {key!r}: {name} failed: {exc}")
+                pos += n
+            out.append(tokens)
+        return out, None
 
     def encode_batch(self, batch):
         """(first_lineno, lines) -> one result for the batch, so the main process receives one
         message per batch instead of per line:
         (last_lineno, nbytes, {key: (token_bytes, seq_lengths, seqs_per_doc)}, docs, empty,
          skipped [(lineno, error)], fatal (lineno, error) | None). A fatal error ends the batch."""
+        import numpy as np
+
         first, lines = batch
-        ids = {k: [] for k in self.args.json_keys}
-        lens = {k: [] for k in self.args.json_keys}
-        per_doc = {k: [] for k in self.args.json_keys}
-        nbytes = docs = empty = 0
+        nbytes = 0
         skipped, fatal, lineno = [], None, first - 1
+        parsed = []
         for lineno, line in enumerate(lines, first):
-            _, n, out, error = self.encode((lineno, line))
-            nbytes += n
+            nbytes += len(line)
+            doc, error = self.parse(lineno, line)
             if error is not None:
                 if not self.args.skip_malformed:
                     fatal = (lineno, error)
                     break
                 skipped.append((lineno, error))
-                continue
-            if out is None:  # blank line
-                continue
+            elif doc is not None:
+                parsed.append((lineno, doc))
+        while True:  # under --skip-malformed a failing line is skipped and the rest retried
+            tokenized, failure = self._tokenize_docs(parsed)
+            if failure is None:
+                break
+            if not self.args.skip_malformed:
+                fatal = failure
+                break
+            skipped.append(failure)
+            parsed = [d for d in parsed if d[0] != failure[0]]
+        skipped.sort()
+        ids = {k: [] for k in self.args.json_keys}
+        lens = {k: [] for k in self.args.json_keys}
+        per_doc = {k: [] for k in self.args.json_keys}
+        docs = empty = 0
+        eod = self.tokenizer.eod if self.args.append_eod else None
+        for tokens in tokenized:
             any_tokens = False
-            for k, (doc, lengths) in out.items():
+            for k, sentences in tokens.items():
+                lengths = [len(s) for s in sentences if len(s) > 0]
                 if not lengths:  # Megatron would add a zero-sequence document; skip it
                     empty += 1
                     continue
-                ids[k].extend(doc)
+                for s in sentences:
+                    ids[k].extend(s)
+                if eod is not None:
+                    ids[k].append(eod)
+                    lengths[-1] += 1
                 lens[k].extend(lengths)
                 per_doc[k].append(len(lengths))
                 any_tokens = True
@@ -219,12 +318,6 @@ def _worker_init(args):
 
 def _worker_encode(batch):
     return _ENCODER.encode_batch(batch)
-
-
-def _token_dtype(vocab_size):
-    from megatron.core.datasets.indexed_dataset import DType
-
-    return DType.optimal_dtype(vocab_size)
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -307,8 +400,6 @@ class _InFlight:
 
 def preprocess(args) -> dict:
     """Run preprocessing for parsed ``args``; returns stats. Raises PreprocessError."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     if not os.path.isfile(args.input):
         raise PreprocessError(f"--input: {args.input} does not exist")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
@@ -324,7 +415,8 @@ def preprocess(args) -> dict:
     if args.partitions > 1:
         print(f"preprocess_data: --partitions {args.partitions}: input is streamed, writing one "
               f"dataset per key", file=sys.stderr)
-    dtype = _token_dtype(tokenizer.vocab_size)
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    itemsize = dtype(0).itemsize
     level = "sentence" if args.split_sentences else "document"
     prefixes = {k: f"{args.output_prefix}_{k}_{level}" for k in args.json_keys}
     pid = os.getpid()
@@ -336,7 +428,7 @@ def preprocess(args) -> dict:
     start = time.time()
     try:
         for k in args.json_keys:
-            builders[k] = IndexedDatasetBuilder(tmp[k][0], dtype=dtype)
+            builders[k] = IndexedDatasetWriter(tmp[k][0], dtype=dtype)
         total_bytes = os.path.getsize(args.input)
         try:
             from tqdm import tqdm
@@ -354,11 +446,15 @@ def preprocess(args) -> dict:
                 # deep enough that the workers keep busy while this process waits for a CPU
                 # (shared machines), small enough to bound memory (~16 x chunksize lines each)
                 in_flight = _InFlight(16 * args.workers)
-                # objects the parent already has (torch, megatron-core) move to the permanent GC
-                # generation, so the workers' collections do not write to (and copy) their pages
+                # objects the parent already has move to the permanent GC generation, so the
+                # workers' collections do not write to (and copy) their pages
                 gc.freeze()
-                pool = multiprocessing.Pool(args.workers, initializer=_worker_init,
-                                            initargs=(args,))
+                # one core per worker: no extra Rust threads inside `tokenizers`' batch calls
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+                # fork (where there is one): workers start with this process's modules
+                methods = multiprocessing.get_all_start_methods()
+                ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
+                pool = ctx.Pool(args.workers, initializer=_worker_init, initargs=(args,))
                 gc.unfreeze()
                 results = pool.imap(_worker_encode, in_flight.lines(f, args.chunksize))
             for lineno, nbytes, out, docs, empty, skipped, fatal in results:
@@ -374,15 +470,8 @@ def preprocess(args) -> dict:
                 for bad_line, error in skipped[:max(0, 5 - len(skipped_examples))]:
                     skipped_examples.append(f"{args.input}:{bad_line}: {error}")
                 for k, (blob, lengths, per_doc) in out.items():
-                    tokens = np.frombuffer(blob, dtype=dtype)
-                    start_tok = start_seq = 0
-                    for n_seq in per_doc:
-                        seq_lens = lengths[start_seq:start_seq + n_seq]
-                        n_tok = sum(seq_lens)
-                        builders[k].add_document(tokens[start_tok:start_tok + n_tok], seq_lens)
-                        start_tok += n_tok
-                        start_seq += n_seq
-                    stats["tokens"] += len(tokens)
+                    builders[k].add_documents(blob, lengths, per_doc)
+                    stats["tokens"] += len(blob) // itemsize
                     stats["sequences"] += len(lengths)
                 stats["empty"] += empty
                 before = stats["documents"]

@@ -1,11 +1,10 @@
-"""Megatron-LM's tokenizers, by ``--tokenizer-type``, as megatron-core tokenizer objects.
+"""Megatron-LM's tokenizers, by ``--tokenizer-type``, with megatron-core's legacy tokenizer interface.
 
 ``build_tokenizer(args)`` takes an argparse namespace, a dict or keyword arguments with Megatron's
 field names (``tokenizer_type``, ``tokenizer_model``, ``vocab_file``, ``merge_file``,
-``vocab_size``) and returns a subclass of megatron-core's legacy tokenizer base
-(``MegatronLegacyTokenizer`` in 0.16; ``MegatronTokenizer`` in older releases), which is what
-``GPTDataset``/``BERTMaskedWordPieceDataset`` consume: ``vocab_size``, ``eod``, ``pad``,
-``unique_identifiers``, ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str``.
+``vocab_size``) and returns an object with the interface ``GPTDataset``/
+``BERTMaskedWordPieceDataset`` consume: ``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``,
+``tokenize(text) -> list[int]``, ``detokenize(ids) -> str`` (BERT: also ``cls``/``sep``/``mask``).
 
 Types:
   SentencePieceTokenizer (default)  --tokenizer-model m.model. eod = the model's eos id (``</s>``),
@@ -14,32 +13,46 @@ Types:
       after its vocabulary, as Megatron does, which grows ``vocab_size`` by up to 5.
   GPTSentencePieceTokenizer         --tokenizer-model; Megatron's variant: nothing is added,
       eod = eos id, pad = the model's pad id (-1 when the model has none).
-  GPT2BPETokenizer                  --vocab-file vocab.json --merge-file merges.txt (byte-level BPE,
-      GPT-2's algorithm; eod = ``<|endoftext|>``; no pad token: pad = -1).
-  HuggingFaceTokenizer              --tokenizer-model DIR (a local directory), via ``transformers``
-      or, without it, ``tokenizers`` and DIR/tokenizer.json.
-  BertWordPieceLowerCase / BertWordPieceCase   --vocab-file vocab.txt (Google BERT's WordPiece;
-      cls/sep/mask/pad from the vocab, eod = [SEP]).
+  GPT2BPETokenizer                  --vocab-file vocab.json --merge-file merges.txt: GPT-2's
+      byte-level BPE on the ``tokenizers`` library (Rust); eod = ``<|endoftext|>``, pad = -1.
+  HuggingFaceTokenizer              --tokenizer-model DIR: a local Hugging Face tokenizer
+      directory. DIR/tokenizer.json runs on ``tokenizers`` directly (eos/bos/pad names from
+      tokenizer_config.json or special_tokens_map.json, as AutoTokenizer reads them); a
+      directory without tokenizer.json needs ``transformers`` (AutoTokenizer).
+  BertWordPieceLowerCase / BertWordPieceCase   --vocab-file vocab.txt: Google BERT's
+      FullTokenizer (basic tokenizer + greedy WordPiece); the WordPiece step on ``tokenizers``.
+      cls/sep/mask/pad from the vocab, eod = [SEP].
   NullTokenizer                     --vocab-size N: text is space-separated ids; eod = N,
       vocab_size = N + 1 (Megatron's convention).
 
-A pad of -1 means "no pad token": megatron-core's datasets then pad with their own id and
-``tokens == pad`` never matches a real token.
+Token ids are those of Megatron-LM's own implementations: for GPT-2 the OpenAI encoder (regex +
+byte-level BPE) that Megatron's ``gpt2_tokenization.py`` follows, for BERT Megatron's
+``bert_tokenization.FullTokenizer`` (tests/test_tokenizers.py compares them on mixed-script,
+control-character, whitespace-run and code text). Where Megatron-LM 0.16's two tokenizer
+systems differ, the default (non ``--legacy-tokenizer``) one's special ids are used: BERT's eod
+is [SEP] and nothing is added to its vocab; HuggingFaceTokenizer adds no special tokens to the
+text. A pad of -1 means "no pad token": megatron-core's datasets then pad with their own id.
+
+Importing this module and building a tokenizer import neither torch nor megatron-core (the
+preprocessing tool's start-up). The classes are registered as virtual subclasses of
+megatron-core's tokenizer base (``megatron_moe.compat.megatron_tokenizer_base()``) as soon as
+megatron-core is in use (see ``megatron_core_base``); megatron-core's datasets read only the
+attributes above.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import sys
 import unicodedata
 from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Iterable, List, Optional
 
 from megatron_moe.compat import megatron_tokenizer_base
-
-_TokenizerBase = megatron_tokenizer_base()  # megatron-core's legacy base moved in 0.17: compat/tokenizer.py
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
@@ -59,10 +72,26 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
     return ((int(orig_vocab_size) + multiple - 1) // multiple) * multiple
 
 
-class _Tokenizer(_TokenizerBase):
-    """Common base. Sets megatron-core's ``unique_identifiers`` itself instead of calling the
-    legacy base ``__init__`` (identical fields) because that one logs a deprecation warning on
-    every construction, i.e. in every preprocessing worker."""
+def _import_tokenizers(kind: str):
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError(f"--tokenizer-type {kind} needs the `tokenizers` package "
+                             f"(pip install tokenizers)") from None
+    return tokenizers
+
+
+def _absent(name):
+    def get(self):
+        raise NotImplementedError(f"{type(self).__name__} has no attribute '{name}'")
+
+    return property(get)
+
+
+class _Tokenizer:
+    """Megatron-core's legacy tokenizer interface (``MegatronLegacyTokenizer``): the same
+    ``unique_identifiers`` (part of the datasets' cache hash) and optional attributes that raise
+    NotImplementedError, without importing megatron-core (and torch) at start-up."""
 
     def __init__(self, *paths: str, **options: Any):
         self.unique_identifiers = OrderedDict()
@@ -75,9 +104,40 @@ class _Tokenizer(_TokenizerBase):
     def __repr__(self):
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
 
+    def tokenize(self, text: str) -> List[int]:
+        raise NotImplementedError
+
+    def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
+        """``tokenize`` of each text (one call into the tokenizer library where it has one)."""
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids):
+        raise NotImplementedError(f"{type(self).__name__} has no method 'detokenize'")
+
+    def offsets(self, ids, text):
+        raise NotImplementedError(f"{type(self).__name__} has no method 'offsets'")
+
+    cls, sep, eod = _absent("cls"), _absent("sep"), _absent("eod")
+    bos, eos, mask = _absent("bos"), _absent("eos"), _absent("mask")
+
     @property
     def pad(self) -> int:
         return -1
+
+
+def megatron_core_base() -> type:
+    """megatron-core's tokenizer base class, with this module's tokenizers registered as its
+    (virtual) subclasses, so ``isinstance(tokenizer, base)`` holds. Imports megatron-core."""
+    base = megatron_tokenizer_base()
+    if not issubclass(_Tokenizer, base):
+        base.register(_Tokenizer)
+    return base
+
+
+def __getattr__(name):  # `tokenizers._TokenizerBase`, resolved on first use (imports megatron-core)
+    if name == "_TokenizerBase":
+        return megatron_core_base()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _DictVocabTokenizer(_Tokenizer):
@@ -166,6 +226,9 @@ class SentencePieceTokenizer(_Tokenizer):
     def tokenize(self, text: str) -> List[int]:
         return self._sp.EncodeAsIds(text)
 
+    def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
+        return self._sp.encode(texts, out_type=int)
+
     def detokenize(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
         return self._sp.DecodeIds([i for i in ids if 0 <= i < self._n_model])
@@ -212,22 +275,10 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
 
 
 # ----------------------------------------------------------------------------- GPT-2 byte BPE
-try:  # GPT-2's exact pre-tokenizer needs Unicode classes; `re` approximates them (see below)
-    import regex as _regex
-
-    _GPT2_PATTERN = _regex.compile(
-        r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-except ImportError:
-    # Without the `regex` package: \p{L} ~ [^\W\d_] and \p{N} ~ \d. Identical for letters,
-    # decimal digits, punctuation and whitespace; only non-decimal numerals (e.g. '½', 'Ⅻ') are
-    # grouped with letters instead of numbers.
-    _GPT2_PATTERN = re.compile(
-        r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")
-
-
 @lru_cache(maxsize=None)
 def bytes_to_unicode():
-    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters (the
+    symbols of vocab.json); the ``tokenizers`` ByteLevel pre-tokenizer uses the same map."""
     bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
           + list(range(ord("®"), ord("ÿ") + 1)))
     cs = bs[:]
@@ -241,180 +292,182 @@ def bytes_to_unicode():
 
 
 class GPT2BPETokenizer(_DictVocabTokenizer):
-    """Byte-level BPE with GPT-2's vocab.json/merges.txt and merge algorithm."""
+    """GPT-2's byte-level BPE (vocab.json + merges.txt) on the ``tokenizers`` library.
+
+    ``tokenizers``' ByteLevel pre-tokenizer applies OpenAI's regex
+    (``'s|'t|...| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``) and byte map, and its
+    BPE model merges by rank, as Megatron's ``gpt2_tokenization.py``. The files are read as
+    Megatron reads them: the merges file's first line (``#version``) and whatever follows its
+    last newline are skipped."""
 
     def __init__(self, vocab_file: str, merge_file: str):
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path or not os.path.isfile(path):
                 raise TokenizerError(f"{flag}: {path!r} not found (GPT2BPETokenizer needs "
                                      f"--vocab-file vocab.json and --merge-file merges.txt)")
+        tk = _import_tokenizers("GPT2BPETokenizer")
         super().__init__(vocab_file, merge_file)
         try:
             with open(vocab_file, encoding="utf-8") as f:
                 self.encoder = json.load(f)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise TokenizerError(f"--vocab-file: {vocab_file} is not JSON ({exc})") from None
-        self.decoder = {v: k for k, v in self.encoder.items()}
-        self._vocab, self._inv = self.encoder, self.decoder  # Megatron's names kept as aliases
-        merges = []
-        with open(merge_file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.rstrip("\n")
-                if not line or (lineno == 1 and line.startswith("#version")):
-                    continue
-                parts = line.split()
-                if len(parts) != 2:
-                    raise TokenizerError(f"--merge-file: {merge_file}:{lineno}: expected two "
-                                         f"symbols, got {line!r}")
-                merges.append(tuple(parts))
-        self.bpe_ranks = {m: i for i, m in enumerate(merges)}
-        self.byte_encoder = bytes_to_unicode()
-        self.byte_decoder = {v: k for k, v in self.byte_encoder.items()}
-        self._cache = {}
+        missing = [s for s in bytes_to_unicode().values() if s not in self.encoder]
+        if missing:
+            raise TokenizerError(f"--vocab-file: {vocab_file} lacks {len(missing)} of the 256 "
+                                 f"byte symbols (e.g. {missing[0]!r})")
         if "<|endoftext|>" not in self.encoder:
             raise TokenizerError(f"--vocab-file: {vocab_file} has no '<|endoftext|>' token "
                                  f"(GPT-2's end-of-document)")
+        with open(merge_file, encoding="utf-8") as f:
+            lines = f.read().split("\n")[1:-1]
+        merges = []
+        for lineno, line in enumerate(lines, 2):
+            pair = tuple(line.split())
+            if len(pair) != 2:  # Megatron ranks it too, but a non-pair never matches: skip
+                continue
+            if pair[0] + pair[1] not in self.encoder:
+                raise TokenizerError(f"--merge-file: {merge_file}:{lineno}: the merge result "
+                                     f"{pair[0] + pair[1]!r} is not in --vocab-file")
+            merges.append(pair)
+        self.decoder = {v: k for k, v in self.encoder.items()}
+        self._vocab, self._inv = self.encoder, self.decoder  # Megatron's names kept as aliases
         self._eod = self.encoder["<|endoftext|>"]
+        self._paths = (vocab_file, merge_file)
+        self._tok = tk.Tokenizer(tk.models.BPE(self.encoder, merges))
+        self._tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                              use_regex=True)
+        self.byte_decoder = {v: k for k, v in bytes_to_unicode().items()}
 
-    def _bpe(self, token: str) -> List[str]:
-        cached = self._cache.get(token)
-        if cached is not None:
-            return cached
-        word = list(token)
-        while len(word) > 1:
-            # merge the lowest-ranked adjacent pair everywhere it occurs, as GPT-2 does
-            best, best_rank = None, None
-            for pair in zip(word, word[1:]):
-                r = self.bpe_ranks.get(pair)
-                if r is not None and (best_rank is None or r < best_rank):
-                    best, best_rank = pair, r
-            if best is None:
-                break
-            merged, i = [], 0
-            while i < len(word):
-                if i < len(word) - 1 and word[i] == best[0] and word[i + 1] == best[1]:
-                    merged.append(best[0] + best[1])
-                    i += 2
-                else:
-                    merged.append(word[i])
-                    i += 1
-            word = merged
-        if len(self._cache) < 100_000:
-            self._cache[token] = word
-        return word
+    def __getstate__(self):  # the Rust tokenizer is rebuilt from the files
+        return {"paths": self._paths}
+
+    def __setstate__(self, state):
+        self.__init__(*state["paths"])
 
     def tokenize(self, text: str) -> List[int]:
-        ids = []
-        for piece in _GPT2_PATTERN.findall(text):
-            mapped = "".join(self.byte_encoder[b] for b in piece.encode("utf-8"))
-            for sym in self._bpe(mapped):
-                try:
-                    ids.append(self.encoder[sym])
-                except KeyError:
-                    raise ValueError(f"GPT2BPETokenizer: symbol {sym!r} is not in the vocab "
-                                     f"(vocab.json must contain all 256 byte symbols)") from None
-        return ids
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def detokenize(self, ids: Iterable[int]) -> str:
         text = "".join(self.decoder[int(i)] for i in ids)
         return bytearray(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
 
 
-
 # ------------------------------------------------------------------------------ BERT WordPiece
-def _is_punctuation(ch: str) -> bool:
-    cp = ord(ch)
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(ch).startswith("P")
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+               (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 
 
-def _is_cjk(cp: int) -> bool:
-    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
-            or 0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F or 0x2B820 <= cp <= 0x2CEAF
-            or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+@lru_cache(maxsize=None)
+def _bert_tables():
+    """``str.translate`` tables for BERT's basic tokenizer, from this Python's unicodedata (what
+    Megatron's bert_tokenization.py consults), so the per-character rules run in C:
+
+    clean: NUL, U+FFFD and Cc/Cf controls (but tab, newline, CR) removed; tab/newline/CR and
+        Zs spaces -> " "; CJK ideographs -> " c " (the next step in BERT, and disjoint);
+    punct: ASCII non-alphanumerics and P* -> " p ";  accents: Mn marks removed (after NFD).
+
+    ``tokenizers``' BertNormalizer/BertPreTokenizer are not used for these steps because they
+    differ from BERT's: they also drop Co/Cn characters, lower-case without Python's final-sigma
+    rule, and miss the CJK block U+2B820-U+2B91F.
+    """
+    clean = {0: None, 0xFFFD: None}
+    punct, accents = {}, {}
+    # planes 4-13 hold no characters in any Unicode version (roadmap: unassigned) and 15-16 are
+    # private use (Co): scanning only planes 0-3 and 14 makes this ~3x cheaper
+    for cp in itertools.chain(range(0x40000), range(0xE0000, 0xF0000)):
+        cat = unicodedata.category(chr(cp))
+        if cat in ("Cc", "Cf"):
+            clean[cp] = None
+        elif cat == "Zs":
+            clean[cp] = " "
+        elif cat == "Mn":
+            accents[cp] = None
+        elif cat[0] == "P":
+            punct[cp] = f" {chr(cp)} "
+    for ch in "\t\n\r":
+        clean[ord(ch)] = " "
+    for lo, hi in _CJK_RANGES:
+        for cp in range(lo, hi + 1):
+            clean[cp] = f" {chr(cp)} "
+    for lo, hi in ((33, 47), (58, 64), (91, 96), (123, 126)):
+        for cp in range(lo, hi + 1):
+            punct[cp] = f" {chr(cp)} "
+    return clean, punct, {**punct, **accents}
+
+
+def load_bert_vocab(vocab_file: str) -> "OrderedDict[str, int]":
+    """BERT's load_vocab: token = stripped line, id = line number (a repeated token keeps its
+    last line)."""
+    vocab = OrderedDict()
+    with open(vocab_file, encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            vocab[line.strip()] = index
+    return vocab
 
 
 class BertWordPieceTokenizer(_DictVocabTokenizer):
-    """Google BERT's basic (whitespace/punctuation/CJK, optional lower-casing and accent
-    stripping) + greedy longest-match WordPiece tokenizer over a vocab.txt."""
+    """Google BERT's FullTokenizer over a vocab.txt, as Megatron's bert_tokenization.py: basic
+    tokenization (clean, CJK, lower-case + NFD accent stripping when ``lower_case``, punctuation
+    split) with ``str.translate`` tables, then greedy longest-match WordPiece (``##``
+    continuations, words over 200 characters -> [UNK]) on ``tokenizers``' WordPiece model."""
 
     def __init__(self, vocab_file: str, lower_case: bool = True):
         if not vocab_file or not os.path.isfile(vocab_file):
             raise TokenizerError(f"--vocab-file: {vocab_file!r} not found (BERT WordPiece "
                                  f"tokenizers need a vocab.txt, one token per line)")
+        tk = _import_tokenizers("BertWordPiece")
         super().__init__(vocab_file, lower_case=lower_case)
         self.lower_case = lower_case
-        self._vocab = OrderedDict()
-        with open(vocab_file, encoding="utf-8") as f:
-            for line in f:
-                tok = line.rstrip("\n").strip()
-                if tok and tok not in self._vocab:
-                    self._vocab[tok] = len(self._vocab)
+        self._vocab_file = vocab_file
+        self._vocab = load_bert_vocab(vocab_file)
         self._inv = {i: t for t, i in self._vocab.items()}
         missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]")
                    if t not in self._vocab]
         if missing:
             raise TokenizerError(f"--vocab-file: {vocab_file} lacks {', '.join(missing)}")
+        self._tok = tk.Tokenizer(tk.models.WordPiece(
+            dict(self._vocab), unk_token="[UNK]", continuing_subword_prefix="##",
+            max_input_chars_per_word=200))
+        # what remains after basic() is words separated by spaces (or U+2028/U+2029, which
+        # BERT's str.split() also splits on)
+        self._tok.pre_tokenizer = tk.pre_tokenizers.WhitespaceSplit()
 
-    def _basic(self, text: str) -> List[str]:
-        out = []
-        for ch in text:
-            cp = ord(ch)
-            if cp == 0 or cp == 0xFFFD or (unicodedata.category(ch).startswith("C")
-                                           and ch not in "\t\n\r"):
-                continue
-            if _is_cjk(cp):
-                out.append(f" {ch} ")
-            elif ch.isspace():
-                out.append(" ")
-            else:
-                out.append(ch)
-        tokens = []
-        for word in "".join(out).split():
-            if self.lower_case:
-                word = unicodedata.normalize("NFD", word.lower())
-                word = "".join(c for c in word if unicodedata.category(c) != "Mn")
-            cur = ""
-            for ch in word:
-                if _is_punctuation(ch):
-                    if cur:
-                        tokens.append(cur)
-                    tokens.append(ch)
-                    cur = ""
-                else:
-                    cur += ch
-            if cur:
-                tokens.append(cur)
-        return tokens
+    def __getstate__(self):
+        return {"vocab_file": self._vocab_file, "lower_case": self.lower_case}
 
-    def _wordpiece(self, word: str) -> List[int]:
-        if len(word) > 100:
-            return [self._vocab["[UNK]"]]
-        ids, start = [], 0
-        while start < len(word):
-            end = len(word)
-            while end > start:
-                sub = word[start:end] if start == 0 else "##" + word[start:end]
-                if sub in self._vocab:
-                    ids.append(self._vocab[sub])
-                    break
-                end -= 1
-            if end == start:
-                return [self._vocab["[UNK]"]]
-            start = end
-        return ids
+    def __setstate__(self, state):
+        self.__init__(state["vocab_file"], state["lower_case"])
+
+    def basic(self, text: str) -> str:
+        """BERT's basic tokenizer; its words joined by spaces."""
+        clean, punct, punct_accents = _bert_tables()
+        text = text.translate(clean)
+        if not self.lower_case:
+            return text.translate(punct)
+        # lower-casing the whole text equals BERT's per-word lower(): words are bounded by
+        # whitespace, which is neither cased nor case-ignorable (the final-sigma context)
+        text = unicodedata.normalize("NFD", text.lower())
+        return text.translate(punct_accents)
 
     def tokenize(self, text: str) -> List[int]:
-        ids = []
-        for word in self._basic(text):
-            ids.extend(self._wordpiece(word))
-        return ids
+        return self._tok.encode(self.basic(text), add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
+        encs = self._tok.encode_batch([self.basic(t) for t in texts], add_special_tokens=False)
+        return [e.ids for e in encs]
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        text = " ".join(self._inv[int(i)] for i in ids)
-        return text.replace(" ##", "").replace("##", "")
-
+        """Megatron's convert_tokens_to_string: join, glue ``##`` pieces, tidy punctuation."""
+        text = " ".join(self._inv[int(i)] for i in ids).replace(" ##", "").strip()
+        for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                     (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
+                     (" 're", "'re")):
+            text = text.replace(a, b)
+        return text
 
     @property
     def cls(self) -> int:
@@ -438,8 +491,19 @@ class BertWordPieceTokenizer(_DictVocabTokenizer):
 
 
 # ------------------------------------------------------------------------------- HuggingFace
+def _token_name(value):
+    """A special token in tokenizer_config.json: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
 class HuggingFaceTokenizer(_DictVocabTokenizer):
-    """A local HuggingFace tokenizer directory (``transformers`` or ``tokenizers``)."""
+    """A local Hugging Face tokenizer directory, Megatron's ``_HuggingFaceTokenizer`` interface.
+
+    With DIR/tokenizer.json (every fast tokenizer saves one) it runs on ``tokenizers`` directly;
+    eos/bos/pad are the names in DIR/tokenizer_config.json or DIR/special_tokens_map.json, as
+    AutoTokenizer reads them. Otherwise ``transformers.AutoTokenizer`` (local files only).
+    ``vocab_size`` counts added tokens (``len(tokenizer)``); text is encoded without adding
+    special tokens (megatron-core's HuggingFaceTokenizer default)."""
 
     def __init__(self, path: str):
         if not path or not os.path.exists(path):
@@ -448,47 +512,40 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
         super().__init__(path)
         self._path = path
         self._hf = self._fast = None
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            transformers = None
-        if transformers is not None:
-            self._hf = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-            self._vocab = self._hf.get_vocab()
-            self._eod = self._hf.eos_token_id
-            self._pad = self._hf.pad_token_id
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if os.path.isfile(file):
+            tk = _import_tokenizers("HuggingFaceTokenizer")
+            try:
+                self._fast = tk.Tokenizer.from_file(file)
+            except Exception as exc:  # the Rust error (a JSON/format problem) names no file
+                raise TokenizerError(f"--tokenizer-model: {file} is not a tokenizers "
+                                     f"tokenizer.json ({exc})") from None
+            self._vocab = self._fast.get_vocab(with_added_tokens=True)
+            self._size = self._fast.get_vocab_size(with_added_tokens=True)
+            names = {}
+            for cfg_name in ("special_tokens_map.json", "tokenizer_config.json"):  # later wins
+                cfg_file = os.path.join(directory, cfg_name)
+                if os.path.isfile(cfg_file):
+                    with open(cfg_file, encoding="utf-8") as f:
+                        cfg = json.load(f)
+                    names.update({k: _token_name(cfg[k]) for k in ("eos_token", "bos_token",
+                                                                   "pad_token") if cfg.get(k)})
+            self._eos, self._bos, self._pad = (
+                self._fast.token_to_id(names[k]) if k in names else None
+                for k in ("eos_token", "bos_token", "pad_token"))
         else:
             try:
-                import tokenizers
+                import transformers
             except ImportError:
                 raise TokenizerError(
-                    "--tokenizer-type HuggingFaceTokenizer needs the `transformers` or the "
-                    "`tokenizers` package (pip install tokenizers)") from None
-            file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-            if not os.path.isfile(file):
-                raise TokenizerError(f"--tokenizer-model: {file} not found (without `transformers` "
-                                     f"the directory must contain tokenizer.json)")
-            self._fast = tokenizers.Tokenizer.from_file(file)
-            self._vocab = self._fast.get_vocab(with_added_tokens=True)
-            cfg = {}
-            cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
-            if os.path.isfile(cfg_file):
-                with open(cfg_file, encoding="utf-8") as f:
-                    cfg = json.load(f)
-
-            def _special(name, guesses):
-                tok = cfg.get(name)
-                tok = tok.get("content") if isinstance(tok, dict) else tok
-                for t in ([tok] if tok else []) + guesses:
-                    if t in self._vocab:
-                        return self._vocab[t]
-                return None
-
-            self._eod = _special("eos_token", ["</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"])
-            self._pad = _special("pad_token", ["<pad>", "[PAD]", "<|pad|>"])
-        if self._eod is None:
-            raise TokenizerError(f"--tokenizer-model: {path} defines no eos token (needed as "
-                                 f"end-of-document)")
+                    f"--tokenizer-model: {file} not found; a directory without tokenizer.json "
+                    f"needs the `transformers` package (pip install transformers)") from None
+            self._hf = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._vocab = self._hf.get_vocab()
+            self._size = len(self._hf)
+            self._eos, self._bos = self._hf.eos_token_id, self._hf.bos_token_id
+            self._pad = self._hf.pad_token_id
         self._inv = {i: t for t, i in self._vocab.items()}
 
     def __getstate__(self):
@@ -497,15 +554,38 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
     def __setstate__(self, state):
         self.__init__(state["path"])
 
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
     def tokenize(self, text: str) -> List[int]:
         if self._hf is not None:
             return self._hf.encode(text, add_special_tokens=False)
         return self._fast.encode(text, add_special_tokens=False).ids
 
+    def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
+        if self._hf is not None:
+            return [self.tokenize(t) for t in texts]
+        return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=False)]
+
     def detokenize(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
         return self._hf.decode(ids) if self._hf is not None else self._fast.decode(ids)
 
+    @property
+    def eod(self) -> int:
+        if self._eos is None:
+            raise TokenizerError(f"--tokenizer-model: {self._path} defines no eos_token (its "
+                                 f"end-of-document; set it in tokenizer_config.json)")
+        return self._eos
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def bos(self):
+        return self._bos
 
     @property
     def pad(self) -> int:
@@ -566,6 +646,8 @@ def build_tokenizer(args_or_kwargs: Any = None, **kwargs: Any) -> _Tokenizer:
     else:
         opts = {f: getattr(args_or_kwargs, f) for f in _FIELDS if hasattr(args_or_kwargs, f)}
     opts.update(kwargs)
+    if "megatron.core" in sys.modules:  # in use: make isinstance(tok, its base) hold
+        megatron_core_base()
     kind = opts.get("tokenizer_type") or "SentencePieceTokenizer"
     model, vocab = opts.get("tokenizer_model"), opts.get("vocab_file")
     if kind == "SentencePieceTokenizer":
