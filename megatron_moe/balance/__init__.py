@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["add_arguments", "install", "customize_spec", "BalanceManager"]
+__all__ = ["add_arguments", "validate_args", "install", "customize_spec", "BalanceManager"]
 
 _DEFAULTS = dict(moe_balance_policy="none", moe_balance_alpha=1.0, moe_balance_n=0, moe_balance_interval=1,
                  moe_balance_overlap=False, moe_balance_profile=None, moe_balance_predictor="last",
@@ -79,6 +79,30 @@ def _check_args(args):
         raise ValueError(f"--moe-balance-alpha {args.moe_balance_alpha}: must be >= 0")
     if args.moe_balance_n < 0:
         raise ValueError(f"--moe-balance-n {args.moe_balance_n}: must be >= 0")
+
+
+def validate_args(args):
+    """Parse-time checks (arguments.parse_args, before any process group): the flags' ranges, and
+    the configurations the balanced layer cannot run, which it would otherwise hand silently to the
+    stock layer. ValueError names the flag."""
+    _check_args(args)
+    policy = args.moe_balance_policy
+    if not getattr(args, "num_experts", None) or (policy == "none" and not args.moe_routing_trace_dir):
+        return
+    what = f"--moe-balance-policy {policy}" if policy != "none" else "--moe-routing-trace-dir"
+    for flag, attr in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                       ("--expert-tensor-parallel-size", "expert_tensor_parallel_size")):
+        value = getattr(args, attr, 1) or 1
+        if value != 1:
+            raise ValueError(f"{what}: needs {flag} 1 (got {value}); the balanced layer "
+                             "exchanges whole tokens over the expert-parallel group")
+    for flag, attr in (("--moe-grouped-gemm", "moe_grouped_gemm"),
+                       ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity"),
+                       ("--moe-shared-expert-overlap", "moe_shared_expert_overlap"),
+                       ("--moe-latent-size", "moe_latent_size")):
+        if getattr(args, attr, None):
+            raise ValueError(f"{what}: cannot be combined with {flag} (the balanced layer needs "
+                             "SequentialMLP experts and its own token exchange)")
 
 
 def install(args, layer_spec, force: bool = False):

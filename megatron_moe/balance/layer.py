@@ -5,17 +5,23 @@ token dispatch is ours (all-to-all over the EP group with autograd), because a t
 rank holds a replica of its expert must be computed there and never sent:
 
 1. route (megatron-core router, aux losses unchanged); all-gather the local per-expert counts over
-   the EP group -> C[D, E] (the planner's statistics and the all-to-all split sizes);
+   the EP group -> C[D, E] (the planner's statistics and the all-to-all split sizes); permute the
+   (token, expert) pairs expert-major with the token dispatcher's ``permute`` (megatron-core's, or
+   ours with ``--moe-permute-fusion``: megatron_moe.moe.dispatcher rebinds it);
 2. the placement's dispatch matrix ``send[e, src, dst]`` (``policies.base.dispatch_matrix``) says where
    every (token, expert) pair is computed: Pro-Prophet/FasterMoE placements keep pairs whose expert
    has a replica (or the owner) on this rank local and send the others to the owner; FlexMoE
    placements keep what fits the local vExperts and spread the overflow over the other replicas.
    The all_to_all of tokens and probs is issued asynchronously (the scheduler plans the next
-   iteration while it is in flight);
+   iteration while it is in flight) on ``megatron_moe.comm`` with ``--moe-a2a-algorithm`` and
+   ``--moe-a2a-compression`` (tokens compressed both ways; probs, one float per row, exact);
 3. each computed expert runs once on [its local pairs ; pairs received from each source rank]:
    owned experts with their own parameters, replicas with ``torch.func.functional_call`` on the
    Trans'd tensors; the probs are passed as the expert's per-token scale exactly as SequentialMLP;
-4. the outputs go back (reverse all_to_all) and are summed per token.
+4. the outputs go back (reverse all_to_all, same algorithm and compressor) and are summed per token
+   with the dispatcher's ``unpermute``.
+
+Every collective goes through megatron_moe/comm/ on the data's device (docs/comm.md).
 
 With an empty placement this is plain EP (tested against the stock layer).
 """
@@ -26,11 +32,10 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from megatron.core.tensor_parallel.mappings import all_to_all
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+from megatron_moe import comm
 from megatron_moe.balance.placement import LayerBalance
 
 __all__ = ["BalancedMoELayer"]
@@ -74,40 +79,42 @@ class BalancedMoELayer(MoELayer):
         return out, None
 
     def _experts(self, hidden_states, probs, routing_map):
+        from megatron_moe.moe.dispatcher import exchange_config, permute_fns
+
         st = self.balance
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         D, r, E, L = st.D, st.rank, st.num_experts, st.num_local
+        xc = exchange_config()
         local_counts = routing_map.sum(dim=0).to(torch.int64).reshape(1, E)
-        if D > 1:
-            gathered = [torch.empty_like(local_counts) for _ in range(D)]
-            dist.all_gather(gathered, local_counts, group=self.ep_group)
-            C = torch.cat(gathered).cpu()
-        else:
-            C = local_counts.cpu()
+        # counts gathered on the data's device; the planner and the split sizes need them on the host
+        C = (comm.all_gather_rows(local_counts, self.ep_group) if D > 1 else local_counts).cpu()
         if self.training:
             st.counts += C.to(torch.float64)
         send = st._active_placement.dispatch(C.numpy())     # [E, src, dst] inputs computed on dst
         owner = np.arange(E) // L
 
-        # (token, expert) pairs in expert-major order, like megatron-core's permute; of expert e's
+        # (token, expert) pairs in expert-major order (the dispatcher's permute); of expert e's
         # pairs the first send[e, r, r] stay here, the rest go to the other ranks in ascending order
-        pe, pt = routing_map.t().nonzero(as_tuple=True)
-        pprobs = probs.t().contiguous().masked_select(routing_map.t().contiguous())
+        permute, unpermute = permute_fns()
+        perm_x, pprobs, sorted_idx = permute(x, routing_map, probs=probs)[:3]
         row = send[:, r, :]                                  # [E, D]
         order = [r] + [d for d in range(D) if d != r]
         dst = np.repeat(np.tile(order, E), row[:, order].reshape(-1))
         is_local = dst == r
-        lsel = torch.from_numpy(np.nonzero(is_local)[0])
+        lsel_np = np.nonzero(is_local)[0]
         rem = np.nonzero(~is_local)[0]
-        rsel = torch.from_numpy(rem[np.argsort(dst[rem], kind="stable")])   # by dst, then expert
+        rsel_np = rem[np.argsort(dst[rem], kind="stable")]   # by dst, then expert
+        dev = x.device
+        lsel = torch.from_numpy(lsel_np).to(dev)
+        rsel = torch.from_numpy(rsel_np).to(dev)
         in_splits = [0 if d == r else int(row[:, d].sum()) for d in range(D)]
         out_splits = [0 if d == r else int(send[:, d, r].sum()) for d in range(D)]
-        send_x = x.index_select(0, pt[rsel])   # index_select: its backward is a fast index_add
+        send_x = perm_x.index_select(0, rsel)   # index_select: its backward is a fast index_add
         send_p = pprobs.index_select(0, rsel)
         if D > 1:
             # issued asynchronously: the scheduler plans the next iteration while it is in flight
-            recv_x, recv_p = _dispatch(self.ep_group, send_x, send_p, out_splits, in_splits, st)
+            recv_x, recv_p = _dispatch(self.ep_group, send_x, send_p, out_splits, in_splits, st, xc)
         else:
             recv_x, recv_p = send_x, send_p
         st.a2a_rows_recv += int(sum(out_splits))
@@ -115,7 +122,7 @@ class BalancedMoELayer(MoELayer):
                                             for d in range(D) if d != r))
 
         # compute order: for each computed expert, [local pairs ; received rows by source rank]
-        nloc = int(lsel.numel())
+        nloc = int(lsel_np.size)
         loc_counts = send[np.arange(E), r, r]
         loc_start = np.concatenate([[0], np.cumsum(loc_counts)])
         recv_start = np.zeros((D, E), dtype=np.int64)        # offset of (source d, expert e) rows
@@ -131,16 +138,16 @@ class BalancedMoELayer(MoELayer):
             mine = owner[e] == r
             if not (mine or r in st._active_placement.replica_sets[e]):
                 continue
-            idx = [torch.arange(loc_start[e], loc_start[e + 1])]
+            idx = [np.arange(loc_start[e], loc_start[e + 1])]
             for d in range(D):
                 k = int(send[e, d, r]) if d != r else 0
                 if k:
-                    idx.append(nloc + torch.arange(recv_start[d, e], recv_start[d, e] + k))
-            idx = torch.cat(idx).to(torch.int64)
-            segments.append((e, int(idx.numel())))
+                    idx.append(nloc + np.arange(recv_start[d, e], recv_start[d, e] + k))
+            idx = np.concatenate(idx).astype(np.int64)
+            segments.append((e, int(idx.size)))
             index.append(idx)
-        index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
-        all_x = torch.cat([x.index_select(0, pt[lsel]), recv_x])
+        index = torch.from_numpy(np.concatenate(index) if index else np.zeros(0, np.int64)).to(dev)
+        all_x = torch.cat([perm_x.index_select(0, lsel), recv_x])
         all_p = torch.cat([pprobs.index_select(0, lsel), recv_p])
         comp_x, comp_p = all_x.index_select(0, index), all_p.index_select(0, index)
 
@@ -166,43 +173,28 @@ class BalancedMoELayer(MoELayer):
         all_y = all_y.index_copy(0, index, comp_y)
         loc_y, back_y = all_y[:nloc], all_y[nloc:]
         if D > 1:
-            got_y = all_to_all(self.ep_group, back_y, in_splits, out_splits)
+            got_y = comm.all_to_all(back_y, in_splits, out_splits, self.ep_group, algorithm=xc.algorithm,
+                                    compression=xc.compression)
         else:
             got_y = back_y
-        out = torch.zeros(x.shape[0], comp_y.shape[-1], dtype=probs.dtype, device=x.device)
-        out = out.index_add(0, torch.cat([pt[lsel], pt[rsel]]), torch.cat([loc_y, got_y]).to(probs.dtype))
+        # back to the permuted (expert-major) order, then the dispatcher's unpermute sums per token
+        perm_y = torch.zeros(perm_x.shape[0], comp_y.shape[-1], dtype=probs.dtype, device=dev)
+        perm_y = perm_y.index_copy(0, torch.cat([lsel, rsel]), torch.cat([loc_y, got_y]).to(probs.dtype))
+        out = unpermute(perm_y, sorted_idx, torch.Size((x.shape[0], perm_y.shape[-1])))
         return out.to(hidden_states.dtype).view(shape)
 
 
-class _Received(torch.autograd.Function):
-    """The output of an all-to-all that was issued (and waited) outside autograd; backward sends the
-    gradient back with megatron-core's autograd all_to_all (splits swapped), as its own forward would."""
-
-    @staticmethod
-    def forward(ctx, sent, holder, group, out_splits, in_splits):
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        return holder[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_to_all(ctx.group, grad.contiguous(), ctx.in_splits, ctx.out_splits), None, None, None, None
-
-
-def _dispatch(group, send_x, send_p, out_splits, in_splits, st):
-    """Dispatch all-to-all of tokens and probs, async (megatron-core's all_to_all blocks); while it is
-    in flight the scheduler may plan ahead (note 2.6: Plan^{j+1} under iteration j's A2A)."""
+def _dispatch(group, send_x, send_p, out_splits, in_splits, st, xc):
+    """Dispatch all-to-all of tokens and probs on megatron_moe.comm, async; while it is in flight the
+    scheduler may plan ahead (note 2.6: Plan^{j+1} under iteration j's A2A). Tokens use the
+    configured compressor, probs (one float per row, needed exactly) go uncompressed."""
     sched, it = st.scheduler, (st.scheduler.iteration if st.scheduler is not None else None)
-    bufs, works = [], []
-    for t in (send_x, send_p):
-        t = t.detach().contiguous()
-        out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
-        works.append(dist.all_to_all_single(out, t, out_splits, in_splits, group=group, async_op=True))
-        bufs.append(out)
+    hx = comm.all_to_all_async(send_x, out_splits, in_splits, group, algorithm=xc.algorithm,
+                               compression=xc.compression)
+    hp = comm.all_to_all_async(send_p, out_splits, in_splits, group, algorithm=xc.algorithm)
     st._log("a2a_issue", it, mb=st.forward_count)
     if sched is not None:
         sched.during_dispatch(st)
-    for w in works:
-        w.wait()
+    recv_x, recv_p = hx.wait(), hp.wait()
     st._log("a2a_wait", it, mb=st.forward_count)
-    return (_Received.apply(send_x, [bufs[0]], group, out_splits, in_splits),
-            _Received.apply(send_p, [bufs[1]], group, out_splits, in_splits))
+    return recv_x, recv_p

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_moe import comm
 from megatron_moe.balance.policies.base import Placement
 
 __all__ = ["LayerBalance"]
@@ -211,7 +212,7 @@ class LayerBalance:
                 self._trans_keep.append(flat)
                 for dst in s:
                     if dst != o:
-                        works.append(dist.isend(flat, self._global(dst), self.ep_group, tag=self._tag(e, _TRANS)))
+                        works.append(comm.isend(flat, dst, self.ep_group, tag=self._tag(e, _TRANS)))
                         self.bytes_trans_sent += flat.numel() * flat.element_size()
                         self.msgs_trans_sent += 1
             else:
@@ -219,7 +220,7 @@ class LayerBalance:
                     self.template.parameters())
                 buf = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
                 self._trans_bufs[e] = buf
-                works.append(dist.irecv(buf, self._global(o), self.ep_group, tag=self._tag(e, _TRANS)))
+                works.append(comm.irecv(buf, o, self.ep_group, tag=self._tag(e, _TRANS)))
                 self.bytes_trans_recv += buf.numel() * buf.element_size()
         self._trans_pieces.append((part, todo, works))
 
@@ -276,9 +277,10 @@ class LayerBalance:
                 bufs = []
                 for src in s:
                     if src != o:
-                        b = torch.empty(self.numel, dtype=self.owner_params(e)[0].dtype)
+                        p0 = self.owner_params(e)[0]           # on the data's device (NCCL)
+                        b = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
                         bufs.append(b)
-                        self._agg_work.append(dist.irecv(b, self._global(src), self.ep_group,
+                        self._agg_work.append(comm.irecv(b, src, self.ep_group,
                                                          tag=self._tag(e, _AGG)))
                         self.bytes_agg_recv += b.numel() * b.element_size()
                 self._agg_bufs[e] = bufs
@@ -287,7 +289,7 @@ class LayerBalance:
                 flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
                                   for t in leaves])
                 self._agg_keep.append(flat)
-                self._agg_work.append(dist.isend(flat, self._global(o), self.ep_group, tag=self._tag(e, _AGG)))
+                self._agg_work.append(comm.isend(flat, o, self.ep_group, tag=self._tag(e, _AGG)))
                 self.bytes_agg_sent += flat.numel() * flat.element_size()
                 self.msgs_agg_sent += 1
 
@@ -347,7 +349,7 @@ class LayerBalance:
 
     def _flat_state(self, states: List[dict], layout) -> List[torch.Tensor]:
         """One flat buffer per state dtype, in layout order, of ``states`` (``_opt_states``)."""
-        out = []
+        out, dev = [], self._ref_params()[0].device
         for _, entries in self._dtype_groups(layout):
             parts = []
             for i, k, shape, _ in entries:
@@ -355,7 +357,8 @@ class LayerBalance:
                 if sorted(st) != sorted(kk for ii, kk, *_ in layout if ii == i):
                     raise RuntimeError(f"persistent replicas: layer {self.layer_number} state keys "
                                        f"{sorted(st)} differ from the reference layout")
-                parts.append(st[k].detach().reshape(-1))
+                # on the data's device: torch keeps Adam's step on the host (NCCL needs device tensors)
+                parts.append(st[k].detach().reshape(-1).to(dev))
             out.append(torch.cat(parts))
         return out
 
@@ -410,7 +413,7 @@ class LayerBalance:
                 self._trans_keep.extend(bufs)
                 for dst in to_send:
                     for j, b in enumerate(bufs):
-                        works.append(dist.isend(b, self._global(dst), self.ep_group,
+                        works.append(comm.isend(b, dst, self.ep_group,
                                                 tag=self._tag(e, _MOVE if j == 0 else _STATE + j - 1)))
                         self.bytes_move_sent += b.numel() * b.element_size()
                         self.msgs_move_sent += 1
@@ -420,7 +423,7 @@ class LayerBalance:
                 sbufs = [torch.empty(sum(int(np.prod(s, dtype=np.int64)) for _, _, s, _ in ent), dtype=d,
                                      device=p0.device) for d, ent in self._dtype_groups(layout)]
                 for j, b in enumerate([buf] + sbufs):
-                    works.append(dist.irecv(b, self._global(src[self.rank]), self.ep_group,
+                    works.append(comm.irecv(b, src[self.rank], self.ep_group,
                                             tag=self._tag(e, _MOVE if j == 0 else _STATE + j - 1)))
                     self.bytes_move_recv += b.numel() * b.element_size()
                 self._move_recv[e] = (buf, sbufs, layout)
@@ -454,11 +457,14 @@ class LayerBalance:
             cls = type(opt)
             groups.append(dict({k: v for k, v in group.items() if k != "params"}, params=[leaf]))
         ropt = cls(groups)                  # the megatron-core inner optimizer's own class
+        ref_states = self._opt_states(self._ref_params())
         for (_, entries), sb in zip(self._dtype_groups(layout), sbufs):
             off = 0
             for i, k, shape, _ in entries:
                 n = int(np.prod(shape, dtype=np.int64))
-                ropt.state[leaves[i]][k] = sb[off:off + n].view(shape).clone()
+                ref = ref_states[i].get(k)          # back where the optimizer keeps it (step: host)
+                v = sb[off:off + n].view(shape)
+                ropt.state[leaves[i]][k] = v.to(ref.device, copy=True) if ref is not None else v.clone()
                 off += n
         return _Replica(buf, leaves, ropt)
 
@@ -496,13 +502,13 @@ class LayerBalance:
                 self._sumback_keep.append(flat)
                 for dst in s:
                     if dst != o:
-                        self._sumback_work.append(dist.isend(flat, self._global(dst), self.ep_group,
+                        self._sumback_work.append(comm.isend(flat, dst, self.ep_group,
                                                              tag=self._tag(e, _SUMBACK)))
                         self.bytes_sumback_sent += flat.numel() * flat.element_size()
                         self.msgs_sumback_sent += 1
             else:
-                buf = torch.empty(self.numel, dtype=self._grad_dtype())
-                self._sumback_work.append(dist.irecv(buf, self._global(o), self.ep_group,
+                buf = torch.empty(self.numel, dtype=self._grad_dtype(), device=self._ref_params()[0].device)
+                self._sumback_work.append(comm.irecv(buf, o, self.ep_group,
                                                      tag=self._tag(e, _SUMBACK)))
                 self.bytes_sumback_recv += buf.numel() * buf.element_size()
                 self._sumback_bufs[e] = buf

@@ -4,6 +4,10 @@ Public API::
 
     all_to_all(input, output_split_sizes, input_split_sizes, group, algorithm="flat",
                ranks_per_node=None, compression="none") -> Tensor
+    all_to_all_async(...same...) -> handle; handle.wait() -> Tensor (differentiable)
+    all_gather_rows(t, group); isend(t, peer, group, tag); irecv(t, peer, group, tag)
+    count_exchanges()  # Counter of (algorithm, compression) issued inside the block
+    strict.enable() / strict.hot_path()  # device checks of every collective (tests), see strict.py
     register_algorithm(name, fn, supports_async=False); register_compression(name, obj)
     record_wire_bytes(intra, nbytes)  # byte accounting from inside a registered algorithm
     chunked_moe_exchange(tokens, input_splits, output_splits, expert_fn, group, degree,
@@ -14,14 +18,17 @@ Public API::
 See docs/comm.md.
 """
 
-from megatron_moe.comm.alltoall import (all_to_all, available_algorithms, count_wire_bytes,
-                                        formula_wire_stats, get_algorithm, record_wire_bytes,
-                                        register_algorithm, start_all_to_all, wire_stats)
+from megatron_moe.comm.alltoall import (all_to_all, all_to_all_async, available_algorithms,
+                                        count_exchanges, count_wire_bytes, formula_wire_stats,
+                                        get_algorithm, record_wire_bytes, register_algorithm,
+                                        start_all_to_all, wire_stats)
+from megatron_moe.comm.collectives import all_gather_rows, irecv, isend
 from megatron_moe.comm.compress import (Compressor, available_compressions, get_compression,
                                         register_compression)
 from megatron_moe.comm.schedule import chunked_moe_exchange
 
-__all__ = ["all_to_all", "register_algorithm", "available_algorithms", "get_algorithm",
+__all__ = ["all_to_all", "all_to_all_async", "count_exchanges", "all_gather_rows", "isend", "irecv",
+           "register_algorithm", "available_algorithms", "get_algorithm",
            "start_all_to_all", "wire_stats", "record_wire_bytes", "formula_wire_stats", "count_wire_bytes",
            "Compressor", "register_compression", "get_compression", "available_compressions",
            "chunked_moe_exchange", "add_arguments", "validate_args"]

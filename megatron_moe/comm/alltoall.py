@@ -29,6 +29,7 @@ ranks, e.g. an EP group [0, 2, 4, 6] on 4-GPU nodes has 2 members per node.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from typing import Callable, Dict, List, Optional, Sequence
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from megatron_moe import topology
 from megatron_moe.comm.compress import get_compression
 
-__all__ = ["all_to_all", "register_algorithm", "available_algorithms", "get_algorithm",
+__all__ = ["all_to_all", "all_to_all_async", "count_exchanges", "register_algorithm", "available_algorithms", "get_algorithm",
            "wire_stats", "formula_wire_stats", "count_wire_bytes", "start_all_to_all",
            "normalize_splits"]
 
@@ -126,6 +127,22 @@ def record_wire_bytes(intra: bool, nbytes: int) -> None:
         c[k + "_msgs"] += 1
 
 
+_EXCHANGES: List[collections.Counter] = []
+
+
+@contextlib.contextmanager
+def count_exchanges():
+    """Count the exchanges issued inside the block by ``(algorithm, compression)``; compression is
+    the compressor that really ran (``"none"`` when it does not apply to the payload's dtype).
+    Tests use it to prove that a layer really ran the configured algorithm and compressor."""
+    c: collections.Counter = collections.Counter()
+    _EXCHANGES.append(c)
+    try:
+        yield c
+    finally:
+        _EXCHANGES.remove(c)
+
+
 # ---------------------------------------------------------------------------------------------
 # algorithms (x: uint8 [rows, row_bytes], contiguous)
 
@@ -151,23 +168,26 @@ def _hierarchical(x, out_splits, in_splits, group, rpn, async_op=False):
     n0, g0 = divmod(me, M)
     rb = x.shape[1]
     hg = topology.hierarchy_groups(group, M)
-    ins = torch.tensor(in_splits, dtype=torch.long).view(N, M)      # [dest node, dest local]
+    # counts travel as tensors on the data's device (NCCL refuses host tensors); the host needs
+    # them as lists for the split sizes, one device-to-host copy
+    ins = torch.tensor(in_splits, dtype=torch.long, device=x.device).view(N, M)  # [dest node, dest local]
     # phase 0: stride copy so the N blocks for each local rank are contiguous
     x1 = _layout(x, in_splits, N, M)
-    send1 = ins.sum(0).tolist()
+    send1 = [sum(in_splits[n * M + h] for n in range(N)) for h in range(M)]
     # counts: local h learns, from each local g', the N block sizes it will forward
-    cnt_recv = torch.empty((M, N), dtype=torch.long)
+    cnt_recv = torch.empty((M, N), dtype=torch.long, device=x.device)
     dist.all_to_all_single(cnt_recv, ins.t().contiguous(), group=hg.intra)
-    recv1 = cnt_recv.sum(1).tolist()
+    cnt_host = cnt_recv.tolist()                                     # [source local][dest node]
+    recv1 = [sum(row) for row in cnt_host]
     for h, s in enumerate(send1):
         if h != g0:
             record_wire_bytes(True, s * rb)
     y1 = x.new_empty((sum(recv1), rb))
     dist.all_to_all_single(y1, x1, recv1, send1, group=hg.intra)
     # phase 2: (source local, dest node) -> (dest node, source local)
-    x2 = _layout(y1, cnt_recv.flatten().tolist(), M, N)
-    send2 = cnt_recv.sum(0).tolist()
-    recv2 = torch.tensor(out_splits, dtype=torch.long).view(N, M).sum(1).tolist()
+    x2 = _layout(y1, [c for row in cnt_host for c in row], M, N)
+    send2 = [sum(cnt_host[g][n] for g in range(M)) for n in range(N)]
+    recv2 = [sum(out_splits[n * M:(n + 1) * M]) for n in range(N)]
     for n, s in enumerate(send2):
         if n != n0:
             record_wire_bytes(False, s * rb)
@@ -178,6 +198,7 @@ def _hierarchical(x, out_splits, in_splits, group, rpn, async_op=False):
 
 
 _PIPE_SEQ = 0
+_PIPE_TAG_BASE = 1 << 24
 
 
 class _Works:
@@ -200,10 +221,11 @@ def _pipe(x, out_splits, in_splits, group, rpn, async_op=False):
         out[ooff[me]:ooff[me] + out_splits[me]].copy_(x[ioff[me]:ioff[me] + in_splits[me]])
     intra_ops, inter_ops = [], []
     # a fresh tag per exchange keeps overlapping pipe exchanges (chunked schedule) apart on gloo;
-    # every rank issues exchanges in the same program order, so the tags agree
+    # every rank issues exchanges in the same program order, so the tags agree; offset above the
+    # balance placements' p2p tags (Trans/Agg/moves may be in flight on the same group)
     global _PIPE_SEQ
     _PIPE_SEQ += 1
-    tag = _PIPE_SEQ % (1 << 20)
+    tag = _PIPE_TAG_BASE + _PIPE_SEQ % (1 << 20)
     for j in range(P):
         if j == me:
             continue
@@ -304,6 +326,8 @@ def start_all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm=
     out_shape = (sum(out_s),) + tuple(x.shape[1:])
     dtype = x.dtype
     decompress = (lambda y: comp.decompress(y, dtype, cols)) if use else (lambda y: y)
+    for c in _EXCHANGES:
+        c[(algo.name, compression if use else "none")] += 1
     if async_op and algo.supports_async:
         out_b, handle = algo.fn(wb, out_s, in_s, group, rpn, async_op=True)
     else:
@@ -329,6 +353,48 @@ class _AllToAll(torch.autograd.Function):
         # reverse exchange: what I received goes back to where it came from
         gx = _exchange(g.contiguous(), ctx.in_s, ctx.out_s, group, algorithm, rpn, compression)
         return gx, None, None, None, None, None, None
+
+
+class _Attached(torch.autograd.Function):
+    """The output of an exchange issued (and waited) outside autograd, attached to its input: the
+    backward is the reverse exchange (splits swapped) with the same algorithm and compressor."""
+
+    @staticmethod
+    def forward(ctx, x, holder, out_s, in_s, group, algorithm, rpn, compression):
+        ctx.args = (group, algorithm, rpn, compression)
+        ctx.out_s, ctx.in_s = out_s, in_s
+        return holder[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        group, algorithm, rpn, compression = ctx.args
+        gx = _exchange(g.contiguous(), ctx.in_s, ctx.out_s, group, algorithm, rpn, compression)
+        return gx, None, None, None, None, None, None, None
+
+
+class _PendingAutograd:
+    def __init__(self, x, pending, args):
+        self.x, self.pending, self.args = x, pending, args
+
+    def wait(self) -> torch.Tensor:
+        y = self.pending.wait()
+        if torch.is_grad_enabled() and self.x.requires_grad:
+            return _Attached.apply(self.x, [y], *self.args)
+        return y
+
+
+def all_to_all_async(input, output_split_sizes, input_split_sizes, group, algorithm: str = "flat",
+                     ranks_per_node: Optional[int] = None, compression: str = "none"):
+    """Issue a differentiable exchange (in flight while the caller works when the algorithm supports
+    async); ``.wait()`` returns what :func:`all_to_all` returns, attached to the autograd graph."""
+    if group is None:
+        group = dist.group.WORLD
+    world, rows = _group_size(group), input.shape[0]
+    out_s = normalize_splits(output_split_sizes, rows, world, "output_split_sizes")
+    in_s = normalize_splits(input_split_sizes, rows, world, "input_split_sizes")
+    pending = start_all_to_all(input.detach(), out_s, in_s, group, algorithm, ranks_per_node,
+                               compression, async_op=True)
+    return _PendingAutograd(input, pending, (out_s, in_s, group, algorithm, ranks_per_node, compression))
 
 
 def all_to_all(input, output_split_sizes=None, input_split_sizes=None, group=None,

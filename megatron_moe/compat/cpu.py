@@ -35,7 +35,7 @@ class _CpuTorchProxy:
         def factory(*args, **kwargs):
             device = kwargs.get("device")
             if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
-                kwargs["device"] = "cpu"
+                kwargs["device"] = torch.device("cpu")  # an object: comm/strict.py reads it as the data device
             return attr(*args, **kwargs)
 
         return factory
