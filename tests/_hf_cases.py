@@ -70,3 +70,8 @@ def train_then_logits_rank(rank, world_size, argv_runs, hf_dir, ckpt, layouts, t
 
 def train_rank(rank, world_size, argv_runs):
     return train_then_logits_rank(rank, world_size, argv_runs, None, None, [], None)[0]
+
+
+def logits_many_rank(rank, world_size, jobs):
+    """logits_rank for several (hf_dir, ckpt, layouts, tokens) jobs in one spawn."""
+    return [logits_rank(rank, world_size, *job) for job in jobs]

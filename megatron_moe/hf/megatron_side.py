@@ -14,7 +14,6 @@ import argparse
 import copy
 import datetime
 import math
-import os
 
 import torch
 
@@ -38,10 +37,8 @@ def init_single_process():
     from megatron_moe.testing import free_port
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1,
-                                timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1, timeout=datetime.timedelta(minutes=30))
     apply_cpu_shims()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()

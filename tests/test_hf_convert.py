@@ -1,0 +1,197 @@
+"""tools/checkpoint/convert.py against transformers: tiny random Mixtral and Qwen2-MoE models built
+from a config (no download).
+
+* HF -> ours: our training model (pretrain_gpt_moe.py's provider and load path) on the converted
+  checkpoint gives the HF model's logits within fp32 tolerance at EP=1, EP=2, TP=2 and TP=2 x EP=2;
+  a mutated HF config (rope base, top-k normalisation) does not, so the comparison can fail.
+* HF -> ours -> HF: the same tensor names, bit-equal tensors, the same config.json.
+* A checkpoint trained here at EP=2 -> HF (transformers gives our logits) -> ours at EP=2 -> training
+  resumes from it with exactly the losses of fine-tuning from the original checkpoint.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_moe.testing import run_distributed
+from tests._hf_cases import logits_many_rank, train_then_logits_rank
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 250  # not a multiple of 128: exercises Megatron's vocabulary padding (-> 256) and its removal
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; measured max |diff| ~2e-7 (Mixtral), ~1.5e-6 (Qwen2-MoE)
+LAYOUTS = ["", "--expert-model-parallel-size 2",
+           "--tensor-model-parallel-size 2 --sequence-parallel",
+           "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
+           "--expert-tensor-parallel-size 1"]
+TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def make_hf(kind, path):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, initializer_range=0.1)  # large enough to route sharply
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=96, num_hidden_layers=2,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         rope_theta=10000.0, **common)
+        model = transformers.MixtralForCausalLM(cfg)
+    else:  # a dense layer in the middle, shared expert with its gate, no top-k renormalisation
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=80, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, num_hidden_layers=3,
+                                          num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                          norm_topk_prob=False, **common)
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    # small shards: q/k/v and gate/up of one layer land in different files
+    model.save_pretrained(path, max_shard_size="60KB")
+    assert len(glob.glob(os.path.join(path, "*.safetensors"))) > 3
+
+
+def convert(*runs):
+    """Run tools/checkpoint/convert.py main() for each argv in one fresh process."""
+    code = ("import json, sys; sys.path.insert(0, 'tools/checkpoint'); import convert\n"
+            "for argv in json.loads(sys.argv[1]): convert.main(argv)")
+    argvs = [["--model-type", "GPT"] + list(r) for r in runs]
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def hf_state(path):
+    from safetensors.torch import load_file
+
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    state = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        state.update(load_file(os.path.join(path, shard)))
+    assert set(state) == set(index["weight_map"])
+    return state
+
+
+def hf_logits(path, **override):
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    for key, value in override.items():
+        setattr(cfg, key, value)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, config=cfg,
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    runs = []
+    for kind, target in (("mixtral", "--target-expert-parallel-size 2"),
+                         ("qwen2_moe", "--target-tensor-parallel-size 2")):
+        d = {name: str(root / f"{kind}_{name}") for name in ("hf", "meg", "back")}
+        make_hf(kind, d["hf"])
+        runs += [["--loader", "hf", "--saver", "megatron", "--load-dir", d["hf"],
+                  "--save-dir", d["meg"]] + target.split(),
+                 ["--loader", "megatron", "--saver", "hf", "--load-dir", d["meg"],
+                  "--save-dir", d["back"], "--max-shard-size", "100KB"]]
+        out[kind] = d
+    log = convert(*runs)
+    assert "model flags for pretrain_gpt_moe.py:" in log
+    jobs = [(d["hf"], d["meg"], LAYOUTS, TOKENS) for d in out.values()]
+    results = run_distributed(logits_many_rank, 2, jobs, timeout_s=400)[0]
+    for d, result in zip(out.values(), results):
+        d["logits"] = result
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_roundtrip_bit_exact(converted, kind):
+    d = converted[kind]
+    original, back = hf_state(d["hf"]), hf_state(d["back"])
+    assert sorted(original) == sorted(back)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert json.load(open(os.path.join(d["back"], "config.json"))) == \
+        json.load(open(os.path.join(d["hf"], "config.json")))
+    # Megatron's layout really was in between: fused QKV, padded vocabulary, experts per rank
+    ckpt = os.path.join(d["meg"], "iter_0000000")
+    meta = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
+    assert meta["args"].padded_vocab_size == 256
+    assert meta["extra_state"]["hf"]["family"] == kind
+    assert open(os.path.join(d["meg"], "latest_checkpointed_iteration.txt")).read() == "0"
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_logits_match_transformers(converted, kind):
+    d = converted[kind]
+    reference = hf_logits(d["hf"])
+    assert reference.abs().max() > 0.5  # not a near-zero model that anything matches
+    for layout, (iteration, logits) in zip(LAYOUTS, d["logits"]):
+        assert iteration == 0
+        torch.testing.assert_close(logits, reference, **TOL, msg=lambda m: f"{layout!r}: {m}")
+    # the comparison is sharp enough to catch a wrong rope base or top-k normalisation
+    mutated = hf_logits(d["hf"], rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
+    if kind == "qwen2_moe":
+        mutated = hf_logits(d["hf"], norm_topk_prob=True)
+        assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
+
+
+TRAIN = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+         "--ffn-hidden-size 96 --seq-length 32 --max-position-embeddings 64 "
+         "--position-embedding-type rope --rotary-base 10000 --normalization RMSNorm --swiglu "
+         "--untie-embeddings-and-output-weights --disable-bias-linear --num-experts 4 "
+         "--moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall "
+         "--expert-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
+         "--mock-data --tokenizer-type NullTokenizer --vocab-size 255 --log-interval 1 "
+         "--eval-interval 1000 --eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split()
+
+
+def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(tmp_path):
+    trained, hf, back = (str(tmp_path / n) for n in ("trained", "hf", "back"))
+    run_distributed(train_then_logits_rank, 2, [TRAIN + ["--train-iters", "3", "--save", trained]],
+                    None, None, [], None, timeout_s=300)
+    log = convert(["--loader", "megatron", "--saver", "hf", "--load-dir", trained, "--save-dir", hf],
+                  ["--loader", "hf", "--saver", "megatron", "--load-dir", hf, "--save-dir", back,
+                   "--target-expert-parallel-size", "2"])
+    assert "MixtralForCausalLM" in log
+    cfg = json.load(open(os.path.join(hf, "config.json")))
+    assert cfg["num_local_experts"] == 4 and cfg["vocab_size"] == 256
+    experts = [k for k in hf_state(hf) if ".block_sparse_moe.experts." in k]
+    assert len(experts) == 2 * 4 * 3  # every expert of both EP ranks, w1/w2/w3, both layers
+    # fine-tune from the original and plain resume from the round-tripped checkpoint: same weights,
+    # same data, fresh optimizer -> identical losses; and transformers gives the trained logits
+    runs = [TRAIN + ["--train-iters", "2", "--load", trained, "--finetune"],
+            TRAIN + ["--train-iters", "2", "--load", back]]
+    histories, logits = run_distributed(train_then_logits_rank, 2, runs, hf, trained,
+                                        ["--expert-model-parallel-size 2"], TOKENS,
+                                        timeout_s=400)[0]
+    original, resumed = histories
+    assert resumed["iteration"] == [1, 2]
+    assert all(loss == loss for loss in resumed["lm_loss"])
+    assert resumed["lm_loss"] == original["lm_loss"]
+    iteration, ours = logits[0]
+    assert iteration == 3
+    reference = hf_logits(hf)[..., :256]
+    torch.testing.assert_close(ours, reference[..., :ours.shape[-1]], **TOL)
+
+
+def test_help_and_refusals():
+    proc = subprocess.run([sys.executable, "tools/checkpoint/convert.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for flag in ("--target-tensor-parallel-size", "--target-pipeline-parallel-size",
+                 "--target-expert-parallel-size", "--load-dir", "--save-dir", "--max-shard-size"):
+        assert flag in proc.stdout
+    from megatron_moe.hf.families import FAMILIES, ConversionError, family_for_config
+
+    with pytest.raises(ConversionError, match="model_type 'llama'"):
+        family_for_config({"model_type": "llama"})
+    with pytest.raises(ConversionError, match="sliding_window"):
+        FAMILIES["mixtral"].spec_from_config({"sliding_window": 4096, "num_hidden_layers": 1})
