@@ -350,7 +350,7 @@ class Trainer:
     # --- logging ---------------------------------------------------------------------------------
     def _log(self, iteration, consumed, elapsed_s, lr, window, grad_norm, tokens_per_iter):
         """Megatron-LM's training_log line, byte for byte, then our MoE lines."""
-        from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+        from megatron_moe.compat.moe_metrics import report_moe_metrics  # tracker API per version
 
         args = self.args
         writer = self.hooks.writer
@@ -358,11 +358,11 @@ class Trainer:
         if args.num_experts:
             # The tracker summed every micro-batch's aux losses since the last log line.
             moe_losses = {}
-            track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=iteration,
-                              writer=writer, total_loss_dict=moe_losses,
-                              per_layer_logging=args.moe_per_layer_logging, force_initialize=True,
-                              track_names=moe_track_names(args), num_layers=args.num_layers,
-                              moe_layer_freq=args.moe_layer_freq)
+            report_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=iteration,
+                               writer=writer, total_loss_dict=moe_losses,
+                               per_layer_logging=args.moe_per_layer_logging, force_initialize=True,
+                               track_names=moe_track_names(args), num_layers=args.num_layers,
+                               moe_layer_freq=args.moe_layer_freq)
             for name, value in moe_losses.items():
                 losses[name] = float(value) / window.count
         tokens_per_s = tokens_per_iter / elapsed_s if elapsed_s > 0 else 0.0
@@ -505,18 +505,17 @@ def moe_track_names(args):
 
 
 def _snapshot_moe_tracker():
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron_moe.compat.moe_metrics import moe_metric_values
 
-    return {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
+    return {k: v.clone() for k, v in moe_metric_values().items()}
 
 
 def _restore_moe_tracker(snapshot):
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron_moe.compat.moe_metrics import moe_metric_values
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    for name, entry in tracker.items():
+    for name, values in moe_metric_values().items():
         if name in snapshot:
-            entry["values"].copy_(snapshot[name])
+            values.copy_(snapshot[name])
         else:
-            entry["values"].zero_()
+            values.zero_()
 

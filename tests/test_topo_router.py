@@ -5,6 +5,7 @@ without spawning EP processes); the end-to-end runs train a tiny GPT-MoE on 2 gl
 --ranks-per-node 1 (two emulated nodes).
 """
 
+import dataclasses
 import math
 import re
 import types
@@ -79,11 +80,11 @@ def nodes_per_token(routing_map, layout):
 
 @pytest.fixture(autouse=True)
 def _clean_aux_tracker():
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron_moe.compat.moe_metrics import drop_moe_metric  # tracker API per megatron-core
 
-    get_moe_layer_wise_logging_tracker().pop("topology_loss", None)
+    drop_moe_metric("topology_loss")
     yield
-    get_moe_layer_wise_logging_tracker().pop("topology_loss", None)
+    drop_moe_metric("topology_loss")
 
 
 # --- node_limited ---------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def test_link_costs():
 
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 def test_ta_loss_pushes_probability_toward_local_experts(score_function):
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron_moe.compat.moe_metrics import moe_metric_values
 
     E, k, coeff = 8, 2, 0.1
     layout = tr.EPLayout(ep_rank=1, ep_size=4, ranks_per_node=2)
@@ -247,7 +248,7 @@ def test_ta_loss_pushes_probability_toward_local_experts(score_function):
     lg = logits.detach().view(-1, E)
     scores = torch.softmax(lg, 1) if score_function == "softmax" else \
         torch.sigmoid(lg) / torch.sigmoid(lg).sum(1, keepdim=True)
-    logged = get_moe_layer_wise_logging_tracker()["topology_loss"]["values"]
+    logged = moe_metric_values()["topology_loss"]
     assert logged[1].item() == pytest.approx(float((scores * cost).sum(1).mean()), rel=1e-5)
     assert logged[0].item() == 0.0
     # the gradient (upstream of probs zero: only the auxiliary loss) lowers the expected link cost
@@ -273,7 +274,7 @@ def test_ta_loss_pushes_probability_toward_local_experts(score_function):
     (0.5, tr.EPLayout(ep_rank=0, ep_size=2, ranks_per_node=2)),   # one node: plain top-k
 ], ids=["coeff0", "one-node"])
 def test_ta_loss_coefficient_zero_costs_nothing(coeff, layout):
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron_moe.compat.moe_metrics import moe_metric_values
 
     router = tr.TopologyLossRouter(config(4, 2), PG, coeff=coeff, layout=layout)
     router.set_layer_number(1)
@@ -281,7 +282,7 @@ def test_ta_loss_coefficient_zero_costs_nothing(coeff, layout):
     probs, routing_map = router.routing(logits)
     (probs * 0).sum().backward()
     assert logits.grad is None or (logits.grad == 0).all()
-    assert "topology_loss" not in get_moe_layer_wise_logging_tracker()
+    assert "topology_loss" not in moe_metric_values()
     ref_probs, ref_map = plain_router(config(4, 2)).routing(logits.detach())
     assert torch.equal(routing_map, ref_map) and torch.equal(probs.detach(), ref_probs)
 
@@ -297,14 +298,21 @@ def test_customize_spec_swaps_the_router():
         return types.SimpleNamespace(num_experts=4, moe_router_topology=mode, moe_router_max_nodes=1,
                                      moe_topology_loss_coeff=0.5)
 
+    from megatron_moe.compat import replace_spec, spec_submodules  # ModuleSpec or partial (0.18+)
+
+    def router(spec):
+        return spec_submodules(spec.submodules.mlp).router
+
     spec = get_gpt_layer_local_spec(num_experts=4)
-    assert tr.customize_spec(args("none"), spec).submodules.mlp.submodules.router is TopKRouter
+    assert router(tr.customize_spec(args("none"), spec)) is TopKRouter
     for mode, cls in tr.ROUTERS.items():
         spec = tr.customize_spec(args(mode), get_gpt_layer_local_spec(num_experts=4))
-        builder = spec.submodules.mlp.submodules.router
+        builder = router(spec)
         assert isinstance(builder, functools.partial) and builder.func is cls
-    assert spec.submodules.mlp.submodules.router.keywords == {"coeff": 0.5}
-    spec.submodules.mlp.submodules.router = type("Other", (TopKRouter,), {})
+    assert router(spec).keywords == {"coeff": 0.5}
+    mlp = spec.submodules.mlp
+    other = type("Other", (TopKRouter,), {})
+    spec.submodules.mlp = replace_spec(mlp, submodules=dataclasses.replace(spec_submodules(mlp), router=other))
     with pytest.raises(ValueError, match="already customised"):
         tr.customize_spec(args("congestion"), spec)
 

@@ -203,7 +203,7 @@ class NodeLimitedRouter(TopKRouter):
     mode = "node_limited"
 
     def __init__(self, config, pg_collection=None, *, max_nodes: int = 1,
-                 layout: Optional[EPLayout] = None):
+                 layout: Optional[EPLayout] = None, **router_kwargs):
         layout = _layout_for(pg_collection, layout)
         nodes = layout.nodes
         if max_nodes < 1 or max_nodes > nodes:
@@ -224,7 +224,8 @@ class NodeLimitedRouter(TopKRouter):
             config.moe_router_group_topk = max_nodes
         elif nodes == 1:
             _say_once_one_node(layout, self.mode)
-        super().__init__(config=config, pg_collection=pg_collection)
+        # router_kwargs: whatever else megatron-core passes (0.17+: is_mtp_layer), docs/compat.md
+        super().__init__(config=config, pg_collection=pg_collection, **router_kwargs)
         self.layout = layout
         self.max_nodes = max_nodes
 
@@ -235,7 +236,7 @@ class CongestionRouter(TopKRouter):
     mode = "congestion"
 
     def __init__(self, config, pg_collection=None, *, layout: Optional[EPLayout] = None,
-                 cap: Optional[float] = None):
+                 cap: Optional[float] = None, **router_kwargs):
         layout = _layout_for(pg_collection, layout)
         if config.moe_enable_routing_replay:
             raise ValueError("--moe-router-topology congestion cannot be combined with routing "
@@ -246,7 +247,8 @@ class CongestionRouter(TopKRouter):
             raise ValueError(f"--moe-router-topology congestion: --moe-router-topk "
                              f"{config.moe_router_topk} exceeds the {experts_per_node} experts "
                              "per node a re-routed token can fall back to")
-        super().__init__(config=config, pg_collection=pg_collection)
+        # router_kwargs: whatever else megatron-core passes (0.17+: is_mtp_layer), docs/compat.md
+        super().__init__(config=config, pg_collection=pg_collection, **router_kwargs)
         self.layout = layout
         self.cap = congestion_cap(layout) if cap is None else float(cap)
         self.register_buffer("expert_node", layout.expert_nodes(config.num_moe_experts),
@@ -267,10 +269,11 @@ class TopologyLossRouter(TopKRouter):
     loss_name = "topology_loss"
 
     def __init__(self, config, pg_collection=None, *, coeff: float = 1e-2,
-                 layout: Optional[EPLayout] = None):
+                 layout: Optional[EPLayout] = None, **router_kwargs):
         layout = _layout_for(pg_collection, layout)
         check_topology_flags(self.mode, loss_coeff=coeff)
-        super().__init__(config=config, pg_collection=pg_collection)
+        # router_kwargs: whatever else megatron-core passes (0.17+: is_mtp_layer), docs/compat.md
+        super().__init__(config=config, pg_collection=pg_collection, **router_kwargs)
         self.layout = layout
         self.coeff = float(coeff)
         self.register_buffer("link_cost", link_costs(layout, config.num_moe_experts),

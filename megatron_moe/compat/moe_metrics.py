@@ -1,0 +1,46 @@
+"""megatron-core's per-layer MoE metric tracker (aux losses, z-loss, our topology_loss).
+
+<= 0.17: a module-level dict, ``moe_utils.get_moe_layer_wise_logging_tracker()``, reported by
+    ``moe_utils.track_moe_metrics(...)``.
+>= 0.18: ``moe_logging.get_moe_metrics_tracker()`` (a ``MoEMetricsTracker``: ``.metrics`` maps a
+    name to an entry with ``.values``; ``.report(...)`` takes track_moe_metrics' keywords). The old
+    functions remain as deprecated wrappers, and ``get_moe_layer_wise_logging_tracker()`` now
+    returns a fresh dict each call, so removing a name from it does nothing. We use the tracker.
+"""
+
+from megatron_moe.compat.versions import mcore_at_least
+
+
+def _tracker():
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    return get_moe_metrics_tracker()
+
+
+def moe_metric_values() -> dict:
+    """{metric name: its live per-layer values tensor} (write to them in place to change them)."""
+    if mcore_at_least("0.18"):
+        return {name: entry.values for name, entry in _tracker().metrics.items()}
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    return {name: entry["values"] for name, entry in get_moe_layer_wise_logging_tracker().items()}
+
+
+def drop_moe_metric(name: str) -> None:
+    """Forget a metric entirely (it is created again by the next record)."""
+    if mcore_at_least("0.18"):
+        _tracker().metrics.pop(name, None)
+        return
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().pop(name, None)
+
+
+def report_moe_metrics(**kwargs):
+    """Reduce, log (writer / total_loss_dict) and clear the tracked metrics: megatron-core's
+    ``track_moe_metrics`` keywords (loss_scale, iteration, writer, total_loss_dict, ...)."""
+    if mcore_at_least("0.18"):
+        return _tracker().report(**kwargs)
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    return track_moe_metrics(**kwargs)
