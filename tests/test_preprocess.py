@@ -268,3 +268,96 @@ def test_invalid_utf8_and_tokenizer_failures_are_clear_errors(tmp_path, workers)
     with pytest.raises(SystemExit, match=r"c.jsonl:11: key 'text': NullTokenizer failed"):
         preprocess_data.main(argv + ["--output-prefix", str(tmp_path / "n")])
     assert _outputs(tmp_path, "u") == [] and _outputs(tmp_path, "n") == []
+
+
+@pytest.mark.parametrize("vocab_size", [500, 70000])  # uint16 and int32 tokens
+def test_writer_is_byte_identical_to_megatron_core_builder(tmp_path, vocab_size):
+    """IndexedDatasetWriter (numpy only) vs megatron-core's IndexedDatasetBuilder."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    dtype = preprocess_data.optimal_dtype(vocab_size)
+    assert dtype is DType.optimal_dtype(vocab_size)
+    docs = []
+    for _ in range(40):
+        lengths = [int(n) for n in rng.integers(1, 30, size=int(rng.integers(1, 4)))]
+        docs.append((rng.integers(0, vocab_size, size=sum(lengths)).tolist(), lengths))
+    ours = preprocess_data.IndexedDatasetWriter(str(tmp_path / "o.bin"), dtype)
+    for tokens, lengths in docs[:20]:
+        ours.add_document(tokens, lengths)
+    blob = np.concatenate([np.asarray(t, dtype) for t, _ in docs[20:]]).tobytes()
+    ours.add_documents(blob, [n for _, ls in docs[20:] for n in ls], [len(ls) for _, ls in docs[20:]])
+    ours.finalize(str(tmp_path / "o.idx"))
+    ref = IndexedDatasetBuilder(str(tmp_path / "r.bin"), dtype=dtype)
+    for tokens, lengths in docs:
+        ref.add_document(np.asarray(tokens), lengths)
+    ref.finalize(str(tmp_path / "r.idx"))
+    for ext in (".bin", ".idx"):
+        with open(tmp_path / ("o" + ext), "rb") as a, open(tmp_path / ("r" + ext), "rb") as b:
+            assert a.read() == b.read()
+    assert len(IndexedDataset(str(tmp_path / "o"))) == sum(len(ls) for _, ls in docs)
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "BertWordPieceCase",
+                                  "HuggingFaceTokenizer"])
+def test_preprocess_equals_megatron_reference_on_hard_text(tmp_path, kind):
+    """End to end on the hard corpus (scripts, controls, whitespace runs, code): the .bin/.idx
+    of tools/preprocess_data.py (2 workers, batch tokenization) == megatron-core's builder fed
+    with the reference tokenizer's ids (OpenAI GPT-2 / BERT FullTokenizer / tokenizers)."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from tests import _tokenizer_reference as R
+
+    docs = R.hard_corpus(120, seed=3)
+    corpus = tmp_path / "hard.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    if kind == "GPT2BPETokenizer":
+        pytest.importorskip("regex")
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.train_from_iterator(docs, trainers.BpeTrainer(
+            vocab_size=700, special_tokens=["<|endoftext|>"], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab, merges = bpe.model.save(str(tmp_path))
+        flags = ["--vocab-file", vocab, "--merge-file", merges]
+        ref = R.Gpt2Reference(vocab, merges)
+        eod = ref.encoder["<|endoftext|>"]
+    elif kind == "BertWordPieceCase":
+        chars = sorted({c for d in docs for c in d if not c.isspace()})[:300]
+        vocab = tmp_path / "vocab.txt"
+        vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "def", "##ly"]
+                                   + chars + ["##" + c for c in chars[:150]]) + "\n",
+                         encoding="utf-8")
+        flags = ["--vocab-file", str(vocab)]
+        ref = R.BertReference(str(vocab), lower_case=False)
+        eod = ref.vocab["[SEP]"]
+    else:
+        hf = Tokenizer(models.BPE(unk_token="<unk>"))
+        hf.pre_tokenizer = pre_tokenizers.Metaspace()
+        hf.train_from_iterator(docs, trainers.BpeTrainer(
+            vocab_size=600, special_tokens=["<unk>", "</s>"], show_progress=False))
+        hf.save(str(tmp_path / "tokenizer.json"))
+        (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+        flags = ["--tokenizer-model", str(tmp_path)]
+        ref = type("Ref", (), {"tokenize": lambda self, t: hf.encode(
+            t, add_special_tokens=False).ids})()
+        eod = hf.token_to_id("</s>")
+    stats = preprocess_data.main(["--input", str(corpus), "--output-prefix",
+                                  str(tmp_path / "ours"), "--tokenizer-type", kind, *flags,
+                                  "--workers", "2", "--append-eod", "--chunksize", "16",
+                                  "--no-progress", "--log-interval", "0"])
+    dtype = DType.optimal_dtype(1000)
+    builder = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=dtype)
+    n = 0
+    for d in docs:
+        ids = ref.tokenize(d)
+        if ids:
+            builder.add_document(np.asarray(ids + [eod]), [len(ids) + 1])
+            n += 1
+    builder.finalize(str(tmp_path / "ref.idx"))
+    assert stats["documents"] == n > 100 and stats["tokens"] > 2000
+    for ext in (".bin", ".idx"):
+        with open(str(tmp_path / "ours_text_document") + ext, "rb") as a, \
+                open(str(tmp_path / "ref") + ext, "rb") as b:
+            assert a.read() == b.read()
