@@ -59,18 +59,28 @@ def adapt_all_to_all(fn):
     return all_to_all
 
 
-def mcore_permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
-                  drop_and_pad=False):
-    """megatron-core's own ``moe_utils.permute`` under the 0.16 contract (the reference our kernels
-    are compared with): ``(tokens, probs, sorted_indices)``. From 0.17 the unfused path requires
-    ``num_out_tokens`` (0.16 ignored it there and kept every routed pair: the same count)."""
+
+def permute_v016(fn):
+    """The inverse of ``adapt_permute``: a permute with the installed megatron-core's contract
+    (e.g. ``token_dispatcher.permute``, whatever is bound there) called with 0.16's:
+    ``(tokens, probs, sorted_indices)``; from 0.17 the unfused path requires ``num_out_tokens``
+    (0.16 ignored it there and kept every routed pair, which is the count filled in)."""
+    if not mcore_at_least("0.17"):
+        return fn
+
+    @functools.wraps(fn)
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False, **kwargs):
+        if num_out_tokens is None and not drop_and_pad:
+            num_out_tokens = int(routing_map.bool().sum())
+        return fn(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                  drop_and_pad=drop_and_pad, **kwargs)[:3]
+
+    return permute
+
+
+def mcore_permute(*args, **kwargs):
+    """megatron-core's own ``moe_utils.permute`` under the 0.16 contract (the reference our
+    kernels are compared with)."""
     from megatron.core.transformer.moe import moe_utils
 
-    if not mcore_at_least("0.17"):
-        return moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
-                                 fused=fused, drop_and_pad=drop_and_pad)
-    if num_out_tokens is None and not drop_and_pad:
-        num_out_tokens = int(routing_map.bool().sum())
-    out = moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
-                            fused=fused, drop_and_pad=drop_and_pad)
-    return out[:3]
+    return permute_v016(moe_utils.permute)(*args, **kwargs)

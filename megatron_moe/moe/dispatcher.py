@@ -50,8 +50,10 @@ def exchange_config() -> ExchangeConfig:
 def permute_fns():
     """The (permute, unpermute) pair the token dispatchers use now: megatron-core's, or
     kernels.permute / kernels.unpermute with ``--moe-permute-fusion`` (looked up at call time)."""
+    from megatron_moe.compat.dispatch import permute_v016
+
     td = _token_dispatcher_module()
-    return td.permute, td.unpermute
+    return permute_v016(td.permute), td.unpermute  # megatron-core 0.16's call contract, any version
 
 
 def add_arguments(parser):
