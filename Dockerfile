@@ -1,8 +1,16 @@
-# GPU image for clusters: NVIDIA's PyTorch base (CUDA, NCCL, Transformer Engine, apex) + megatron-moe.
+# GPU image for clusters: NVIDIA's PyTorch container 25.09 (Python 3.12, CUDA, NCCL, Transformer
+# Engine, apex) + megatron-moe. On Python 3.12 pip resolves the newest megatron-core in pyproject's
+# range (0.19.x): the "Python 3.12 / newest megatron-core" leg of the tested matrix (README).
 FROM nvcr.io/nvidia/pytorch:25.09-py3
 WORKDIR /workspace/megatron-moe
 COPY . .
-# The base image's torch, TE and apex are kept; only missing Python packages are added.
-RUN pip install --no-cache-dir -e ".[viz]" && pip install --no-cache-dir grouped_gemm || true
+# The README's install command; the base image's torch, TE and apex satisfy the pins and are kept.
+# No "|| true": a failed install fails the build.
+RUN pip install --no-cache-dir -e .
+# Refuse to produce an image whose Python / megatron-core pair is outside the tested matrix.
+RUN python -c "import sys, megatron.core as m; from packaging.version import Version as V; \
+v = V(m.__version__); ok = sys.version_info[:2] == (3, 12) and V('0.19') <= v < V('0.20'); \
+print('Python', sys.version.split()[0], 'megatron-core', v); sys.exit(0 if ok else 'untested pair')" \
+ && python -c "import megatron_moe.training, pretrain_gpt_moe"
 ENV CUDA_DEVICE_MAX_CONNECTIONS=1
 CMD ["bash"]

@@ -5,11 +5,14 @@
 # with a checkpoint, then resume from it to iteration 100.
 #
 #   bash examples/quickstart_cpu.sh [WORK_DIR]          (default: runs/quickstart)
+#   PYTHON=python3.12 VENV=.venv312 bash examples/quickstart_cpu.sh   # another Python: its own venv
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${1:-$ROOT/runs/quickstart}"
-bash "$ROOT/scripts/setup_env.sh"
-PY="$ROOT/.venv/bin/python"
+bash "$ROOT/scripts/setup_env.sh"   # PYTHON= / VENV= select the interpreter and venv
+VENV="${VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
+PY="$VENV/bin/python"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 mkdir -p "$WORK/data"
 cd "$ROOT"
@@ -24,8 +27,8 @@ if [ ! -f "$WORK/data/corpus_text_document.idx" ]; then
 fi
 
 # Megatron-style positional arguments: checkpoint path, tokenizer model, data path.
-bash examples/train_gpt_moe_cpu.sh "$WORK/checkpoints" "$WORK/tokenizer.model" \
+PYTHON="$PY" bash examples/train_gpt_moe_cpu.sh "$WORK/checkpoints" "$WORK/tokenizer.model" \
     "$WORK/data/corpus_text_document" --exit-interval 50
 echo "=== stopped at iteration 50; resuming from $WORK/checkpoints ==="
-bash examples/train_gpt_moe_cpu.sh "$WORK/checkpoints" "$WORK/tokenizer.model" \
+PYTHON="$PY" bash examples/train_gpt_moe_cpu.sh "$WORK/checkpoints" "$WORK/tokenizer.model" \
     "$WORK/data/corpus_text_document"
