@@ -18,6 +18,26 @@ import inspect
 import warnings
 
 
+def apply_cpu_shims():
+    """megatron-core's inference communication helpers assert ``tensor.is_cuda`` before the PP
+    broadcast of logits; gloo moves CPU tensors, so on a CPU-only build accept them (a no-op
+    when CUDA is available). Kept here, beside the inference stack it serves."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from megatron.core.inference import communication_utils as cu
+
+    if getattr(cu, "_megatron_moe_cpu", False):
+        return
+
+    def _is_cuda(tensor):
+        assert tensor is not None
+
+    cu._is_cuda = _is_cuda
+    cu._megatron_moe_cpu = True
+
+
 def build_static_engine(model, tokenizer, *, hidden_size: int, params_dtype, padded_vocab_size: int,
                         max_batch_size: int, max_sequence_length: int, random_seed: int):
     """A StaticInferenceEngine over ``model`` (a GPTModel, possibly in Float16Module)."""
@@ -30,6 +50,7 @@ def build_static_engine(model, tokenizer, *, hidden_size: int, params_dtype, pad
         TextGenerationController,
     )
 
+    apply_cpu_shims()
     params = inspect.signature(GPTInferenceWrapper.__init__).parameters
     if "inference_wrapper_config" in params:  # megatron-core <= 0.16
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (

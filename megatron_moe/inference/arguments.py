@@ -107,6 +107,11 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     if missing:
         parser.error(f"{', '.join(missing)} required (or --use-checkpoint-args to read them from "
                      f"the checkpoint under --load)")
+    stored_vocab = getattr(args.checkpoint_args, "padded_vocab_size", None)
+    if stored_vocab and stored_vocab % args.tensor_model_parallel_size:
+        parser.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: the "
+                     f"checkpoint's padded vocabulary ({stored_vocab} rows) does not split into "
+                     f"that many shards")
     if args.num_experts and args.tensor_model_parallel_size > 1:
         args.sequence_parallel = True  # megatron-core's MoE+TP requirement; same math
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))

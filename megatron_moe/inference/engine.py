@@ -39,6 +39,7 @@ def setup_model(args):
     global_vars.set_args(args)
     initialize_distributed(args)
     tokenizer = _build_tokenizer(args)
+    _keep_checkpoint_vocab_padding(args)
     model = gpt_model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
                                post_process=parallel_state.is_pipeline_last_stage())
     if torch.cuda.is_available():
@@ -48,6 +49,23 @@ def setup_model(args):
     model.eval()
     iteration, _, _, _ = load_checkpoint([model], None, None, args)
     return model, tokenizer, iteration
+
+
+def _keep_checkpoint_vocab_padding(args):
+    """Use the checkpoint's padded vocabulary when this TP size can shard it.
+
+    The padding rule (a multiple of --make-vocab-size-divisible-by x TP) gives another size at
+    another TP; megatron-core then loads the embedding with a shape mismatch and leaves the extra
+    rows at their random init, which changes every softmax. The trained size is right whenever
+    TP divides it."""
+    stored = getattr(getattr(args, "checkpoint_args", None), "padded_vocab_size", None)
+    if stored and stored != args.padded_vocab_size:
+        if stored % args.tensor_model_parallel_size == 0:
+            args.padded_vocab_size = stored
+        else:
+            raise ValueError(
+                f"the checkpoint's padded vocabulary ({stored}) does not divide into "
+                f"--tensor-model-parallel-size {args.tensor_model_parallel_size} shards")
 
 
 @dataclasses.dataclass
@@ -105,12 +123,16 @@ class TextGenerator:
 
     def generate(self, prompts, tokens_to_generate: int = 30, temperature: float = 1.0,
                  top_k: int = 1, top_p: float = 0.0, return_log_probs: bool = False,
-                 seed: int | None = None, add_bos: bool = False) -> list[Generation]:
+                 seed: int | None = None, add_bos: bool = False,
+                 prompt_tokens: list | None = None) -> list[Generation]:
         from megatron.core.inference.inference_request import InferenceRequest
 
         from megatron_moe.compat.inference import sampling_params
 
-        prompt_tokens = self.tokenize_prompts(prompts, tokens_to_generate, add_bos)
+        if prompt_tokens is None:
+            prompt_tokens = self.tokenize_prompts(prompts, tokens_to_generate, add_bos)
+        else:  # token ids given (benchmarks): the prompt strings are their detokenization
+            prompts = [self.tokenizer.detokenize(list(t)) for t in prompt_tokens]
         params = sampling_params(temperature=temperature, top_k=top_k, top_p=top_p,
                                  return_log_probs=return_log_probs,
                                  num_tokens_to_generate=tokens_to_generate)
