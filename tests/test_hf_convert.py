@@ -34,7 +34,7 @@ LAYOUTS = ["", "--expert-model-parallel-size 2",
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-def make_hf(kind, path):
+def make_hf(kind, path, dtype=torch.float32):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, initializer_range=0.1)  # large enough to route sharply
@@ -50,7 +50,7 @@ def make_hf(kind, path):
                                           norm_topk_prob=False, **common)
         model = transformers.Qwen2MoeForCausalLM(cfg)
     # small shards: q/k/v and gate/up of one layer land in different files
-    model.save_pretrained(path, max_shard_size="60KB")
+    model.to(dtype).save_pretrained(path, max_shard_size="60KB")
     assert len(glob.glob(os.path.join(path, "*.safetensors"))) > 3
 
 
@@ -101,16 +101,22 @@ def converted(tmp_path_factory):
                  ["--loader", "megatron", "--saver", "hf", "--load-dir", d["meg"],
                   "--save-dir", d["back"], "--max-shard-size", "100KB"]]
         out[kind] = d
+    # a bf16 checkpoint stays bf16 on the way (stored as --bf16 weights, nothing rounded)
+    d = out["mixtral_bf16"] = {name: str(root / f"bf16_{name}") for name in ("hf", "meg", "back")}
+    make_hf("mixtral", d["hf"], torch.bfloat16)
+    runs += [["--loader", "hf", "--saver", "megatron", "--load-dir", d["hf"], "--save-dir", d["meg"]],
+             ["--loader", "megatron", "--saver", "hf", "--load-dir", d["meg"], "--save-dir", d["back"]]]
     log = convert(*runs)
     assert "model flags for pretrain_gpt_moe.py:" in log
-    jobs = [(d["hf"], d["meg"], LAYOUTS, TOKENS) for d in out.values()]
+    fp32 = [out["mixtral"], out["qwen2_moe"]]
+    jobs = [(d["hf"], d["meg"], LAYOUTS, TOKENS) for d in fp32]
     results = run_distributed(logits_many_rank, 2, jobs, timeout_s=400)[0]
-    for d, result in zip(out.values(), results):
+    for d, result in zip(fp32, results):
         d["logits"] = result
     return out
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "mixtral_bf16"])
 def test_roundtrip_bit_exact(converted, kind):
     d = converted[kind]
     original, back = hf_state(d["hf"]), hf_state(d["back"])
@@ -123,7 +129,8 @@ def test_roundtrip_bit_exact(converted, kind):
     ckpt = os.path.join(d["meg"], "iter_0000000")
     meta = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
     assert meta["args"].padded_vocab_size == 256
-    assert meta["extra_state"]["hf"]["family"] == kind
+    assert meta["extra_state"]["hf"]["family"] == kind.replace("_bf16", "")
+    assert meta["args"].bf16 == kind.endswith("bf16")
     assert open(os.path.join(d["meg"], "latest_checkpointed_iteration.txt")).read() == "0"
 
 

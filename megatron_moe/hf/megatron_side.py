@@ -57,14 +57,15 @@ def finish():
 
 
 def conversion_args(args) -> argparse.Namespace:
-    """``args`` with every parallel size 1 and runtime-only features off (fp32 params)."""
+    """``args`` with every parallel size 1 and runtime-only features off. Weights keep the
+    checkpoint's dtype (args.params_dtype: what --bf16/--fp16 training stores), so nothing is
+    rounded; no mixed-precision wrapper is built."""
     a = copy.copy(args)
     a.tensor_model_parallel_size = a.pipeline_model_parallel_size = 1
     a.expert_model_parallel_size = a.expert_tensor_parallel_size = 1
     a.context_parallel_size = 1
     a.world_size, a.rank, a.data_parallel_size = 1, 0, 1
     a.bf16 = a.fp16 = False
-    a.params_dtype = "fp32"
     a.use_cpu_initialization = True
     for key, value in _RUNTIME_ONLY.items():
         if hasattr(a, key):

@@ -49,6 +49,9 @@ def _stored_args(metadata, args):
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab - 1)]
     if tp > 1:
         argv.append("--sequence-parallel")
+    # the HF weights' dtype is kept (no rounding, no doubling on disk); training may use another
+    dtype = metadata["hf_config"].get("torch_dtype") or metadata["hf_config"].get("dtype")
+    argv += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(dtype, [])
     try:
         stored = parse_args(argv, world_size=target_world_size(tp, pp, ep, etp))
     except SystemExit as exc:
