@@ -227,6 +227,8 @@ class Trainer:
         self.forward_step_func = forward_step_func
         self.hooks = hooks
         self.forward_backward = get_forward_backward_func()
+        global _AGREED_LOSS_NAMES
+        _AGREED_LOSS_NAMES = None      # a new run agrees on its loss names once
         self.skipped_iters = 0
         self.nan_iters = 0
         self.stop_requested = False
@@ -242,12 +244,15 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self.forward_backward(
-            forward_step_func=self.forward_step_func, data_iterator=data_iterator,
-            model=self.model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-            forward_only=False)
-        update_successful, grad_norm, num_zeros = self.optimizer.step()
+        from megatron_moe.comm.strict import hot_path
+
+        with hot_path():  # strict device mode: no Python-object collectives in here (docs/comm.md)
+            losses = self.forward_backward(
+                forward_step_func=self.forward_step_func, data_iterator=data_iterator,
+                model=self.model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                forward_only=False)
+            update_successful, grad_norm, num_zeros = self.optimizer.step()
         self.hooks.after_optimizer_step(update_successful, grad_norm)   # before the lr moves
         if update_successful:
             self.scheduler.step(increment=args.global_batch_size)
@@ -464,7 +469,8 @@ def reduce_losses(losses_reduced) -> dict:
                     values[2 * i] += float(d[name])
                     values[2 * i + 1] += 1
     if dist.is_initialized():
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        # the data's device (NCCL needs device tensors); on a CPU build the shims answer cpu
+        device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
         values = values.to(device)
         dist.all_reduce(values)
         values = values.cpu()
@@ -481,9 +487,17 @@ def _agree_on_loss_names(keys):
 
     if not dist.is_initialized() or parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return keys or [_LOSS_KEY]
-    names = [keys]
-    dist.broadcast_object_list(names, src=dist.get_world_size() - 1)
-    return names[0] or [_LOSS_KEY]
+    global _AGREED_LOSS_NAMES
+    if _AGREED_LOSS_NAMES is None:
+        # once per run: the loss function's names do not change, and a Python-object collective
+        # (pickle + host round trip) has no place in every step (strict device mode, docs/comm.md)
+        names = [keys]
+        dist.broadcast_object_list(names, src=dist.get_world_size() - 1)
+        _AGREED_LOSS_NAMES = names[0] or [_LOSS_KEY]
+    return _AGREED_LOSS_NAMES
+
+
+_AGREED_LOSS_NAMES = None
 
 
 def moe_track_names(args):

@@ -57,6 +57,10 @@ class BalancedMoELayer(MoELayer):
             self.balance = LayerBalance(self.experts, layer_number, config.num_moe_experts, self.ep_group)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        with comm.strict.hot_path():
+            return self._forward(hidden_states, intermediate_tensors, padding_mask)
+
+    def _forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         st = self.balance
         if st is None:
             return super().forward(hidden_states, intermediate_tensors, padding_mask)

@@ -22,6 +22,7 @@ from megatron_moe.comm.alltoall import (all_to_all, all_to_all_async, available_
                                         count_exchanges, count_wire_bytes, formula_wire_stats,
                                         get_algorithm, record_wire_bytes, register_algorithm,
                                         start_all_to_all, wire_stats)
+from megatron_moe.comm import strict
 from megatron_moe.comm.collectives import all_gather_rows, irecv, isend
 from megatron_moe.comm.compress import (Compressor, available_compressions, get_compression,
                                         register_compression)

@@ -97,7 +97,8 @@ class ExpertLoadTracker:
         self.counts.zero_()
         self.cross.zero_()
         if dist.is_initialized():
-            device = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
+            # the data's device (NCCL needs device tensors); on a CPU build the shims answer cpu
+            device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
             counts = counts.to(device)
             dist.all_reduce(counts, group=group)
             counts = counts.cpu()
