@@ -35,6 +35,6 @@ fi
 # Pin torch first: an unpinned torch would pull whatever is newest (and untested).
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
-"$VENV/bin/python" -c 'import sys, torch, megatron.core as m
+"$VENV/bin/python" -W ignore -c 'import sys, torch, megatron.core as m
 print(f"{sys.argv[1]}: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")' "$VENV"
 touch "$STAMP"
