@@ -82,8 +82,7 @@ def calibrate(args, path):
     planners in part (a) and the simulator in part (c) price operations with the same constants.
     The expert throughput is the slope of the real MoE layer's forward+backward time over the
     inputs it computes (CostModel: backward = 2 x forward, so forward = 1/3 of it)."""
-    import json
-
+    from megatron_moe.balance.cost_model import save_profile
     from megatron_moe.testing import run_distributed
     from tests import _policy_bench
 
@@ -98,8 +97,7 @@ def calibrate(args, path):
                "input_bytes": h * 4, "expert_bytes": 2 * h * f * 4, "t_fnec": 0.0, "t_bnec": 0.0,
                "meta": {"source": "bench/policies.py calibrate, 2 gloo ranks, 1 thread each",
                         "a2a_latency_s": lat}}
-    with open(path, "w") as fh:
-        json.dump(profile, fh, indent=1)
+    save_profile(path, profile)
     print(f"== calibration (micro-benchmarks; written to {path}, used by (a) and (c)): MoE layer "
           f"fwd+bwd {fwd_bwd * 1e6:.2f} us/input, all-to-all {bw / 1e9:.2f} GB/s + {lat * 1e6:.0f} us/msg, "
           f"broadcast {bcast / 1e9:.2f} GB/s")

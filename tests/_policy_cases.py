@@ -8,7 +8,7 @@ from __future__ import annotations
 from megatron_moe.balance.policies.base import register_policy
 from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy
 from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy
-from megatron_moe.sim.costs import PlannerCost
+from megatron_moe.balance.cost_model import PlannerCost
 
 # Transfers priced at zero so the tiny test model's routing actually triggers replication (the
 # placement is what is under test, not the pricing); the default-cost policies are tested too.

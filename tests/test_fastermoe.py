@@ -5,7 +5,7 @@ import pytest
 
 from megatron_moe.balance.policies.fastermoe import (FasterMoEPolicy, default_owner, lat_imbl, lat_shadow,
                                                      loads, select_shadow)
-from megatron_moe.sim.costs import PlannerCost
+from megatron_moe.balance.cost_model import PlannerCost
 
 H, ALPHA, P, W = 1024, 2, 11.5e12, 1.5625e9
 

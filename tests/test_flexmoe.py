@@ -8,7 +8,7 @@ import pytest
 from megatron_moe.balance.policies.flexmoe import (FREE, FlexMoEPolicy, SlotTable, balance_ratio, flex_cost,
                                                    initial_slots, route_real, route_tokens)
 from megatron_moe.sim.cluster import load_cluster
-from megatron_moe.sim.costs import PlannerCost, sync_s_vec
+from megatron_moe.balance.cost_model import PlannerCost, sync_s_vec
 
 COMPUTE_ONLY = PlannerCost(fwd_s_per_input=1.0 / 3, a2a_s_per_input=0.0, param_collective_s=0.0)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Measure the Pro-Prophet cost-model constants on this machine and write the JSON profile that
-``--moe-balance-profile`` reads.
+``--moe-balance-profile`` reads (the one cost model, ``megatron_moe/balance/cost_model.py``, writes
+it with ``save_profile`` and reads it with ``CostModel.from_profile`` in training, tools and simulator).
 
     python tools/calibrate_balance.py --hidden-size 256 --ffn-hidden-size 1024 --out profile.json
 
@@ -103,9 +104,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    prof = calibrate(a.hidden_size, a.ffn_hidden_size, a.tokens, a.seq_length, reps=a.reps)
-    with open(a.out, "w") as f:
-        json.dump(prof, f, indent=1)
+    from megatron_moe.balance.cost_model import save_profile
+
+    prof = save_profile(a.out, calibrate(a.hidden_size, a.ffn_hidden_size, a.tokens, a.seq_length,
+                                         reps=a.reps))
     print(json.dumps(prof))
     return prof
 

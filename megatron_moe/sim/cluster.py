@@ -165,7 +165,7 @@ class Cluster:
                          t_fnec=self.t_fnec_s, t_bnec=self.t_bnec_s)
 
     def planner_cost(self, ranks) -> "PlannerCost":
-        from .costs import PlannerCost
+        from megatron_moe.balance.cost_model import PlannerCost
         return PlannerCost.from_cluster(self, np.asarray(ranks))
 
 

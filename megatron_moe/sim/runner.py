@@ -69,7 +69,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     """Replay ``trace[iteration, layer, source, expert]`` through ``policy`` on ``cluster``."""
     from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy, default_owner
     from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy, route_real
-    from megatron_moe.sim.costs import sync_s_vec
+    from megatron_moe.balance.cost_model import sync_s_vec
 
     if policy not in POLICIES:
         raise ValueError(f"sim: unknown policy {policy!r}; choose from {POLICIES}")

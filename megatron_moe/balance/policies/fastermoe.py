@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from megatron_moe.balance.policies.base import BalancePolicy, Placement, register_policy
-from megatron_moe.sim.costs import a2a_s, as_planner_cost
+from megatron_moe.balance.cost_model import a2a_s, as_planner_cost
 
 __all__ = ["FasterMoEPolicy", "ShadowPlan", "default_owner", "lat_imbl", "lat_shadow", "select_shadow"]
 

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from megatron_moe.balance.policies.base import BalancePolicy, Placement, default_owner, register_policy
-from megatron_moe.sim.costs import as_planner_cost
+from megatron_moe.balance.cost_model import as_planner_cost
 
 __all__ = ["SlotTable", "FlexMoEPolicy", "route_real", "route_tokens", "flex_cost", "balance_ratio",
            "initial_slots", "FREE"]
@@ -179,7 +179,7 @@ def balance_ratio(loads: np.ndarray) -> float:
 
 def flex_cost(origin: np.ndarray, n: np.ndarray, cost, details: bool = False):
     """Eq. 5: max over ranks of compute + all-to-all receive (x4) + replica sync of hosted experts."""
-    from megatron_moe.sim.costs import sync_s_vec
+    from megatron_moe.balance.cost_model import sync_s_vec
     keep, spill, frac = route_real(origin, n)
     processed = keep + spill.sum(axis=1, keepdims=True) * frac        # [E, G]
     load = processed.sum(axis=0)
@@ -313,7 +313,7 @@ class FlexMoEPolicy(BalancePolicy):
     # -- Migrate (the paper gives no algorithm; greedy swaps, see module doc) ---------------------
     def migrate(self, origin: np.ndarray, experts: Optional[List[int]] = None) -> List[Tuple]:
         """Greedy swaps for ``experts`` (default: all replicated experts), ascending id."""
-        from megatron_moe.sim.costs import sync_s_vec
+        from megatron_moe.balance.cost_model import sync_s_vec
         ops: List[Tuple] = []
         slots = self.table.slots
         for _ in range(self.max_migrations):
