@@ -78,7 +78,7 @@ def main(argv=None):
 
 
 def evaluate(args) -> dict:
-    """Run the evaluation; returns {'lm loss': ..., 'ppl': ..., 'iteration': ..., 'exit_code'}."""
+    """Run the evaluation; returns {'lm loss', 'ppl', 'iteration', 'exit_code', 'model'}."""
     from megatron.core.enums import ModelType  # noqa: F401
 
     import pretrain_gpt_moe
@@ -112,7 +112,7 @@ def evaluate(args) -> dict:
                     f"tokens | lm loss {loss:.6f} | perplexity {math.exp(min(20.0, loss)):.4f}")
     hooks.close()
     return {"lm loss": loss, "ppl": math.exp(min(20.0, loss)), "iteration": iteration,
-            "exit_code": 0}
+            "exit_code": 0, "model": model}
 
 
 if __name__ == "__main__":

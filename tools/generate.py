@@ -175,6 +175,8 @@ def main(argv=None):
             print(r.prompt + r.completion, flush=True)
             if args.return_log_probs:
                 print("log probs: " + " ".join(f"{v:.4f}" for v in r.log_probs), flush=True)
+                print("prompt log probs: " + " ".join(f"{v:.4f}" for v in r.prompt_log_probs),
+                      flush=True)
         print("-" * 80)
         if ring is not None:
             print(ring.summary(), flush=True)

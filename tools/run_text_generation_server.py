@@ -54,6 +54,7 @@ def main(argv=None):
         add_server_args(p)
         p.parse_args(["--help"])
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bar per request in the server log
     from megatron_moe.compat import install_megatron_core_stubs, quiet_known_warnings
 
     quiet_known_warnings()

@@ -15,6 +15,11 @@ def add_ring_memory_args(parser):
     g.add_argument("--ring-memory-debug", action="store_true",
                    help="Fill a released slot with NaN and jitter the copy latency, so a compute "
                         "that does not wait for its copy produces NaN instead of passing by luck.")
+    g.add_argument("--ring-memory-experts", default="all", choices=["all", "active"],
+                   help="all: stream every local expert of a layer. active: stream the non-expert "
+                        "weights and only the experts the router picked at the layer's previous "
+                        "forward; an expert that then receives tokens unexpectedly is fetched "
+                        "before the experts run (fewer bytes per decode step, for latency).")
     return parser
 
 
@@ -22,8 +27,15 @@ def validate_ring_memory_args(args):
     k = args.ring_memory_slots
     if k < 0:
         raise ValueError(f"--ring-memory-slots must be >= 0 (got {k})")
-    if k == 0 and (args.ring_memory_link_gbps is not None or args.ring_memory_debug):
-        raise ValueError("--ring-memory-link-gbps / --ring-memory-debug need --ring-memory-slots > 0")
+    if k == 0 and (args.ring_memory_link_gbps is not None or args.ring_memory_debug
+                   or args.ring_memory_experts != "all"):
+        raise ValueError("--ring-memory-link-gbps / --ring-memory-debug / --ring-memory-experts "
+                         "need --ring-memory-slots > 0")
+    if args.ring_memory_experts == "active" and not args.num_experts:
+        raise ValueError("--ring-memory-experts active needs an MoE model (--num-experts)")
+    if args.ring_memory_experts == "active" and args.moe_grouped_gemm:
+        raise ValueError("--ring-memory-experts active needs per-expert weights (SequentialMLP); "
+                         "--moe-grouped-gemm packs all experts into one tensor")
     if args.ring_memory_link_gbps is not None and args.ring_memory_link_gbps <= 0:
         raise ValueError(f"--ring-memory-link-gbps must be > 0 (got {args.ring_memory_link_gbps})")
     if k > 0:
