@@ -1,24 +1,35 @@
 #!/usr/bin/env python
-"""Preprocessing throughput and memory: tools/preprocess_data.py (--workers 2) vs the peer,
-megatron-core's own ``IndexedDatasetBuilder`` fed by the same tokenizer in one process.
+"""Preprocessing speed and memory: tools/preprocess_data.py (--workers 2) vs its peers, per
+tokenizer type, start-up included.
 
-    python bench/preprocess.py [--target-mb 6] [--workers 2] [--repeats 2] [--work-dir DIR]
+    python bench/preprocess.py [--target-mb 6] [--workers 2] [--repeats 3] [--work-dir DIR]
+        [--types SentencePieceTokenizer GPT2BPETokenizer BertWordPieceLowerCase
+                 HuggingFaceTokenizer] [--megatron-lm DIR]
+
+Peers:
+* ``builder``: megatron-core's own ``IndexedDatasetBuilder`` fed line by line by the same
+  tokenizer object in one process (the library path, no tool around it).
+* ``megatron-lm`` (with ``--megatron-lm DIR``, a Megatron-LM checkout at tag core_v0.16.1, not
+  part of this repository): its tools/preprocess_data.py run by this Python with the same
+  --workers on the same corpus. Its default tokenizer system is used where it runs offline and
+  matches (SentencePieceTokenizer); GPT2BPETokenizer and BertWordPiece* need the Hugging Face
+  Hub there (AutoTokenizer of 'gpt2' / 'bert-large-uncased'), so they run with
+  ``--legacy-tokenizer`` (Megatron's own gpt2_tokenization.py / bert_tokenization.py), as
+  does HuggingFaceTokenizer (faster than the default system there, same ids). Extra
+  directories for its imports (six, pydantic) go in ``--megatron-lm-pythonpath``.
 
 Corpus: tools/make_corpus.py (standard-library docstrings and comments) repeated to about
-``--target-mb``; tokenizer: a sentencepiece model trained on it (tools/train_tokenizer.py, vocab
-4000) unless ``--tokenizer-model`` is given. Both sides run as child processes doing the same
-work (read JSONL, json.loads, tokenize, append eod, write .bin/.idx with the same dtype):
+``--target-mb``. Tokenizers (vocab 8000) are trained on it: sentencepiece BPE
+(tools/train_tokenizer.py), and with ``tokenizers`` a byte-level BPE (vocab.json/merges.txt,
+also saved as a tokenizer.json directory for HuggingFaceTokenizer) and a WordPiece vocab.txt.
+All runs append eod except BERT's (Megatron-LM's legacy BERT tokenizer appends an added [EOS],
+its default system [SEP]; BERT data is usually written without).
 
-* tokens/s over the processing time each reports (from opening the input to the finished .idx),
-  and over the child's wall time (imports included);
-* peak memory of the child's process tree: PSS (proportional set size: pages shared by forked
-  workers are split, not counted once per process), sampled every 0.25 s because reading it is
-  slow; and RssAnon (anonymous memory, every 25 ms; counts pages a forked worker still shares
-  with its parent in each process, so it overstates ours);
-* CPU seconds of each child's whole process tree (imports included);
-* ours is also run on half the corpus, to show its peak memory does not grow with the input.
-
-The outputs of both are compared byte for byte. Best of ``--repeats`` runs per side, interleaved.
+Measured per run: wall time (imports and start-up included: what a user waits for); peak memory
+of the process tree as PSS (shared pages split between forked workers), sampled every 0.25 s,
+and RssAnon every 25 ms; CPU seconds of the tree. Runs are interleaved, medians of
+``--repeats``. Ours is also run on half the corpus: peak memory must not grow with the input.
+Outputs are compared byte for byte with every peer's.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import argparse
 import filecmp
 import json
 import os
-import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,8 +58,7 @@ def run_peer(args) -> None:
     from megatron_moe.data.tokenizers import build_tokenizer  # first: quiets import notices
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: I001
 
-    tok = build_tokenizer(tokenizer_type="SentencePieceTokenizer",
-                          tokenizer_model=args.tokenizer_model)
+    tok = build_tokenizer(**json.loads(args.tokenizer_json))
     dtype = DType.optimal_dtype(tok.vocab_size)
     start = time.time()
     builder = IndexedDatasetBuilder(args.output_prefix + ".bin", dtype=dtype)
@@ -60,7 +70,8 @@ def run_peer(args) -> None:
             ids = tok.tokenize(json.loads(line)["text"])
             if not ids:
                 continue
-            ids.append(tok.eod)
+            if args.append_eod:
+                ids.append(tok.eod)
             builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
             tokens += len(ids)
             docs += 1
@@ -118,15 +129,14 @@ def _tree(pid: int):
     return pids
 
 
-def measure(cmd) -> dict:
-    """Run cmd; wall time, peak anonymous memory of its process tree, CPU seconds, and the
-    'N tokens in S s' it prints."""
+def measure(cmd, env=None) -> dict:
+    """Run cmd; wall time, peak memory of its process tree, CPU seconds."""
     import resource
 
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+                             env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     peak = {"anon": 0, "pss": 0}
     done = threading.Event()
 
@@ -147,16 +157,19 @@ def measure(cmd) -> dict:
     done.set()
     sampler.join()
     if child.returncode != 0:
-        raise SystemExit(f"bench/preprocess.py: {' '.join(cmd[:3])} failed:\n{err[-2000:]}")
+        raise SystemExit(f"bench/preprocess.py: {' '.join(cmd[:4])} failed:\n{err[-3000:]}")
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # includes the reaped pool workers
     cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
-    m = re.search(r"(\d+) tokens in ([0-9.]+)s", out)
-    tokens, secs = int(m.group(1)), float(m.group(2))
-    return dict(wall=wall, pss_mb=peak["pss"] / 2 ** 20, anon_mb=peak["anon"] / 2 ** 20,
-                tokens=tokens, seconds=secs, cpu=cpu)
+    return dict(wall=wall, pss_mb=peak["pss"] / 2 ** 20, anon_mb=peak["anon"] / 2 ** 20, cpu=cpu)
 
 
-def prepare(work, target_mb, tokenizer_model):
+# ------------------------------------------------------------------------------------ corpus
+TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "BertWordPieceLowerCase",
+         "HuggingFaceTokenizer")
+
+
+def prepare(work, target_mb):
+    """The corpus (full and half) and a tokenizer of each type trained on it."""
     from tools import make_corpus, train_tokenizer
 
     base = os.path.join(work, "stdlib.jsonl")
@@ -165,88 +178,162 @@ def prepare(work, target_mb, tokenizer_model):
     with open(base, encoding="utf-8") as f:
         lines = f.readlines()
     size = sum(len(line.encode("utf-8")) for line in lines)
-    reps = max(1, round(target_mb * 1e6 / size))
+    reps = max(2, round(target_mb * 1e6 / size))
     corpus = os.path.join(work, f"corpus_x{reps}.jsonl")
-    half = os.path.join(work, f"corpus_half.jsonl")
-    with open(corpus, "w", encoding="utf-8") as f:
-        for _ in range(reps):
-            f.writelines(lines)
-    with open(half, "w", encoding="utf-8") as f:
-        for _ in range(max(1, reps // 2)):
-            f.writelines(lines)
-    if tokenizer_model is None:
-        tokenizer_model = os.path.join(work, "tok.model")
-        if not os.path.exists(tokenizer_model):
-            train_tokenizer.main(["--input", base, "--model-prefix", tokenizer_model[:-6],
-                                  "--vocab-size", "4000"])
-    return corpus, half, tokenizer_model
+    half = os.path.join(work, f"corpus_x{reps // 2}.jsonl")
+    for path, n in ((corpus, reps), (half, reps // 2)):
+        with open(path, "w", encoding="utf-8") as f:
+            for _ in range(n):
+                f.writelines(lines)
+    files = {"sp": os.path.join(work, "sp.model"), "hf": os.path.join(work, "hf"),
+             "vocab": os.path.join(work, "vocab.json"), "merges": os.path.join(work, "merges.txt"),
+             "bert": os.path.join(work, "bert_vocab.txt")}
+    if not os.path.exists(files["sp"]):
+        train_tokenizer.main(["--input", base, "--model-prefix", files["sp"][:-6],
+                              "--vocab-size", "8000", "--num-threads", "1"])
+    if not os.path.exists(files["bert"]):
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+        docs = [json.loads(line)["text"] for line in lines]
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.train_from_iterator(docs, trainers.BpeTrainer(
+            vocab_size=8000, special_tokens=["<|endoftext|>"], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        bpe.model.save(work)
+        os.makedirs(files["hf"], exist_ok=True)
+        bpe.save(os.path.join(files["hf"], "tokenizer.json"))
+        with open(os.path.join(files["hf"], "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "<|endoftext|>",
+                       "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+        wp = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        wp.normalizer = normalizers.BertNormalizer(lowercase=True)
+        wp.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        wp.train_from_iterator(docs, trainers.WordPieceTrainer(
+            vocab_size=8000, show_progress=False,
+            special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+        inv = {i: t for t, i in wp.get_vocab().items()}
+        with open(files["bert"], "w", encoding="utf-8") as f:
+            f.write("".join(inv[i] + "\n" for i in range(len(inv))))
+    return corpus, half, files
+
+
+def tokenizer_settings(kind, files):
+    """(flags, build_tokenizer kwargs, Megatron-LM extra flags, append eod) for one type."""
+    if kind == "SentencePieceTokenizer":
+        return (["--tokenizer-model", files["sp"]], dict(tokenizer_model=files["sp"]), [], True)
+    if kind == "GPT2BPETokenizer":
+        flags = ["--vocab-file", files["vocab"], "--merge-file", files["merges"]]
+        return (flags, dict(vocab_file=files["vocab"], merge_file=files["merges"]),
+                ["--legacy-tokenizer"], True)
+    if kind == "HuggingFaceTokenizer":
+        return (["--tokenizer-model", files["hf"]], dict(tokenizer_model=files["hf"]),
+                ["--legacy-tokenizer"], True)
+    return (["--vocab-file", files["bert"]], dict(vocab_file=files["bert"]),
+            ["--legacy-tokenizer"], False)
+
+
+def _same(prefix_a, prefix_b):
+    return all(filecmp.cmp(prefix_a + e, prefix_b + e, shallow=False) for e in (".bin", ".idx"))
+
+
+def _median(runs, key):
+    return statistics.median(r[key] for r in runs)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target-mb", type=float, default=6.0)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--tokenizer-model", default=None)
-    # internal: the peer's child process
+    p.add_argument("--types", nargs="+", choices=TYPES, default=list(TYPES))
+    p.add_argument("--megatron-lm", default=None,
+                   help="a Megatron-LM checkout (tag core_v0.16.1) whose tools/preprocess_data.py "
+                        "is run as a peer")
+    p.add_argument("--megatron-lm-pythonpath", default="",
+                   help="extra import path for Megatron-LM's tool (its deps: six, pydantic)")
+    # internal: the builder peer's child process
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--input", help=argparse.SUPPRESS)
     p.add_argument("--output-prefix", help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer-json", help=argparse.SUPPRESS)
+    p.add_argument("--append-eod", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peer:
         return run_peer(args)
 
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_preprocess_")
     os.makedirs(work, exist_ok=True)
-    corpus, half, model = prepare(work, args.target_mb, args.tokenizer_model)
+    corpus, half, files = prepare(work, args.target_mb)
     py = sys.executable
-    ours_prefix, peer_prefix = os.path.join(work, "ours"), os.path.join(work, "peer")
-    ours_cmd = [py, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-                "--output-prefix", ours_prefix, "--tokenizer-type", "SentencePieceTokenizer",
-                "--tokenizer-model", model, "--workers", str(args.workers), "--append-eod",
-                "--no-progress", "--log-interval", "0"]
-    peer_cmd = [py, os.path.abspath(__file__), "--peer", "--input", corpus, "--output-prefix",
-                peer_prefix + "_text_document", "--tokenizer-model", model]
-    half_cmd = ours_cmd[:]
-    half_cmd[half_cmd.index(corpus)] = half
-    half_cmd[half_cmd.index(ours_prefix)] = os.path.join(work, "half")
-
-    load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    ours, peer, ours_half = [], [], []
-    for _ in range(args.repeats):
-        ours.append(measure(ours_cmd))
-        peer.append(measure(peer_cmd))
-    ours_half.append(measure(half_cmd))
-
-    identical = all(filecmp.cmp(f"{ours_prefix}_text_document{e}",
-                                f"{peer_prefix}_text_document{e}", shallow=False)
-                    for e in (".bin", ".idx"))
-    best = lambda runs, k: min(r[k] for r in runs)  # noqa: E731
     mb = os.path.getsize(corpus) / 1e6
-    tokens = ours[0]["tokens"]
-    rows = [
-        ("ours (--workers %d)" % args.workers, ours),
-        ("peer (IndexedDatasetBuilder, 1 proc)", peer),
-    ]
-    print(f"corpus: {mb:.1f} MB, {tokens} tokens (sentencepiece vocab 4000), cpus={os.cpu_count()}")
-    print(f"{'':38s} {'tokens/s':>10s} {'tokens/s wall':>13s} {'peak PSS MB':>11s} "
-          f"{'peak anon MB':>12s} {'CPU s':>6s}")
-    for name, runs in rows:
-        print(f"{name:38s} {tokens / best(runs, 'seconds'):10.0f} "
-              f"{tokens / best(runs, 'wall'):13.0f} {best(runs, 'pss_mb'):11.1f} "
-              f"{best(runs, 'anon_mb'):12.1f} {best(runs, 'cpu'):6.2f}")
-    print(f"(best of {args.repeats}; load average before: {load0}; wall and CPU s include imports)")
-    speed = best(peer, "seconds") / best(ours, "seconds")
-    speed_wall = best(peer, "wall") / best(ours, "wall")
-    mem = best(ours, "pss_mb") / best(peer, "pss_mb")
-    print(f"ratio ours/peer: throughput x{speed:.2f} (processing), x{speed_wall:.2f} (wall); "
-          f"peak memory (PSS) x{mem:.2f}")
-    print(f"ours on half the corpus ({os.path.getsize(half) / 1e6:.1f} MB): peak PSS "
-          f"{best(ours_half, 'pss_mb'):.1f} MB vs {best(ours, 'pss_mb'):.1f} MB on the full one")
-    print(f"outputs token-identical (byte-identical .bin/.idx): {identical}")
-    if not identical:
+    print(f"corpus: {mb:.1f} MB ({os.path.basename(corpus)}), --workers {args.workers}, "
+          f"cpus={os.cpu_count()}, load average before: "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    results = {}
+    for kind in args.types:
+        flags, kwargs, mlm_extra, eod = tokenizer_settings(kind, files)
+        kwargs["tokenizer_type"] = kind
+        out = {name: os.path.join(work, f"{kind}_{name}") for name in ("ours", "half", "builder",
+                                                                        "mlm")}
+        common = ["--tokenizer-type", kind, *flags, "--workers", str(args.workers),
+                  *(["--append-eod"] if eod else [])]
+        cmds = {
+            "ours": [py, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
+                     "--output-prefix", out["ours"], *common, "--no-progress",
+                     "--log-interval", "0"],
+            "builder": [py, os.path.abspath(__file__), "--peer", "--input", corpus,
+                        "--output-prefix", out["builder"] + "_text_document",
+                        "--tokenizer-json", json.dumps(kwargs),
+                        *(["--append-eod"] if eod else [])],
+        }
+        envs = {}
+        if args.megatron_lm:
+            cmds["megatron-lm"] = [py, os.path.join(args.megatron_lm, "tools",
+                                                    "preprocess_data.py"),
+                                   "--input", corpus, "--output-prefix", out["mlm"], *common,
+                                   *mlm_extra, "--log-interval", "1000000000"]
+            envs["megatron-lm"] = {"PYTHONPATH": args.megatron_lm_pythonpath,
+                                   "HF_HUB_OFFLINE": "1"}
+        runs = {name: [] for name in cmds}
+        for _ in range(args.repeats):  # interleaved: load changes hit every side alike
+            for name, cmd in cmds.items():
+                runs[name].append(measure(cmd, envs.get(name)))
+        half_cmd = cmds["ours"][:]
+        half_cmd[half_cmd.index(corpus)] = half
+        half_cmd[half_cmd.index(out["ours"])] = out["half"]
+        ours_half = measure(half_cmd)
+        ours_prefix = out["ours"] + "_text_document"
+        same = {"builder": _same(ours_prefix, out["builder"] + "_text_document")}
+        if args.megatron_lm:
+            same["megatron-lm"] = _same(ours_prefix, out["mlm"] + "_text_document")
+        print(f"\n{kind} ({'eod appended' if eod else 'no eod'}; Megatron-LM flags: "
+              f"{' '.join(mlm_extra) or '(default)'})")
+        print(f"  {'':14s} {'wall s':>7s} {'MB/s':>6s} {'peak PSS MB':>11s} {'peak anon MB':>12s} "
+              f"{'CPU s':>6s}  identical to ours")
+        for name, rs in runs.items():
+            w = _median(rs, "wall")
+            print(f"  {name:14s} {w:7.2f} {mb / w:6.2f} {_median(rs, 'pss_mb'):11.1f} "
+                  f"{_median(rs, 'anon_mb'):12.1f} {_median(rs, 'cpu'):6.2f}  "
+                  f"{'' if name == 'ours' else same[name]}")
+        ratios = {name: _median(runs[name], "wall") / _median(runs["ours"], "wall")
+                  for name in runs if name != "ours"}
+        cpu_ratios = {name: _median(runs[name], "cpu") / _median(runs["ours"], "cpu")
+                      for name in runs if name != "ours"}
+        print("  ratio (peer wall / ours, start-up included): "
+              + ", ".join(f"{n} x{r:.2f}" for n, r in ratios.items())
+              + "; CPU seconds: " + ", ".join(f"{n} x{r:.2f}" for n, r in cpu_ratios.items()))
+        print(f"  ours on half the corpus: peak PSS {ours_half['pss_mb']:.1f} MB vs "
+              f"{_median(runs['ours'], 'pss_mb'):.1f} MB on the full one")
+        results[kind] = dict(ratios=ratios, cpu_ratios=cpu_ratios, identical=same,
+                             ours_wall=_median(runs["ours"], "wall"))
+    print(f"\n(medians of {args.repeats}; load average after: "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())})")
+    if not all(all(r["identical"].values()) for r in results.values()):
         raise SystemExit(1)
+    return results
 
 
 if __name__ == "__main__":
