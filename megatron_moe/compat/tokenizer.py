@@ -1,13 +1,14 @@
-"""The tokenizer base class megatron-core's datasets consume, per megatron-core version.
+"""The tokenizer base class megatron-core's datasets consume.
 
-megatron-core <= 0.16: ``megatron.core.datasets.megatron_tokenizer.MegatronLegacyTokenizer`` (the
-    legacy interface Megatron-LM's own tokenizers subclass); used as is.
-megatron-core >= 0.17: that module is gone. The datasets only read attributes of the tokenizer
-    (``eod``, ``pad``, ``vocab_size``, ``unique_identifiers``, BERT's ``cls``/``sep``/``mask``,
-    ``inv_vocab``; optional ones guarded by ``except (AttributeError, NotImplementedError)``) and
-    annotate it as the public ``megatron.core.tokenizers.MegatronTokenizerBase``. So the same
-    interface is declared here on that public base: abstract ``tokenize``/``vocab``/``inv_vocab``/
-    ``vocab_size``; optional attributes raise NotImplementedError as they did in the legacy class.
+megatron-core <= 0.16 ships ``megatron.core.datasets.megatron_tokenizer.MegatronLegacyTokenizer``
+(deprecated there, logging a warning per construction); 0.17 removes that module. The datasets of
+every release only read attributes of the tokenizer (``eod``, ``pad``, ``vocab_size``,
+``unique_identifiers``, BERT's ``cls``/``sep``/``mask``, ``inv_vocab``; optional ones guarded by
+``except (AttributeError, NotImplementedError)``) and annotate it as the public
+``megatron.core.tokenizers.MegatronTokenizerBase``, which exists unchanged from 0.16.1 to 0.19.
+So on every supported release the legacy interface is declared here on that public base:
+abstract ``tokenize``/``vocab``/``inv_vocab``/``vocab_size``; optional attributes raise
+NotImplementedError as they did in the legacy class. One code path, no version test.
 """
 
 from abc import abstractmethod
@@ -16,16 +17,10 @@ from functools import lru_cache
 import json
 from typing import Any
 
-from megatron_moe.compat.versions import mcore_at_least
-
 
 @lru_cache(maxsize=None)
 def megatron_tokenizer_base() -> type:
-    """The base class for Megatron-LM-style tokenizers (``--tokenizer-type``) on this megatron-core."""
-    if not mcore_at_least("0.17"):
-        from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
-
-        return MegatronLegacyTokenizer
+    """The base class for Megatron-LM-style tokenizers (``--tokenizer-type``)."""
     return _legacy_interface_on_public_base()
 
 
@@ -40,7 +35,7 @@ def _legacy_interface_on_public_base() -> type:
     from megatron.core.tokenizers import MegatronTokenizerBase
 
     class LegacyTokenizerBase(MegatronTokenizerBase):
-        """Megatron-LM's legacy tokenizer interface (megatron-core <= 0.16) on the public base."""
+        """Megatron-LM's legacy tokenizer interface on megatron-core's public tokenizer base."""
 
         def __init__(self, *tokenizer_paths: str, **tokenizer_options: Any):
             # The public base's __init__(path, config) sets config entries as attributes; the
