@@ -51,27 +51,18 @@ def logits_rank(rank, world_size, hf_dir, ckpt, layouts, tokens, load_checks=Non
     return out
 
 
-def train_then_logits_rank(rank, world_size, argv_runs, hf_dir, ckpt, layouts, tokens):
-    """Several pretrain() runs in this process (same layout), then logits_rank."""
+def pipeline_rank(rank, world_size, train_runs, logit_jobs):
+    """pretrain() runs (same layout) in this process, then logits_rank for each
+    (hf_dir, ckpt, layouts, tokens) job."""
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
     from megatron_moe.training import pretrain
 
     histories = []
-    for argv in argv_runs:
+    for argv in train_runs:
         result = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
                           pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
                           pretrain_gpt_moe.forward_step, argv=argv)
         histories.append(result["history"])
-    logits = logits_rank(rank, world_size, hf_dir, ckpt, layouts, tokens) if hf_dir else None
-    return histories, logits
-
-
-def train_rank(rank, world_size, argv_runs):
-    return train_then_logits_rank(rank, world_size, argv_runs, None, None, [], None)[0]
-
-
-def logits_many_rank(rank, world_size, jobs):
-    """logits_rank for several (hf_dir, ckpt, layouts, tokens) jobs in one spawn."""
-    return [logits_rank(rank, world_size, *job) for job in jobs]
+    return histories, [logits_rank(rank, world_size, *job) for job in logit_jobs]

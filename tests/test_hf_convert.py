@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_moe.testing import run_distributed
-from tests._hf_cases import logits_many_rank, train_then_logits_rank
+from tests._hf_cases import pipeline_rank
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -87,8 +87,20 @@ def hf_logits(path, **override):
         return model(torch.tensor(TOKENS)).logits
 
 
+TRAIN = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+         "--ffn-hidden-size 96 --seq-length 32 --max-position-embeddings 64 "
+         "--position-embedding-type rope --rotary-base 10000 --normalization RMSNorm --swiglu "
+         "--untie-embeddings-and-output-weights --disable-bias-linear --num-experts 4 "
+         "--moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall "
+         "--expert-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
+         "--mock-data --tokenizer-type NullTokenizer --vocab-size 255 --log-interval 1 "
+         "--eval-interval 1000 --eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split()
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
+    """Everything in three process launches (the suite runs on 2 shared cores): train at EP=2;
+    all conversions; then every logits comparison and the resumed training runs."""
     root = tmp_path_factory.mktemp("hf")
     out = {}
     runs = []
@@ -106,13 +118,23 @@ def converted(tmp_path_factory):
     make_hf("mixtral", d["hf"], torch.bfloat16)
     runs += [["--loader", "hf", "--saver", "megatron", "--load-dir", d["hf"], "--save-dir", d["meg"]],
              ["--loader", "megatron", "--saver", "hf", "--load-dir", d["meg"], "--save-dir", d["back"]]]
-    log = convert(*runs)
-    assert "model flags for pretrain_gpt_moe.py:" in log
-    fp32 = [out["mixtral"], out["qwen2_moe"]]
-    jobs = [(d["hf"], d["meg"], LAYOUTS, TOKENS) for d in fp32]
-    results = run_distributed(logits_many_rank, 2, jobs, timeout_s=400)[0]
-    for d, result in zip(fp32, results):
-        d["logits"] = result
+    # a checkpoint trained here at EP=2 (random init, 3 iterations) -> HF -> ours at EP=2
+    t = out["trained"] = {name: str(root / f"trained_{name}") for name in ("meg", "hf", "back")}
+    run_distributed(pipeline_rank, 2, [TRAIN + ["--train-iters", "3", "--save", t["meg"]]], [],
+                    timeout_s=300)
+    runs += [["--loader", "megatron", "--saver", "hf", "--load-dir", t["meg"], "--save-dir", t["hf"]],
+             ["--loader", "hf", "--saver", "megatron", "--load-dir", t["hf"], "--save-dir", t["back"],
+              "--target-expert-parallel-size", "2"]]
+    out["log"] = convert(*runs)
+    # fine-tune from the trained checkpoint and plain resume from its round trip: same weights,
+    # same data, fresh optimizer -> the same losses
+    resume = [TRAIN + ["--train-iters", "2", "--load", t["meg"], "--finetune"],
+              TRAIN + ["--train-iters", "2", "--load", t["back"]]]
+    jobs = [(out[k]["hf"], out[k]["meg"], LAYOUTS, TOKENS) for k in ("mixtral", "qwen2_moe")]
+    jobs.append((t["hf"], t["meg"], ["--expert-model-parallel-size 2"], TOKENS))
+    histories, logits = run_distributed(pipeline_rank, 2, resume, jobs, timeout_s=500)[0]
+    out["mixtral"]["logits"], out["qwen2_moe"]["logits"], t["logits"] = logits
+    t["finetuned"], t["resumed"] = histories
     return out
 
 
@@ -150,43 +172,22 @@ def test_logits_match_transformers(converted, kind):
         assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
 
 
-TRAIN = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
-         "--ffn-hidden-size 96 --seq-length 32 --max-position-embeddings 64 "
-         "--position-embedding-type rope --rotary-base 10000 --normalization RMSNorm --swiglu "
-         "--untie-embeddings-and-output-weights --disable-bias-linear --num-experts 4 "
-         "--moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall "
-         "--expert-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
-         "--mock-data --tokenizer-type NullTokenizer --vocab-size 255 --log-interval 1 "
-         "--eval-interval 1000 --eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split()
-
-
-def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(tmp_path):
-    trained, hf, back = (str(tmp_path / n) for n in ("trained", "hf", "back"))
-    run_distributed(train_then_logits_rank, 2, [TRAIN + ["--train-iters", "3", "--save", trained]],
-                    None, None, [], None, timeout_s=300)
-    log = convert(["--loader", "megatron", "--saver", "hf", "--load-dir", trained, "--save-dir", hf],
-                  ["--loader", "hf", "--saver", "megatron", "--load-dir", hf, "--save-dir", back,
-                   "--target-expert-parallel-size", "2"])
-    assert "MixtralForCausalLM" in log
-    cfg = json.load(open(os.path.join(hf, "config.json")))
+def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(converted):
+    t = converted["trained"]
+    assert "MixtralForCausalLM" in converted["log"]
+    assert "model flags for pretrain_gpt_moe.py:" in converted["log"]
+    cfg = json.load(open(os.path.join(t["hf"], "config.json")))
     assert cfg["num_local_experts"] == 4 and cfg["vocab_size"] == 256
-    experts = [k for k in hf_state(hf) if ".block_sparse_moe.experts." in k]
+    experts = [k for k in hf_state(t["hf"]) if ".block_sparse_moe.experts." in k]
     assert len(experts) == 2 * 4 * 3  # every expert of both EP ranks, w1/w2/w3, both layers
-    # fine-tune from the original and plain resume from the round-tripped checkpoint: same weights,
-    # same data, fresh optimizer -> identical losses; and transformers gives the trained logits
-    runs = [TRAIN + ["--train-iters", "2", "--load", trained, "--finetune"],
-            TRAIN + ["--train-iters", "2", "--load", back]]
-    histories, logits = run_distributed(train_then_logits_rank, 2, runs, hf, trained,
-                                        ["--expert-model-parallel-size 2"], TOKENS,
-                                        timeout_s=400)[0]
-    original, resumed = histories
-    assert resumed["iteration"] == [1, 2]
-    assert all(loss == loss for loss in resumed["lm_loss"])
-    assert resumed["lm_loss"] == original["lm_loss"]
-    iteration, ours = logits[0]
+    # transformers on the export gives the trained model's logits (ours at EP=2, iteration 3)
+    [(iteration, ours)] = t["logits"]
     assert iteration == 3
-    reference = hf_logits(hf)[..., :256]
-    torch.testing.assert_close(ours, reference[..., :ours.shape[-1]], **TOL)
+    torch.testing.assert_close(ours, hf_logits(t["hf"]), **TOL)
+    # training resumes from the converted checkpoint exactly as from the original
+    assert t["resumed"]["iteration"] == [1, 2]
+    assert all(loss == loss for loss in t["resumed"]["lm_loss"])
+    assert t["resumed"]["lm_loss"] == t["finetuned"]["lm_loss"]
 
 
 def test_help_and_refusals():

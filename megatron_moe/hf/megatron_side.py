@@ -98,3 +98,84 @@ def parameters(model) -> dict:
 def target_world_size(tp: int, pp: int, ep: int, etp: int) -> int:
     """The smallest world where the dense (TP x PP) and expert (ETP x EP x PP) grids both fit."""
     return math.lcm(tp * pp, etp * ep * pp)
+
+
+def read_parameter(ckpt_dir: str, entry, shape, dtype) -> torch.Tensor:
+    """One parameter of a torch_dist checkpoint, read on its own.
+
+    ``entry`` is the parameter's item of megatron-core's ``sharded_state_dict()`` (a model built
+    on the meta device is enough): a ShardedTensor (checkpoint key, global offset) or a
+    ShardedTensorFactory (e.g. SwiGLU's fc1, stored as separate gate and up tensors), built here
+    on empty storage and merged back with the factory's own merge function. Each region is read
+    with torch DCP and a planner that asks for exactly that region, whatever the layout that wrote
+    it. (megatron-core's own load call cannot do this in a one-rank group: it expects every
+    fragment of a key at once, i.e. the whole stacked tensor.)
+    """
+    import copy
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(entry, ShardedTensor):
+        return _read_region(ckpt_dir, entry, dtype).reshape(shape)
+    factory = copy.copy(entry)
+    factory.data = torch.empty(shape, dtype=dtype)
+    built = factory.build()
+
+    def read_all(x):
+        if isinstance(x, ShardedTensor):
+            return _read_region(ckpt_dir, x, dtype)
+        if isinstance(x, dict):
+            return {k: read_all(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(read_all(v) for v in x)
+        raise TypeError(f"unexpected item {type(x).__name__} in the factory of {entry.key}")
+
+    return factory.merge_fn(read_all(built)).reshape(shape)
+
+
+def _read_region(ckpt_dir, sh_ten, dtype):
+    import torch.distributed.checkpoint as dcp
+
+    if sh_ten.flattened_range is not None:
+        raise ValueError(f"{sh_ten.key}: flattened (distributed-optimizer) tensors are not weights")
+    sizes = (1,) * sh_ten.prepend_axis_num + tuple(sh_ten.local_shape)
+    out = torch.empty(sizes, dtype=dtype)
+    planner = _region_planner({sh_ten.key: tuple(sh_ten.global_offset)})
+    dcp.load({sh_ten.key: out}, storage_reader=dcp.FileSystemReader(ckpt_dir), planner=planner)
+    return out.reshape(sh_ten.local_shape)
+
+
+def _region_planner_class():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class RegionLoadPlanner(DefaultLoadPlanner):
+        """Loads each state-dict tensor from the region of the checkpoint's global tensor that
+        starts at the given offset (DefaultLoadPlanner always asks for the whole tensor)."""
+
+        def __init__(self, offsets):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.offsets = offsets
+
+        def create_local_plan(self):
+            items = []
+            for fqn, tensor in self.state_dict.items():
+                if fqn not in self.metadata.state_dict_metadata:
+                    raise KeyError(f"the checkpoint has no tensor {fqn}")
+                chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets[fqn]),
+                                             sizes=tensor.size())
+                items += create_read_items_for_chunk_list(
+                    fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):
+            # our destination is a plain tensor standing for the region, not a ShardedTensor
+            return self.state_dict[index.fqn]
+
+    return RegionLoadPlanner
+
+
+def _region_planner(offsets):
+    return _region_planner_class()(offsets)

@@ -1,15 +1,17 @@
 """Loader: a Megatron checkpoint of ours (latest_checkpointed_iteration.txt, iter_XXXXXXX/ torch_dist),
 saved at any TP/PP/EP layout.
 
-The model is rebuilt unsharded from the checkpoint's stored args and loaded through
-megatron_moe.checkpointing.load_checkpoint; dist_checkpointing assembles every tensor from all the
-ranks' shards, so every expert of every EP rank is present (the Megatron-Bridge EP>1 export bug
-cannot happen here). Tensors are then handed out one rule at a time.
+The model is rebuilt unsharded on the meta device from the checkpoint's stored args (names,
+shapes and megatron-core's own sharded_state_dict; no memory), then read one parameter at a
+time (megatron_side.read_parameter): each is assembled from whichever ranks' shards hold it, so
+every expert of every EP rank is present (the Megatron-Bridge EP>1 export bug cannot happen here)
+and peak memory is one parameter plus the HF shard being written, not the model.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 
 def add_arguments(parser):
@@ -39,9 +41,11 @@ def load_checkpoint(args):
     from megatron_moe.compat import quiet_known_warnings
 
     quiet_known_warnings()
+    import torch
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_moe.checkpointing import checkpoint_dir, load_checkpoint as load, read_tracker
+    from megatron_moe.checkpointing import checkpoint_dir, read_tracker
     from megatron_moe.hf import megatron_side
     from megatron_moe.hf.families import guess_family, rules_for, spec_from_args
 
@@ -57,11 +61,10 @@ def load_checkpoint(args):
     spec = spec_from_args(stored, family, vocab)
 
     margs = megatron_side.conversion_args(stored)
-    margs.load = args.load_dir
-    margs.finetune, margs.no_load_optim, margs.no_load_rng = False, True, True
     megatron_side.init_single_process()
-    model = megatron_side.build_model(margs)
-    load([model], None, None, margs)
+    with torch.device("meta"):  # names, shapes and sharding only; no weights allocated
+        model = megatron_side.build_model(margs)
+    sharded = model.sharded_state_dict()
     params = megatron_side.parameters(model)
     if spec.vocab > stored.padded_vocab_size:
         raise SystemExit(f"--true-vocab-size {spec.vocab} > the checkpoint's padded vocabulary "
@@ -77,10 +80,16 @@ def load_checkpoint(args):
 
     def tensors():
         for rule in rules:
-            t = params.pop(rule.meg)
-            if rule.vocab:
-                t = t[:spec.vocab]  # drop Megatron's padding rows
-            yield rule.meg, t
+            meta = params[rule.meg]
+            try:
+                with warnings.catch_warnings():  # torch DCP deprecation notices
+                    warnings.simplefilter("ignore")
+                    t = megatron_side.read_parameter(ckpt, sharded[rule.meg], meta.shape,
+                                                     meta.dtype)
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+                raise SystemExit(f"{ckpt}: cannot read {rule.meg} ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:300] if str(exc) else ''})") from None
+            yield rule.meg, (t[:spec.vocab] if rule.vocab else t)  # drop the padding rows
         megatron_side.finish()
 
     return metadata, tensors()
