@@ -19,6 +19,7 @@ _EXTENSION_MODULES = (
     "megatron_moe.balance",
     "megatron_moe.embedding",
     "megatron_moe.moe.dispatcher",
+    "megatron_moe.offload",
 )
 
 

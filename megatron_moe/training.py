@@ -88,8 +88,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     iteration, consumed_train, consumed_valid, extra = 0, 0, 0, {}
     if args.load is not None:
         try:
-            iteration, consumed_train, consumed_valid, extra = load_checkpoint(
-                model, optimizer, scheduler, args)
+            with hooks.checkpoint_io(load=True):  # ssd expert offload: real tensors to load into
+                iteration, consumed_train, consumed_valid, extra = load_checkpoint(
+                    model, optimizer, scheduler, args)
         except CheckpointError as exc:
             raise TrainingError(f"--load: {exc}") from None
         hooks.load_state_dict(extra.get("hooks", {}))
@@ -191,6 +192,15 @@ class TrainingHooks:
 
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        from megatron_moe import offload  # --moe-expert-offload: hooks on the MoE layers
+
+        self.offload = offload.install(args, model, optimizer)
+
+    def checkpoint_io(self, load=False):
+        import contextlib
+
+        return self.offload.checkpoint_io(load) if self.offload is not None \
+            else contextlib.nullcontext()
 
     def after_optimizer_step(self, update_successful, grad_norm):
         if self.balance is not None:
@@ -211,6 +221,8 @@ class TrainingHooks:
             self.balance.load_state_dict(state["balance"])
 
     def close(self):
+        if self.offload is not None:
+            self.offload.close()
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
@@ -304,8 +316,9 @@ class Trainer:
             nonlocal saved_at
             if args.save and saved_at != it:
                 t0 = time.time()
-                save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
-                                consumed_train, consumed_valid, {"hooks": self.hooks.state_dict()})
+                with self.hooks.checkpoint_io():
+                    save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
+                                    consumed_train, consumed_valid, {"hooks": self.hooks.state_dict()})
                 saved_at = it
                 print_rank_0(f"  saved checkpoint at iteration {it:7d} to {args.save} "
                              f"in {time.time() - t0:.2f}s")
@@ -388,6 +401,8 @@ class Trainer:
         loads = self.hooks.tracker.collect() if self.hooks.tracker is not None else []
         extra = self.hooks.metrics()
         print_rank_last(line)
+        if getattr(self.hooks, "offload", None) is not None:   # --moe-expert-offload
+            print_rank_last(self.hooks.offload.log_line())
         if args.log_expert_load:
             for load in loads:
                 print_rank_last(

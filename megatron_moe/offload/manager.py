@@ -1,0 +1,453 @@
+"""ExpertOffload: MoESys hierarchical storage for the experts of a megatron-core model.
+
+The expert parameters stay registered in megatron-core's DDP and optimizer exactly as in resident
+training; only where their storage lives changes (so the update is megatron-core's own: Adam,
+weight decay, clipping with the global grad norm, the LR schedule):
+
+* ``host``: between uses every expert parameter's ``.data`` is a view into a per-layer host
+  buffer (pinned on CUDA); its main grad (DDP's buffer) and Adam moments stay on the host, where
+  the torch optimizer creates them (the parameter lives there at step time).
+* ``ssd``: between uses parameters and Adam moments are zero-byte placeholders; the fp32 master
+  weights and moments live in a file (pread/pwrite) behind a bounded LFU host cache; the optimizer
+  step runs layer by layer with each layer's states pinned in the cache (torch's Adam updates every
+  parameter independently, so a per-layer step is the whole step, bit for bit).
+* The compute device holds a ``SlotArena`` of K layers. Forward pre-hook of MoE layer i: wait for
+  its copy, point the experts' ``.data`` at the slot, queue the next K-1 layers (i+1, ... then the
+  backward order) on the ``CopyLink`` thread. Backward: a hook on the layer's output gradient does
+  the same in reverse order (i-1, ...); when every expert parameter of the layer has accumulated
+  its gradient the layer is unbound (autograd's saved weights are the parameter itself, so they see
+  whatever ``.data`` points at when backward runs, which is why backward re-binds the slot).
+* A slot stays valid ("cached") after its layer is unbound until evicted (LRU among unbound
+  layers outside the prefetch window) or until the optimizer step changes the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+from megatron_moe.offload.link import CopyLink, SlotArena
+from megatron_moe.offload.store import HostCache, SsdFile
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def moe_layers(model_chunks):
+    """(MoE module, experts module) of every MoE layer, in forward order."""
+    from megatron_moe.model import unwrap
+
+    out = []
+    for chunk in model_chunks:
+        decoder = getattr(unwrap(chunk), "decoder", None)
+        for layer in getattr(decoder, "layers", []):
+            mlp = getattr(layer, "mlp", None)
+            experts = getattr(mlp, "experts", None)
+            if experts is not None and any(True for _ in experts.parameters()):
+                out.append((mlp, experts))
+    return out
+
+
+def torch_optimizers(optimizer):
+    """The torch optimizers inside a megatron-core (chained) optimizer."""
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for sub in optimizer.chained_optimizers for o in torch_optimizers(sub)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+class _Layer:
+    def __init__(self, index, mlp, experts):
+        self.index = index
+        self.mlp = mlp
+        self.params = list(experts.parameters())
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"expert offload: MoE layer {index} mixes parameter dtypes {dtypes}")
+        self.dtype = dtypes.pop()
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:k]) for k in range(len(self.numels))]
+        self.numel = sum(self.numels)
+        self.nbytes = self.numel * _itemsize(self.dtype)
+        self.host = None          # host tier: flat host buffer
+        self.host_views = None
+        self.placeholders = None  # ssd tier: zero-byte stand-ins between uses
+        self.slot = None
+        self.slot_views = None
+        self.handle = None
+        self.version = -1
+        self.bound = False
+        self.last_bound = 0
+        self.bwd_left = 0
+
+    def views(self, flat):
+        return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.numels)]
+
+    def bind(self, tensors):
+        for p, t in zip(self.params, tensors):
+            p.data = t
+
+
+class ExpertOffload:
+    def __init__(self, args, model_chunks, optimizer=None, device=None):
+        self.args = args
+        self.mode = args.moe_expert_offload
+        assert self.mode in ("host", "ssd")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self.layers = [_Layer(i, mlp, ex) for i, (mlp, ex) in enumerate(moe_layers(model_chunks))]
+        if not self.layers:
+            raise ValueError("--moe-expert-offload: the model has no MoE layer with experts")
+        self.k = min(args.moe_offload_cache_layers, len(self.layers))
+        self.nan_fill = bool(args.moe_offload_debug_nan_fill)
+        dtypes = {l.dtype for l in self.layers}
+        slot_numel = {d: max(l.numel for l in self.layers if l.dtype == d) for d in dtypes}
+        self.arena = SlotArena(slot_numel, self.k, device=self.device, nan_fill=self.nan_fill)
+        # debug mode also jitters the link so a missing wait cannot pass by lucky timing
+        self.link = CopyLink(args.moe_offload_link_gbps, device=self.device,
+                             jitter_s=0.002 if self.nan_fill else 0.0)
+        self.version = 0
+        self.clock = 0
+        self.steps = 0
+        self.grad_peak = 0
+        self.cache = None
+        self._param_layer = {}
+        for layer in self.layers:
+            for p in layer.params:
+                self._param_layer[p] = layer
+        if self.mode == "host":
+            for layer in self.layers:
+                layer.host = torch.empty(layer.numel, dtype=layer.dtype, pin_memory=pin)
+                layer.host_views = layer.views(layer.host)
+                for p, v in zip(layer.params, layer.host_views):
+                    v.copy_(p.data)
+                layer.bind(layer.host_views)  # the device copies are freed here
+        else:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            path = os.path.join(args.moe_offload_dir, f"experts_rank{rank:05d}.bin")
+            n_mb = max(1, getattr(args, "num_microbatches", 1) or 1)
+            # LFU decay period: the cache calls of about one iteration (moesys.md 2.3, note 4)
+            self.cache = HostCache(SsdFile(path), int(args.moe_offload_host_cache_gb * 1e9),
+                                   policy=getattr(args, "moe_offload_cache_policy", "lfu"),
+                                   decay_period=(2 * n_mb + 2) * len(self.layers), pin_memory=pin)
+            for layer in self.layers:
+                flat = torch.cat([p.data.reshape(-1).float().cpu() for p in layer.params])
+                self.cache.add((layer.index, "w"), flat)
+                self.cache.add((layer.index, "m"), torch.zeros(2 * layer.numel))
+                layer.placeholders = [torch.zeros((), dtype=p.dtype).expand(p.shape)
+                                      for p in layer.params]
+                layer.bind(layer.placeholders)
+        self.torch_opts = [o for o in torch_optimizers(optimizer)
+                           if any(p in self._param_layer for g in o.param_groups for p in g["params"])]
+        self._hooks = []
+        for layer in self.layers:
+            self._hooks.append(layer.mlp.register_forward_pre_hook(self._pre_hook(layer)))
+            self._hooks.append(layer.mlp.register_forward_hook(self._post_hook(layer)))
+            for p in layer.params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._acc_hook(layer)))
+        for opt in self.torch_opts:
+            if self.mode == "ssd":
+                opt.step = self._layerwise_step(opt, opt.step)
+            else:
+                self._hooks.append(opt.register_step_pre_hook(lambda *a: self.link.drain()))
+                self._hooks.append(opt.register_step_post_hook(lambda *a: self._weights_changed()))
+        mp = 4 if (args.bf16 or args.fp16) else 0
+        # what resident training keeps on the device for these experts: param, fp32 main grad,
+        # Adam's two fp32 moments, and an fp32 master copy under mixed precision
+        self.resident_bytes = sum(l.numel * (_itemsize(l.dtype) + 4 + 8 + mp) for l in self.layers)
+        self._interval = dict(steps=0, ssd_bytes=self._ssd_bytes())
+
+    # --- binding and prefetch --------------------------------------------------------------------
+    def _free_slot(self, keep):
+        if self.arena.free_slots():
+            return self.arena.acquire()
+        victims = [l for l in self.layers if l.slot is not None and not l.bound and l not in keep]
+        if not victims:
+            return None
+        victim = min(victims, key=lambda l: l.last_bound)
+        self._drop(victim)
+        return self.arena.acquire()
+
+    def _drop(self, layer):
+        if layer.handle is not None:  # never refill a slot a queued copy still writes into
+            layer.handle.wait()
+            layer.handle = None
+        self.arena.release(layer.slot, after=self._compute_event())
+        layer.slot, layer.slot_views = None, None
+
+    def _compute_event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _load(self, layer, keep) -> bool:
+        slot = self._free_slot(keep)
+        if slot is None:
+            return False
+        layer.slot, layer.version = slot, self.version
+        dst = self.arena.slot(slot)[layer.dtype][:layer.numel]
+        layer.slot_views = layer.views(dst)
+        if self.mode == "host":
+            layer.handle = self.link.copy([(dst, layer.host)], after=self.arena.ready_event(slot))
+        else:
+            key, cache = (layer.index, "w"), self.cache
+
+            def job():  # on the copy thread: SSD -> host cache (if missed) -> device slot
+                t = cache.get(key, pin=True)
+                try:
+                    dst.copy_(t, non_blocking=dst.is_cuda)
+                finally:
+                    cache.unpin(key)
+            layer.handle = self.link.submit(job, nbytes=layer.nbytes)
+        return True
+
+    def _valid(self, layer):
+        return layer.slot is not None and layer.version == self.version
+
+    def _bind(self, layer, upcoming):
+        keep = {layer, *upcoming}
+        if not self._valid(layer):
+            if layer.slot is not None:
+                self._drop(layer)
+            if not self._load(layer, keep):
+                busy = [l.index for l in self.layers if l.bound]
+                raise RuntimeError(f"expert offload: no free slot for MoE layer {layer.index} "
+                                   f"(K={self.k}, bound: {busy})")
+        if layer.handle is not None:
+            layer.handle.wait()  # exposed wait, counted by the link
+            layer.handle = None
+        layer.bind(layer.slot_views)
+        layer.bound = True
+        self.clock += 1
+        layer.last_bound = self.clock
+        for nxt in upcoming:  # prefetch window: the next K-1 layers in execution order
+            if not self._valid(nxt):
+                if nxt.slot is not None:
+                    self._drop(nxt)
+                if not self._load(nxt, keep):
+                    break
+
+    def _unbind(self, layer):
+        layer.bind(layer.host_views if self.mode == "host" else layer.placeholders)
+        layer.bound = False
+
+    def _upcoming(self, layer, forward):
+        n, i = len(self.layers), layer.index
+        order = list(range(i + 1, n)) + list(range(n - 1, -1, -1)) if forward \
+            else list(range(i - 1, -1, -1))
+        out = []
+        for j in order:
+            if j != i and self.layers[j] not in out:
+                out.append(self.layers[j])
+            if len(out) >= self.k - 1:
+                break
+        return out
+
+    # --- hooks -----------------------------------------------------------------------------------
+    def _pre_hook(self, layer):
+        def hook(module, args):
+            self._bind(layer, self._upcoming(layer, forward=True))
+        return hook
+
+    def _post_hook(self, layer):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
+                out.register_hook(self._bwd_hook(layer))
+            self._unbind(layer)
+        return hook
+
+    def _bwd_hook(self, layer):
+        def hook(grad):
+            self._bind(layer, self._upcoming(layer, forward=False))
+            layer.bwd_left = sum(1 for p in layer.params if p.requires_grad)
+            return None
+        return hook
+
+    def _acc_hook(self, layer):
+        def hook(param):
+            if param.grad is not None:
+                alive = sum(p.grad.numel() * p.grad.element_size()
+                            for p in layer.params if p.grad is not None)
+                self.grad_peak = max(self.grad_peak, alive)
+            layer.bwd_left -= 1
+            if layer.bwd_left == 0 and layer.bound:
+                self._unbind(layer)
+        return hook
+
+    # --- the optimizer step ----------------------------------------------------------------------
+    def _weights_changed(self):
+        """The step changed the master weights: every cached slot is stale."""
+        self.version += 1
+        self.steps += 1
+        self._interval["steps"] += 1
+        for layer in self.layers:
+            if layer.bound:  # a layer whose backward never finished (e.g. an unused expert)
+                self._unbind(layer)
+            if layer.slot is not None:
+                self._drop(layer)
+
+    def _layerwise_step(self, opt, orig_step):
+        """SSD tier: step one layer at a time with its master weights and moments pinned in the
+        host cache (torch's Adam updates each parameter independently: same result as one step)."""
+        def step(closure=None):
+            self.link.drain()  # no copy may read a master weight while the step writes it
+            groups = [list(g["params"]) for g in opt.param_groups]
+            try:
+                for layer in self.layers:
+                    members = set(layer.params)
+                    if not any(p in members for ps in groups for p in ps):
+                        continue
+                    w = self.cache.get((layer.index, "w"), pin=True)
+                    m = self.cache.get((layer.index, "m"), pin=True)
+                    try:
+                        self._bind_states(layer, w, m)
+                        for g, ps in zip(opt.param_groups, groups):
+                            g["params"] = [p for p in ps if p in members]
+                        orig_step()
+                        self._absorb_states(opt, layer, w, m)
+                    finally:
+                        self._unbind_states(opt, layer)
+                        self.cache.unpin((layer.index, "w"), dirty=True)
+                        self.cache.unpin((layer.index, "m"), dirty=True)
+                for g, ps in zip(opt.param_groups, groups):
+                    g["params"] = [p for p in ps if p not in self._param_layer]
+                if any(g["params"] for g in opt.param_groups):
+                    orig_step()
+            finally:
+                for g, ps in zip(opt.param_groups, groups):
+                    g["params"] = ps
+            self._weights_changed()
+        return step
+
+    def _state_views(self, layer, m):
+        n = layer.numel
+        return layer.views(m[:n]), layer.views(m[n:])
+
+    def _bind_states(self, layer, w, m):
+        layer.bind(layer.views(w))
+        avg, sq = self._state_views(layer, m)
+        for opt in self.torch_opts:
+            for p, a, s in zip(layer.params, avg, sq):
+                st = opt.state.get(p)
+                if st and "exp_avg" in st:
+                    st["exp_avg"], st["exp_avg_sq"] = a, s
+
+    def _absorb_states(self, opt, layer, w, m):
+        """Adopt states the optimizer created (first step) or loaded (checkpoint) into the entry."""
+        avg, sq = self._state_views(layer, m)
+        for p, a, s in zip(layer.params, avg, sq):
+            st = opt.state.get(p)
+            if st and "exp_avg" in st:
+                for key, view in (("exp_avg", a), ("exp_avg_sq", s)):
+                    if st[key].data_ptr() != view.data_ptr():
+                        view.copy_(st[key])
+                        st[key] = view
+
+    def _unbind_states(self, opt, layer):
+        self._unbind(layer)
+        for p, ph in zip(layer.params, layer.placeholders):
+            st = opt.state.get(p)
+            if st and "exp_avg" in st:
+                st["exp_avg"] = st["exp_avg_sq"] = ph
+
+    # --- checkpoints (ssd tier: real tensors while a checkpoint is written or read) ------------
+    @contextlib.contextmanager
+    def checkpoint_io(self, load: bool = False):
+        if self.mode != "ssd":
+            yield
+            if load:
+                self._weights_changed()
+            return
+        for layer in self.layers:
+            w = self.cache.get((layer.index, "w")).clone()
+            m = self.cache.get((layer.index, "m")).clone()
+            self._bind_states(layer, w, m)
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                if load:  # the loaded values go to the store
+                    w = self.cache.get((layer.index, "w"), pin=True)
+                    m = self.cache.get((layer.index, "m"), pin=True)
+                    for p, v in zip(layer.params, layer.views(w)):
+                        v.copy_(p.data)
+                    for opt in self.torch_opts:
+                        self._absorb_states(opt, layer, w, m)
+                    self.cache.unpin((layer.index, "w"), dirty=True)
+                    self.cache.unpin((layer.index, "m"), dirty=True)
+                for opt in self.torch_opts:
+                    self._unbind_states(opt, layer)
+            if load:
+                self._weights_changed()
+
+    # --- reporting -------------------------------------------------------------------------------
+    def _ssd_bytes(self):
+        if self.cache is None:
+            return 0
+        return self.cache.ssd.bytes_read + self.cache.ssd.bytes_written
+
+    def host_bytes(self) -> int:
+        main_grads = sum(getattr(p, "main_grad", p).numel() * 4 for l in self.layers for p in l.params)
+        if self.mode == "ssd":
+            return self.cache.bytes + main_grads
+        states = 0
+        for opt in self.torch_opts:
+            for l in self.layers:
+                for p in l.params:
+                    st = opt.state.get(p) or {}
+                    states += sum(t.numel() * t.element_size() for k, t in st.items()
+                                  if torch.is_tensor(t) and t.dim() > 0)
+        return sum(l.host.numel() * l.host.element_size() for l in self.layers) + main_grads + states
+
+    def ssd_bytes(self) -> int:
+        return self.cache.ssd.size if self.cache is not None else 0
+
+    def device_peak_bytes(self) -> int:
+        """Arena slots in use at their high-water mark plus the largest layer's live gradients."""
+        return self.arena.peak_bytes() + self.grad_peak
+
+    def stats(self) -> dict:
+        link = self.link.stats()
+        out = dict(device_peak=self.device_peak_bytes(), arena_peak=self.arena.peak_bytes(),
+                   grad_peak=self.grad_peak, resident=self.resident_bytes,
+                   expert_param_bytes=sum(l.nbytes for l in self.layers), slots=self.k,
+                   layers=len(self.layers), host=self.host_bytes(), ssd=self.ssd_bytes(),
+                   hidden=link["hidden_fraction"], copy_s=link["copy_s"], wait_s=link["wait_s"],
+                   link_bytes=link["bytes"], steps=self.steps)
+        if self.cache is not None:
+            out.update(cache_hit_rate=self.cache.hit_rate(), cache_peak=self.cache.peak_bytes,
+                       ssd_read=self.cache.ssd.bytes_read, ssd_written=self.cache.ssd.bytes_written)
+        return out
+
+    def log_line(self) -> str:
+        """One line per log interval; counters restart after it (peaks stay run-wide)."""
+        s = self.stats()
+        steps = max(1, self._interval["steps"])
+        ssd_mb = (self._ssd_bytes() - self._interval["ssd_bytes"]) / 1e6 / steps
+        line = (f" [offload] device expert bytes peak: {s['device_peak']} of {s['resident']} | "
+                f"host: {s['host']} | ssd: {s['ssd']} | prefetch hidden: {100 * s['hidden']:.0f}% | "
+                f"ssd MB/step: {ssd_mb:.1f}")
+        self.link.reset_stats()
+        self._interval = dict(steps=0, ssd_bytes=self._ssd_bytes())
+        return line
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.link.close()
+        if self.cache is not None:
+            self.cache.ssd.close()
