@@ -85,12 +85,21 @@ def check_experts_per_rank(num_experts: int, experts_per_rank: Optional[int]) ->
         )
 
 
-def check_topk(topk_idx: torch.Tensor, num_experts: int) -> None:
+def check_topk(topk_idx: torch.Tensor, num_experts: int, on_device: bool = False) -> None:
+    """``on_device``: the GPU path checks the values with device-side asserts (reading them back
+    would stall the host on every call); the CPU paths raise a ValueError naming the values."""
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx must be [tokens, k], got shape {tuple(topk_idx.shape)}")
     if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
         raise ValueError(f"topk_idx must be an integer tensor, got {topk_idx.dtype}")
-    if topk_idx.numel():
+    if topk_idx.numel() and on_device:
+        torch._assert_async(((topk_idx >= 0) & (topk_idx < num_experts)).all(),
+                            f"topk_idx values must lie in [0, num_experts={num_experts})")
+        if topk_idx.size(1) > 1:
+            s = topk_idx.sort(dim=1).values
+            torch._assert_async((s[:, 1:] != s[:, :-1]).all(),
+                                "topk_idx has a token choosing the same expert twice")
+    elif topk_idx.numel():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(

@@ -463,10 +463,10 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, capacity: Optional[
     policy); ``pad_to_capacity``: every expert gets exactly ``min(capacity, T)`` rows;
     ``experts_per_rank``: enables ``layout.tokens_per_rank`` (rank-major expert placement).
     See ``kernels/layout.py`` for the exact conventions."""
-    check_topk(topk_idx, num_experts)
+    b = get_backend(topk_idx)
+    check_topk(topk_idx, num_experts, on_device=b == "triton")
     check_capacity(capacity, pad_to_capacity)
     check_experts_per_rank(num_experts, experts_per_rank)
-    b = get_backend(topk_idx)
     if b == "triton":
         return _tk().routing_layout(topk_idx, None, num_experts, capacity, pad_to_capacity,
                                     experts_per_rank)
@@ -478,9 +478,12 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, capacity: Optional[
 
 def routing_layout_from_map(routing_map: torch.Tensor, capacity: Optional[int] = None,
                             pad_to_capacity: bool = False,
-                            experts_per_rank: Optional[int] = None) -> RoutingLayout:
+                            experts_per_rank: Optional[int] = None,
+                            num_rows: Optional[int] = None) -> RoutingLayout:
     """Same as ``routing_layout`` for megatron-core's bool routing map ``[T, E]``
-    (probs are then dense ``[T, E]``)."""
+    (probs are then dense ``[T, E]``).  ``num_rows``: the number of routed pairs when the caller
+    knows it on the host (megatron-core's ``num_out_tokens``); the Triton path then sizes its
+    output without reading it back from the device (checked on the device, asynchronously)."""
     if routing_map.dim() != 2:
         raise ValueError(f"routing_map must be [tokens, experts], got {tuple(routing_map.shape)}")
     check_capacity(capacity, pad_to_capacity)
@@ -489,7 +492,7 @@ def routing_layout_from_map(routing_map: torch.Tensor, capacity: Optional[int] =
     b = get_backend(routing_map)
     if b == "triton":
         return _tk().routing_layout(None, mask, mask.shape[1], capacity, pad_to_capacity,
-                                    experts_per_rank)
+                                    experts_per_rank, num_rows=num_rows)
     if b == "reference":
         return ref.routing_layout_from_map(mask, capacity, pad_to_capacity, experts_per_rank)
     return _layout_torch_map(mask, capacity, pad_to_capacity, experts_per_rank)
@@ -537,8 +540,14 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
     if drop_and_pad and num_out_tokens is not None:
         layout = routing_layout_from_map(routing_map, capacity=int(num_out_tokens) // E,
                                          pad_to_capacity=True)
-    else:  # megatron-core ignores num_out_tokens here
-        layout = routing_layout_from_map(routing_map)
+    else:  # megatron-core's unfused permute ignores num_out_tokens; the Triton path sizes its
+        # output with it (a host int, or a CPU tensor after megatron-core's D2H point) instead of
+        # reading the routed-pair count back from the GPU
+        hint = None
+        if num_out_tokens is not None and not (torch.is_tensor(num_out_tokens)
+                                               and num_out_tokens.device.type != "cpu"):
+            hint = int(num_out_tokens)
+        layout = routing_layout_from_map(routing_map, num_rows=hint)
     out, pp = permute_tokens(tokens, layout, probs)
     return out, pp, layout.row_map
 
@@ -550,6 +559,7 @@ def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
     """Drop-in for megatron-core ``moe_utils.unpermute(..., fused=False)``, bit-identical
     (``fused`` accepted and ignored, see ``permute``)."""
     rp = None
+    b = get_backend(permuted_tokens)
     if probs is not None:
         if routing_map is None:
             raise ValueError("kernels.unpermute: routing_map must be given with probs")
@@ -563,13 +573,17 @@ def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
                                rounding_mode="floor")
         else:
             counts = routing_map.bool().sum(0)
-            if int(counts.sum()) != N:
+            if b == "triton":   # GPU path: check on the device, never read the count back
+                torch._assert_async(counts.sum() == N,
+                                    "kernels.unpermute: routing_map's routed pairs != rows")
+            elif int(counts.sum()) != N:
                 raise ValueError(f"kernels.unpermute: routing_map has {int(counts.sum())} routed "
                                  f"pairs but sorted_indices has {N} rows")
-            expert = torch.repeat_interleave(torch.arange(E, device=routing_map.device), counts)
+            # output_size: repeat_interleave would otherwise read sum(counts) back from the GPU
+            expert = torch.repeat_interleave(torch.arange(E, device=routing_map.device), counts,
+                                             output_size=N)
         rp = probs.reshape(-1).index_select(0, sorted_indices * E + expert)
     _check_rows(permuted_tokens, "permuted_tokens", sorted_indices.numel(), "kernels.unpermute")
-    b = get_backend(permuted_tokens)
     return _Combine.apply(permuted_tokens.contiguous(), rp, sorted_indices, int(restore_shape[0]),
                           b).view(restore_shape)
 

@@ -9,7 +9,14 @@ Kernels:
   dropping ranks >= capacity and, in pad mode, filling with the expert's unrouted tokens.
 * ``_gather_rows_kernel``: permute (and the hierarchical block reorder, and grad of combine).
 * ``_combine_kernel``: unpermute + prob weighting + sum of the copies, one program per
-  (token, hidden block), reading each token's rows through an inverse map [T, L].
+  (token, hidden block), reading each token's rows in row order from a CSR (rows sorted by
+  token, per-token bounds).
+
+Host synchronisations (docs/kernels.md, tests/test_kernels_sync.py): none on the permute/unpermute
+path when the output size is known on the host - the top-k form without capacity (T * k rows), pad
+mode (E * min(C, T) rows), or a caller-supplied ``num_rows`` (megatron-core passes
+``num_out_tokens``).  Otherwise ``routing_layout`` reads the row count once (``int(tpe.sum())``):
+the output's allocation needs it.
 * ``_row_dot_kernel``: grad of the probs, <grad_out[row_map[r]], x[r]>.
 """
 
@@ -22,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ops as _ops
 from .layout import RoutingLayout
 
 INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
@@ -118,7 +124,7 @@ def _gather_rows_kernel(x_ptr, row_ptr, scale_ptr, out_ptr, H, HAS_SCALE: tl.con
 
 
 @triton.jit
-def _combine_kernel(x_ptr, inv_ptr, p_ptr, out_ptr, H, L, HAS_P: tl.constexpr,
+def _combine_kernel(x_ptr, order_ptr, bounds_ptr, p_ptr, out_ptr, H, HAS_P: tl.constexpr,
                     ACC_F64: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -127,16 +133,17 @@ def _combine_kernel(x_ptr, inv_ptr, p_ptr, out_ptr, H, L, HAS_P: tl.constexpr,
         acc = tl.zeros((BLOCK_H,), dtype=tl.float64)
     else:
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(L):
-        r = tl.load(inv_ptr + t * L + j).to(tl.int64)
-        ok = r >= 0
-        rs = tl.where(ok, r, 0)
-        # the host guarantees >= 1 row, so row 0 is a safe address for the padding slots
-        v = tl.load(x_ptr + rs * H + offs, mask=hm, other=0).to(acc.dtype)
+    # the token's rows, in row order: order[bounds[t]:bounds[t + 1]] (CSR by token, built on the
+    # device without knowing the largest number of copies, so no host round trip)
+    start = tl.load(bounds_ptr + t)
+    end = tl.load(bounds_ptr + t + 1)
+    for j in range(start, end):
+        r = tl.load(order_ptr + j).to(tl.int64)
+        v = tl.load(x_ptr + r * H + offs, mask=hm, other=0).to(acc.dtype)
         if HAS_P:
-            p = tl.load(p_ptr + rs).to(acc.dtype)
+            p = tl.load(p_ptr + r).to(acc.dtype)
             v = v * p
-        acc += tl.where(ok, v, 0.0)
+        acc += v
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
 
@@ -168,7 +175,8 @@ def _block_h(H: int) -> int:
 
 
 def routing_layout(topk_idx: Optional[torch.Tensor], mask: Optional[torch.Tensor], E: int,
-                   capacity: Optional[int], pad: bool, epr: Optional[int]) -> RoutingLayout:
+                   capacity: Optional[int], pad: bool, epr: Optional[int],
+                   num_rows: Optional[int] = None) -> RoutingLayout:
     is_topk = topk_idx is not None
     src = topk_idx.contiguous() if is_topk else mask.contiguous().view(torch.uint8)
     T = src.shape[0]
@@ -194,7 +202,16 @@ def routing_layout(topk_idx: Optional[torch.Tensor], mask: Optional[torch.Tensor
         kept = routed.clamp(max=cap) if capacity is not None else routed
         tpe = kept
     base = (torch.cumsum(tpe, 0) - tpe).contiguous()
-    n_rows = int(tpe.sum())
+    # the output size, from the host when it is known there (no device->host round trip)
+    if pad:
+        n_rows = cap * E
+    elif is_topk and capacity is None:
+        n_rows = T * K
+    elif num_rows is not None:
+        n_rows = int(num_rows)
+        torch._assert_async(tpe.sum() == n_rows, "routing_layout: num_rows != routed pairs")
+    else:
+        n_rows = int(tpe.sum())   # data-dependent (map form or dropping): the one sync left
     row_map = torch.empty(n_rows, dtype=torch.long, device=dev)
     pidx = torch.empty(n_rows, dtype=torch.long, device=dev)
     if T and n_rows:
@@ -221,27 +238,27 @@ def gather_rows(x: torch.Tensor, row_map: torch.Tensor, scale: Optional[torch.Te
     return out
 
 
-def _inverse_map(row_map: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[T, L] rows of each token in row order, -1 padded (L = max copies of a token)."""
-    plan = _ops._combine_plan(row_map, num_tokens)
-    inv = torch.full((num_tokens, max(1, len(plan))), -1, dtype=torch.long, device=row_map.device)
-    ar = torch.arange(num_tokens, device=row_map.device)
-    for j, (rows, toks) in enumerate(plan):
-        inv[ar if toks is None else toks, j] = rows
-    return inv
+def token_csr(row_map: torch.Tensor, num_tokens: int):
+    """Rows grouped by token, row order kept (stable sort), and each token's [start, end) in that
+    order: all on the device, no sizes read back to the host."""
+    order = torch.sort(row_map, stable=True)[1]
+    tok_sorted = row_map.index_select(0, order)
+    bounds = torch.searchsorted(tok_sorted, torch.arange(num_tokens + 1, device=row_map.device,
+                                                         dtype=row_map.dtype))
+    return order, bounds
 
 
 def combine(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
             row_probs: Optional[torch.Tensor]) -> torch.Tensor:
     x2 = _2d(x)
     H = x2.shape[1]
-    acc = x.dtype if row_probs is None else torch.promote_types(x.dtype, row_probs.dtype)
     out = torch.zeros((num_tokens,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     if num_tokens and H and row_map.numel():
-        inv = _inverse_map(row_map, num_tokens)
+        acc = x.dtype if row_probs is None else torch.promote_types(x.dtype, row_probs.dtype)
+        order, bounds = token_csr(row_map, num_tokens)
         BH = _block_h(H)
         _combine_kernel[(num_tokens, triton.cdiv(H, BH))](
-            x2, inv, row_probs.contiguous() if row_probs is not None else x2, out, H, inv.shape[1],
+            x2, order, bounds, row_probs.contiguous() if row_probs is not None else x2, out, H,
             HAS_P=row_probs is not None, ACC_F64=acc == torch.float64, BLOCK_H=BH)
     return out
 
