@@ -246,6 +246,9 @@ def test_huggingface_tokenizer_directory(tmp_path, hard):
     assert tok.detokenize(ids).replace(" ", "") == TEXTS[0].replace(" ", "")
     assert tok.tokenize("a <extra_0> b")[1] == tok.vocab["<extra_0>"]  # added tokens are kept
     assert tok.tokenize_batch(TEXTS) == [tok.tokenize(t) for t in TEXTS]
+    starts = tok.offsets(ids, TEXTS[0])  # where each token starts in the text
+    assert starts[0] == 0 and starts == sorted(starts) and len(set(starts)) == len(ids) > 3
+    assert all(TEXTS[0].startswith(tok.inv_vocab[i], at) for i, at in zip(ids, starts))
     assert pickle.loads(pickle.dumps(tok)).tokenize(TEXTS[2]) == tok.tokenize(TEXTS[2])
     # without an eos_token there is no end-of-document: an error naming the flag when used
     _hf_dir(str(tmp_path / "noeos"), config=False)

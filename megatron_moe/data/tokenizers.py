@@ -573,6 +573,28 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
         return self._hf.decode(ids) if self._hf is not None else self._fast.decode(ids)
 
     @property
+    def decoder(self):
+        return self._inv
+
+    def offsets(self, ids: List[int], text: str) -> List[int]:
+        """Character offset where each of ``ids`` (``tokenize(text)``) starts, as Megatron's
+        ``_HuggingFaceTokenizer.offsets`` (a token without a span starts where the last ended)."""
+        if self._hf is not None:
+            spans = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            spans = spans["offset_mapping"]
+        else:
+            spans = self._fast.encode(text, add_special_tokens=False).offsets
+        out, next_start = [], 0
+        for i in range(len(ids)):
+            span = spans[i] if i < len(spans) else None
+            if span is not None and span[1] > span[0]:
+                out.append(span[0])
+                next_start = span[1]
+            else:
+                out.append(next_start)
+        return out
+
+    @property
     def eod(self) -> int:
         if self._eos is None:
             raise TokenizerError(f"--tokenizer-model: {self._path} defines no eos_token (its "
