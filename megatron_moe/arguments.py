@@ -20,6 +20,7 @@ _EXTENSION_MODULES = (
     "megatron_moe.embedding",
     "megatron_moe.moe.dispatcher",
     "megatron_moe.offload",
+    "megatron_moe.dist_signal_handler",   # --exit-signal, --exit-duration-in-mins
 )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from datetime import datetime
@@ -65,6 +64,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
 
     start = time.time()
     global_vars.set_args(args)
+    from megatron_moe.dist_signal_handler import ExitConditions
+
+    exit_conditions = ExitConditions(args, start)  # handler first: a notice may come during setup
     initialize_distributed(args)
     _build_tokenizer(args)
     print_rank_0(f"> initialized {args.world_size} ranks on {args.distributed_backend}: "
@@ -103,8 +105,11 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
 
     print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
                  f"(setup {time.time() - start:.1f}s)")
-    trainer = Trainer(args, model, optimizer, scheduler, forward_step_func, hooks)
-    result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
+    trainer = Trainer(args, model, optimizer, scheduler, forward_step_func, hooks, exit_conditions)
+    try:
+        result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
+    finally:
+        exit_conditions.close()
     hooks.close()
     return result
 
@@ -229,7 +234,8 @@ class TrainingHooks:
 
 
 class Trainer:
-    def __init__(self, args, model, optimizer, scheduler, forward_step_func, hooks):
+    def __init__(self, args, model, optimizer, scheduler, forward_step_func, hooks,
+                 exit_conditions=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.args = args
@@ -243,12 +249,12 @@ class Trainer:
         _AGREED_LOSS_NAMES = None      # a new run agrees on its loss names once
         self.skipped_iters = 0
         self.nan_iters = 0
-        self.stop_requested = False
-        if args.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        if exit_conditions is None:
+            from megatron_moe.dist_signal_handler import ExitConditions
 
-    def _on_sigterm(self, signum, frame):
-        self.stop_requested = True
+            exit_conditions = ExitConditions(args)
+        # --exit-signal-handler / --exit-duration-in-mins: all ranks agree each iteration
+        self.exit_conditions = exit_conditions
 
     # --- one iteration ---------------------------------------------------------------------------
     def train_step(self, data_iterator):
@@ -357,9 +363,12 @@ class Trainer:
                 self._log_eval(f"iteration {iteration}", eval_losses, iteration)
             if args.save_interval and iteration % args.save_interval == 0:
                 save(iteration)
-            if self.stop_requested or (args.exit_interval and iteration % args.exit_interval == 0):
+            stop = self.exit_conditions.check()  # one all-reduce, the same answer on every rank
+            if stop is None and args.exit_interval and iteration % args.exit_interval == 0:
+                stop = f"exiting at iteration {iteration}"
+            if stop is not None:
                 save(iteration)
-                print_rank_0(f"exiting at iteration {iteration}")
+                print_rank_0(f"{stop} (iteration {iteration})" if "iteration" not in stop else stop)
                 break
         if args.save and iteration == args.train_iters:
             save(iteration)

@@ -1,0 +1,117 @@
+"""Rank functions and launch helpers for the checkpoint / preemption / crash-safety tests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 256 --num-experts 4 --moe-router-topk 2 "
+        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 --log-interval 1 "
+        "--eval-interval 1000 --eval-iters 1 --disable-bias-linear").split()
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def run_pretrain_capture(rank, world_size, argv):
+    """pretrain() with megatron-core's checkpoint warnings captured; (history, warnings, saves)."""
+    import pretrain_gpt_moe
+    from megatron.core.enums import ModelType
+
+    from megatron_moe import checkpointing
+    from megatron_moe.training import pretrain
+
+    capture = _Capture()
+    logger = logging.getLogger("megatron.core.dist_checkpointing")
+    logger.addHandler(capture)
+    calls = []
+    real_save = checkpointing.save_checkpoint
+
+    def counting_save(iteration, *a, **k):
+        calls.append(iteration)
+        return real_save(iteration, *a, **k)
+
+    checkpointing.save_checkpoint = counting_save
+    try:
+        result = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
+                          pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                          pretrain_gpt_moe.forward_step, argv=argv)
+    finally:
+        logger.removeHandler(capture)
+        checkpointing.save_checkpoint = real_save
+    return result["history"], capture.messages, calls
+
+
+# --- launching the real CLI under torchrun, in its own process group --------------------------
+def start_torchrun(nproc, args, env=None, log_path=None):
+    """Popen of torchrun + pretrain_gpt_moe.py in a new session (kill the group to kill all)."""
+    from megatron_moe.testing import free_port
+
+    cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt_moe.py"), *args]
+    run_env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   **(env or {}))
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=run_env,
+                            start_new_session=True)
+
+
+def kill_group(proc, sig=signal.SIGKILL):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def wait_for(predicate, timeout, proc=None, what=""):
+    """Poll until predicate() is truthy; fail (and kill the job) after timeout or if proc exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"job exited (rc {proc.returncode}) while waiting for {what}")
+        time.sleep(0.05)
+    if proc is not None:
+        kill_group(proc)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def worker_pids(proc) -> dict:
+    """{rank: pid} of torchrun's workers (read from /proc: their RANK environment variable)."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != proc.pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"RANK" in env:
+            out[int(env[b"RANK"])] = int(pid)
+    return out
+
+
+def log_text(path):
+    with open(path, errors="replace") as f:
+        return f.read()
