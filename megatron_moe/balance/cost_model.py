@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["CostModel", "DEFAULT_PROFILE", "PlannerCost", "save_profile", "as_planner_cost", "sync_s_vec",
-           "a2a_s", "planner_cost_from_cost_model"]
+           "a2a_s", "planner_cost_from_cost_model", "OffloadCost"]
 
 # Documented defaults (docs/balance.md): the paper artifact's A2A bandwidth table (Gb/s by message
 # size), 15 Gb/s for Trans/Agg, and a d_model=1024/d_ffn=2048 fp32 expert at 35.7 TFLOP/s.
@@ -298,3 +298,47 @@ def a2a_s(cost, inputs: float) -> float:
     if cm is not None:
         return cm.t_a2a(np.array([inputs]))
     return cost.a2a_s_per_input * inputs
+
+
+# -- MoESys expert offload (megatron_moe/offload, docs/offload.md) ----------------------------------
+@dataclasses.dataclass
+class OffloadCost:
+    """Prices ``--moe-expert-offload``: per MoE layer, copying its local experts over the host link
+    against computing the layer. Forward copies layer i+1 while layer i computes; backward copies
+    layer i-1 while layer i computes (2x the forward FLOPs). With K >= 2 device slots one link
+    moves one layer per layer step, so a layer takes max(compute, copy) and offloading is free when
+    copy <= forward compute, i.e. tokens per expert >= FLOPS * bytes/param / (2 * link bandwidth)
+    (about 12k tokens per expert for bf16 on an A100 over PCIe 4). SSD misses add their read time
+    to the copy (the copy thread reads the file before it copies).
+    """
+    layer_expert_bytes: float            # one MoE layer's local expert parameters (compute dtype)
+    link_bandwidth: float                # measured host->device bytes/s
+    layer_forward_s: float               # forward seconds of one whole layer (attention + MoE)
+    num_layers: int                      # MoE layers on this rank
+    ssd_read_bytes_per_layer: float = 0.0
+    ssd_bandwidth: Optional[float] = None
+
+    def t_copy(self) -> float:
+        ssd = self.ssd_read_bytes_per_layer / self.ssd_bandwidth if self.ssd_bandwidth else 0.0
+        return self.layer_expert_bytes / self.link_bandwidth + ssd
+
+    def step_s(self) -> float:
+        """Modelled forward+backward seconds with offload: the first layer's copy is exposed,
+        then max(compute, copy) per layer in each direction."""
+        c, f = self.t_copy(), self.layer_forward_s
+        return c + self.num_layers * (max(f, c) + max(2 * f, c))
+
+    def resident_step_s(self) -> float:
+        return self.num_layers * 3 * self.layer_forward_s
+
+    def slowdown(self) -> float:
+        return self.step_s() / self.resident_step_s()
+
+    def is_free(self) -> bool:
+        """The copy hides under the compute of one layer (the MoESys condition)."""
+        return self.t_copy() <= self.layer_forward_s
+
+    @staticmethod
+    def min_tokens_per_expert(flops: float, bytes_per_param: float, link_bandwidth: float) -> float:
+        """Expert forward = 2 FLOPs per parameter per token; copy = bytes_per_param per parameter."""
+        return flops * bytes_per_param / (2.0 * link_bandwidth)

@@ -166,6 +166,7 @@ class ExpertOffload:
         # Adam's two fp32 moments, and an fp32 master copy under mixed precision
         self.resident_bytes = sum(l.numel * (_itemsize(l.dtype) + 4 + 8 + mp) for l in self.layers)
         self._interval = dict(steps=0, ssd_bytes=self._ssd_bytes())
+        self._totals = dict(copy_s=0.0, wait_s=0.0, bytes=0)  # run-wide (the log resets the link's)
 
     # --- binding and prefetch --------------------------------------------------------------------
     def _free_slot(self, keep):
@@ -420,7 +421,9 @@ class ExpertOffload:
         return self.arena.peak_bytes() + self.grad_peak
 
     def stats(self) -> dict:
-        link = self.link.stats()
+        link = {k: v + self.link.stats()[k] for k, v in self._totals.items()}
+        link["hidden_fraction"] = 1.0 - min(1.0, link["wait_s"] / link["copy_s"]) \
+            if link["copy_s"] > 0 else 1.0
         out = dict(device_peak=self.device_peak_bytes(), arena_peak=self.arena.peak_bytes(),
                    grad_peak=self.grad_peak, resident=self.resident_bytes,
                    expert_param_bytes=sum(l.nbytes for l in self.layers), slots=self.k,
@@ -440,6 +443,8 @@ class ExpertOffload:
         line = (f" [offload] device expert bytes peak: {s['device_peak']} of {s['resident']} | "
                 f"host: {s['host']} | ssd: {s['ssd']} | prefetch hidden: {100 * s['hidden']:.0f}% | "
                 f"ssd MB/step: {ssd_mb:.1f}")
+        for key in self._totals:
+            self._totals[key] += self.link.stats()[key]
         self.link.reset_stats()
         self._interval = dict(steps=0, ssd_bytes=self._ssd_bytes())
         return line

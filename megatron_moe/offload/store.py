@@ -69,7 +69,8 @@ class HostCache:
     ``policy="lfu"`` (MoESys): every access adds a hit; every ``decay_period`` accesses all hit
     counts are multiplied by ``beta`` (frequency with ageing). On a full cache the victim is the
     entry with the fewest hits among those with hits >= ``threshold``, else the global fewest
-    (the note's fix of the literal pseudo-code, which could evict nothing). ``policy="lru"``:
+    (the note's fix of the literal pseudo-code, which could evict nothing); ties go to the entry
+    used most recently. ``policy="lru"``:
     least recently used. Dirty entries are written back on eviction and on ``flush()``. Pinned
     entries (in use by a copy or the optimizer step) are never evicted; if only pinned entries
     remain the cache overflows its budget until they are unpinned (counted in ``overflows``).
@@ -148,7 +149,9 @@ class HostCache:
             return candidates[0]
         above = [k for k in candidates if self.hits.get(k, 0.0) >= self.threshold]
         pool = above or candidates
-        return min(pool, key=lambda k: self.hits.get(k, 0.0))
+        # ties: evict the most recently loaded (entries is in load/use order; keeping long-time
+        # residents is what lets LFU hit on a cyclic scan where LRU always misses)
+        return min(reversed(pool), key=lambda k: self.hits.get(k, 0.0))
 
     def _make_room(self, nbytes, exclude=None):
         while self.entries and self.bytes + nbytes > self.capacity:

@@ -1,0 +1,169 @@
+"""--moe-expert-offload host|ssd in the real pretrain() loop (2 gloo ranks, EP=2, 4 MoE layers,
+K=2 device slots, NaN fill on): losses and grad norms bit-identical to resident training, across
+resumes in every direction (resident -> host, host -> ssd, ssd -> resident); the [offload] line
+shows the device expert peak at most half the resident one; a skipped wait breaks the run (so the
+equality is not luck). Plus parse-time refusals and the SSD host cache (LFU vs LRU, write-back)."""
+
+import re
+
+import pytest
+import torch
+
+from megatron_moe.testing import run_distributed
+from tests import _offload_cases as C
+
+_LINE = re.compile(r"\[offload\] device expert bytes peak: (\d+) of (\d+) \| host: (\d+) \| "
+                   r"ssd: (\d+) \| prefetch hidden: (\d+)% \| ssd MB/step: ([\d.]+)$")
+
+
+def _argv(iters, *extra):
+    return ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 1 "
+            "--weight-decay 0.1 --clip-grad 0.05 --mock-data --tokenizer-type NullTokenizer "
+            "--vocab-size 256 --num-experts 4 --moe-router-topk 2 "
+            "--moe-token-dispatcher-type alltoall --log-interval 1 --eval-interval 1000 "
+            "--eval-iters 1 --disable-bias-linear --expert-model-parallel-size 2 "
+            f"--train-iters {iters}").split() + list(extra)
+
+
+def _off(mode, tmp_path, *extra):
+    out = ["--moe-expert-offload", mode, "--moe-offload-cache-layers", "2",
+           "--moe-offload-debug-nan-fill", *extra]
+    if mode == "ssd":  # a host cache smaller than the expert states: evictions and write-backs
+        out += ["--moe-offload-dir", str(tmp_path / "ssd"), "--moe-offload-host-cache-gb", "0.0002"]
+    return out
+
+
+def test_offload_bit_identical_over_resumes(tmp_path):
+    d = {k: str(tmp_path / k) for k in ("res", "host", "ssd")}
+    runs = [
+        _argv(4, "--save", d["res"], "--exit-interval", "2"),                      # 0 resident 1-2
+        _argv(4, "--load", d["res"]),                                              # 1 resident 3-4
+        _argv(4, *_off("host", tmp_path), "--save", d["host"], "--exit-interval", "2"),  # 2 host 1-2
+        _argv(4, *_off("ssd", tmp_path), "--load", d["host"], "--save", d["ssd"],
+              "--exit-interval", "3"),                                             # 3 host->ssd 3
+        _argv(4, "--load", d["ssd"]),                                              # 4 ssd->resident 4
+        _argv(4, *_off("host", tmp_path), "--load", d["res"]),                     # 5 resident->host 3-4
+        _argv(2, *_off("host", tmp_path), "--moe-offload-link-gbps", "0.001"),     # 6 mutation
+    ]
+    out = run_distributed(C.run_many, 2, runs, skip_waits_last=True, timeout_s=400)
+    r = out[-1]  # the last rank prints the log lines
+    ref = {k: v[0:2] + v2 for (k, v), v2 in zip(r[0]["history"].items(), r[1]["history"].values())}
+    loss = lambda k: r[k]["history"]["lm_loss"]
+    norm = lambda k: r[k]["history"]["grad_norm"]
+    assert all(x == x for x in ref["lm_loss"]) and len(ref["lm_loss"]) == 4
+    assert loss(2) == ref["lm_loss"][:2] and norm(2) == ref["grad_norm"][:2]
+    assert loss(3) == ref["lm_loss"][2:3] and norm(3) == ref["grad_norm"][2:3]
+    assert loss(4) == ref["lm_loss"][3:] and norm(4) == ref["grad_norm"][3:]
+    assert loss(5) == ref["lm_loss"][2:] and norm(5) == ref["grad_norm"][2:]
+    # the feature ran: every offloaded run copied experts over the link into a 2-slot arena
+    for k in (2, 3, 5):
+        for rank_out in out:
+            s = rank_out[k]["stats"]
+            assert s["steps"] >= 1 and s["slots"] == 2 and s["layers"] == 4
+            # K=2 of 4 layers: the arena holds exactly half of the expert parameters
+            assert 2 * s["arena_peak"] == s["expert_param_bytes"]
+    s = out[0][3]["stats"]
+    assert s["ssd_read"] > 0 and s["ssd_written"] > 0 and s["cache_peak"] > 0
+    # the log line, one per iteration; device peak <= half of what resident training holds
+    lines = r[2]["lines"]
+    assert len(lines) == 2
+    for line in lines + r[3]["lines"]:
+        m = _LINE.search(line)
+        assert m, line
+        peak, resident = int(m.group(1)), int(m.group(2))
+        assert 0 < peak <= resident / 2
+    assert float(_LINE.search(r[3]["lines"][0]).group(6)) > 0  # ssd traffic per step
+    # mutation: waits skipped -> compute reads NaN-filled slots -> the run stops on a NaN loss
+    assert r[6] == {"exit": 1} or any(x != x for x in r[6]["history"]["lm_loss"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--moe-offload-dir /tmp/x", "--moe-offload-dir needs --moe-expert-offload"),
+    ("--moe-expert-offload host --moe-offload-cache-layers 1", "must be >= 2"),
+    ("--moe-expert-offload ssd", "needs --moe-offload-dir"),
+    ("--moe-expert-offload host --moe-offload-host-cache-gb 1", "applies to --moe-expert-offload ssd"),
+    ("--moe-expert-offload host --use-distributed-optimizer", "--use-distributed-optimizer"),
+    ("--moe-expert-offload host --pipeline-model-parallel-size 2", "pipeline"),
+    ("--moe-expert-offload ssd --moe-offload-dir /tmp/x --bf16", "--bf16"),
+    ("--moe-expert-offload host --moe-offload-link-gbps 0", "must be > 0"),
+])
+def test_parse_time_refusals(argv, message, capsys):
+    from megatron_moe.arguments import parse_args
+
+    base = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --mock-data --tokenizer-type NullTokenizer "
+            "--vocab-size 256 --num-experts 4 --train-iters 1 --disable-bias-linear --lr 1e-3 "
+            "--moe-token-dispatcher-type alltoall ").split()
+    with pytest.raises(SystemExit):
+        parse_args(base + argv.split(), world_size=2, check_data_paths=False)
+    assert message in capsys.readouterr().err
+
+
+def test_parse_accepts_and_fills_defaults():
+    from megatron_moe.arguments import parse_args
+
+    base = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --mock-data --tokenizer-type NullTokenizer "
+            "--vocab-size 256 --num-experts 4 --train-iters 1 --disable-bias-linear --lr 1e-3 "
+            "--moe-token-dispatcher-type alltoall --moe-expert-offload ssd "
+            "--moe-offload-dir /tmp/x").split()
+    args = parse_args(base, world_size=2, check_data_paths=False)
+    assert (args.moe_offload_cache_layers, args.moe_offload_host_cache_gb,
+            args.moe_offload_cache_policy) == (2, 1.0, "lfu")
+
+
+def _cache(tmp_path, policy, entries=4, numel=256, capacity_entries=3):
+    from megatron_moe.offload.store import HostCache, SsdFile
+
+    cache = HostCache(SsdFile(str(tmp_path / f"{policy}.bin")), capacity_entries * numel * 4,
+                      policy=policy, decay_period=10_000)
+    for k in range(entries):
+        cache.add(k, torch.full((numel,), float(k)))
+    return cache
+
+
+def test_host_cache_lfu_beats_lru_on_a_cyclic_scan(tmp_path):
+    # MoE layers are visited in a cycle longer than the cache: LRU evicts exactly the entry
+    # needed next (0% hits); LFU keeps its most used entries and hits on them every cycle
+    rates = {}
+    for policy in ("lfu", "lru"):
+        cache = _cache(tmp_path, policy)
+        for _ in range(20):
+            for k in range(4):
+                assert cache.get(k)[0].item() == float(k)
+        rates[policy] = cache.hit_rate()
+        assert cache.bytes <= cache.capacity
+        cache.ssd.close()
+    assert rates["lru"] == 0.0 and rates["lfu"] >= 0.4
+
+
+def test_host_cache_write_back_and_pins(tmp_path):
+    cache = _cache(tmp_path, "lfu", capacity_entries=1)
+    t = cache.get(0, pin=True)
+    t.fill_(7.0)
+    cache.unpin(0, dirty=True)
+    cache.get(1)                      # evicts 0: written back to the file
+    assert cache.writebacks == 1 and 0 not in cache.entries
+    assert torch.equal(cache.get(0), torch.full((256,), 7.0))  # read back from the file
+    pinned = cache.get(0, pin=True)
+    cache.get(2)                      # 0 is pinned: the cache overflows instead of evicting it
+    assert 0 in cache.entries and cache.overflows >= 1 and pinned[0].item() == 7.0
+    cache.unpin(0)
+    assert cache.bytes <= cache.capacity
+    cache.ssd.close()
+
+
+def test_offload_cost_model():
+    from megatron_moe.balance.cost_model import OffloadCost
+
+    # the design note's vector: bf16 on an A100 (312 TFLOP/s) over PCIe 4 (25 GB/s) -> ~12k tokens
+    assert OffloadCost.min_tokens_per_expert(312e12, 2, 25e9) == 12480.0
+    free = OffloadCost(layer_expert_bytes=1e6, link_bandwidth=1e9, layer_forward_s=1e-3, num_layers=4)
+    slow = OffloadCost(layer_expert_bytes=4e6, link_bandwidth=1e9, layer_forward_s=1e-3, num_layers=4)
+    assert free.is_free() and not slow.is_free()
+    # free: only the first layer's copy is exposed; slow: the link bounds every forward layer
+    assert free.step_s() == 1e-3 + free.resident_step_s()
+    assert slow.step_s() == 4e-3 + 4 * (4e-3 + 4e-3) and slow.slowdown() > 2
+    ssd = OffloadCost(1e6, 1e9, 1e-3, 4, ssd_read_bytes_per_layer=1e6, ssd_bandwidth=5e8)
+    assert ssd.t_copy() == 1e-3 + 2e-3 and not ssd.is_free()
