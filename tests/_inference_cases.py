@@ -53,7 +53,7 @@ def _logits(model, tokens):
         ids = torch.tensor([tokens])
         pos = torch.arange(len(tokens)).unsqueeze(0)
         # numpy: pickled by value (torch tensors would travel as shared-memory handles)
-        return model(ids, pos, None).numpy().copy()
+        return model(ids, pos, None, runtime_gather_output=True).numpy().copy()
 
 
 def generation_suite(rank, world_size, argv, prompts, tokens, ring_slots, link_gbps):

@@ -190,3 +190,12 @@ def test_help_answers_without_megatron_core():
                              timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
         assert "--load" in out.stdout and "MCORE False" in out.stdout, (tool, out.stdout[-500:],
                                                                          out.stderr[-2000:])
+
+
+def test_ring_timing_model():
+    from megatron_moe.inference.ring_memory import ring_layer_time
+
+    assert ring_layer_time(1.0, 0.5, 2) == 1.0    # K=2, copy faster than compute: hidden
+    assert ring_layer_time(1.0, 0.5, 1) == 1.5    # K=1: the next layer's copy waits for compute
+    assert ring_layer_time(1.0, 3.0, 4) == 3.0    # link-bound: one copy engine
+    assert ring_layer_time(1.0, 1.5, 2) == 1.5
