@@ -43,9 +43,11 @@ class ExitConditions:
     def __init__(self, args, start_time: float | None = None):
         self.args = args
         self.start_time = time.time() if start_time is None else start_time
-        self.signal = signal.Signals[args.exit_signal] if args.exit_signal_handler else None
-        self.duration_s = (args.exit_duration_in_mins * 60.0
-                           if args.exit_duration_in_mins is not None else None)
+        # getattr: tools (evaluate, generate) build a Trainer from parsers without these flags
+        self.signal = (signal.Signals[getattr(args, "exit_signal", "SIGTERM")]
+                       if getattr(args, "exit_signal_handler", False) else None)
+        minutes = getattr(args, "exit_duration_in_mins", None)
+        self.duration_s = minutes * 60.0 if minutes is not None else None
         self.received = False
         self.checks = 0            # collectives issued (tests: proves the agreement ran)
         self._previous = None
@@ -76,7 +78,7 @@ class ExitConditions:
             return f"exiting program after receiving {self.signal.name}"
         if timed_out:
             return (f"exiting program after {(time.time() - self.start_time) / 60.0:.2f} minutes "
-                    f"(--exit-duration-in-mins {self.args.exit_duration_in_mins:g})")
+                    f"(--exit-duration-in-mins {self.duration_s / 60.0:g})")
         return None
 
     def close(self):
