@@ -342,3 +342,37 @@ class OffloadCost:
     def min_tokens_per_expert(flops: float, bytes_per_param: float, link_bandwidth: float) -> float:
         """Expert forward = 2 FLOPs per parameter per token; copy = bytes_per_param per parameter."""
         return flops * bytes_per_param / (2.0 * link_bandwidth)
+
+
+# -- MoESys ring-memory inference (megatron_moe/inference/ring_memory.py, docs/inference.md) ------
+@dataclasses.dataclass
+class RingMemoryCost:
+    """Prices ``--ring-memory-slots K`` (moesys.md 2.10): N layers' weights streamed through K
+    device slots. Compute runs one layer at a time, one link copies one layer at a time, and each
+    slot cycles once per K layers through one compute and one copy, so a layer takes
+    max(compute, copy, (compute + copy) / K). The link keeps up (the ring costs nothing) when that
+    equals the compute: copy <= compute and copy <= (K - 1) compute; K = 1 never hides a copy.
+    Device memory for the layers' weights is K/N of resident.
+    """
+    layer_bytes: float                   # one layer's weights (largest layer)
+    link_bandwidth: float                # host->device bytes/s
+    layer_forward_s: float               # one layer's forward (one decode or prefill step)
+    slots: int                           # K
+    num_layers: int                      # N
+
+    def t_copy(self) -> float:
+        return self.layer_bytes / self.link_bandwidth
+
+    def layer_s(self) -> float:
+        c, f = self.t_copy(), self.layer_forward_s
+        return max(f, c, (f + c) / self.slots) if self.slots < self.num_layers else f
+
+    def ratio(self) -> float:
+        """Modelled tokens/s relative to all-resident."""
+        return self.layer_forward_s / self.layer_s()
+
+    def keeps_up(self) -> bool:
+        return self.layer_s() <= self.layer_forward_s * (1 + 1e-9)
+
+    def memory_fraction(self) -> float:
+        return min(self.slots, self.num_layers) / self.num_layers
