@@ -9,7 +9,7 @@ ring run paired with a resident run just before it, median ratio over --repeats 
 device bytes of the transformer layers' weights (resident: all N layers; ring: the K-slot arena)
 and its ratio, the hidden copy fraction
 (1 - exposed wait / copy time), and the moesys.md 2.10 timing model's prediction
-(ring_memory.ring_layer_time: per layer max(t_compute, t_copy, (t_compute + t_copy) / K) with
+(the cost model's RingMemoryCost: per layer max(t_compute, t_copy, (t_compute + t_copy) / K) with
 t_copy = layer bytes / bandwidth; the link "keeps up" when that equals t_compute).
 Bandwidths default to multiples of the one where t_copy == t_compute (measured t_compute), so the
 sweep straddles the point where the link keeps up on any machine. Outputs are checked to be
@@ -103,7 +103,8 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from megatron_moe.inference.ring_memory import RingMemory, ring_layer_time, transformer_layers
+    from megatron_moe.balance.cost_model import RingMemoryCost
+    from megatron_moe.inference.ring_memory import RingMemory, transformer_layers
 
     model, gen, prompts = build(args)
     n = args.layers
@@ -137,10 +138,10 @@ def main(argv=None):
           f"{resident_layer_bytes / 2**20:10.2f} {1.0:10.2f} {'-':>7}")
     rows = []
     for gbps in bandwidths:
-        t_copy = max(layer_bytes) / (gbps * 1e9)
         for k in slots:
-            predicted = t_compute / ring_layer_time(t_compute, t_copy, k)
-            keeps_up = predicted > 0.999
+            cost = RingMemoryCost(layer_bytes=max(layer_bytes), link_bandwidth=gbps * 1e9,
+                                  layer_forward_s=t_compute, slots=k, num_layers=n)
+            predicted, keeps_up = cost.ratio(), cost.keeps_up()
             ratios, times, stats = [], [], None
             for _ in range(args.repeats):
                 # each ring run is paired with a resident run right before it: load from other

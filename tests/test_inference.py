@@ -192,10 +192,14 @@ def test_help_answers_without_megatron_core():
                                                                          out.stderr[-2000:])
 
 
-def test_ring_timing_model():
-    from megatron_moe.inference.ring_memory import ring_layer_time
+def test_ring_memory_cost_model():
+    from megatron_moe.balance.cost_model import RingMemoryCost
 
-    assert ring_layer_time(1.0, 0.5, 2) == 1.0    # K=2, copy faster than compute: hidden
-    assert ring_layer_time(1.0, 0.5, 1) == 1.5    # K=1: the next layer's copy waits for compute
-    assert ring_layer_time(1.0, 3.0, 4) == 3.0    # link-bound: one copy engine
-    assert ring_layer_time(1.0, 1.5, 2) == 1.5
+    def cost(copy_s, k, n=8):
+        return RingMemoryCost(layer_bytes=copy_s * 1e9, link_bandwidth=1e9, layer_forward_s=1.0,
+                              slots=k, num_layers=n)
+
+    assert cost(0.5, 2).layer_s() == 1.0 and cost(0.5, 2).keeps_up()   # hidden
+    assert cost(0.5, 1).layer_s() == 1.5 and not cost(0.5, 1).keeps_up()  # K=1 hides nothing
+    assert cost(3.0, 4).layer_s() == 3.0 and cost(3.0, 4).ratio() == 1 / 3  # link-bound
+    assert cost(5.0, 8).layer_s() == 1.0 and cost(2.0, 4).memory_fraction() == 0.5  # K=N resident

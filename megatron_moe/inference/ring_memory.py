@@ -13,9 +13,10 @@ link bandwidth (the data lands at the end of its transfer window) so overlap and
 measurable without a GPU; in debug mode a released slot is NaN-filled and copies are jittered, so
 a compute that did not wait for its copy yields NaN instead of passing by luck.
 
-Timing model (moesys.md 2.10, ``ring_layer_time``): the copy into the slot freed after layer i
-has K-1 layers of compute before layer i+K needs it, and one copy engine moves one layer at a
-time, so a layer takes max(t_compute, t_copy, (t_compute + t_copy) / K).
+Timing model (moesys.md 2.10; priced by the project's one cost model,
+``balance.cost_model.RingMemoryCost``): the copy into the slot freed after layer i has K-1 layers
+of compute before layer i+K needs it, and one copy engine moves one layer at a time, so a layer
+takes max(t_compute, t_copy, (t_compute + t_copy) / K).
 
 The hooks sit on the model's layers, not on an engine: they work under megatron-core's static
 engine, a plain forward, or evaluation alike.
@@ -275,17 +276,6 @@ class RingMemory:
             layout.bind([v.to(self.device, copy=True) for v in views])
         self.link.close()
         self._views.clear()
-
-
-def ring_layer_time(t_compute: float, t_copy: float, slots: int) -> float:
-    """Steady-state time per layer of a K-slot ring (the moesys.md 2.10 timing model).
-
-    Compute runs one layer at a time (>= t_compute), the one copy engine moves one layer at a
-    time (>= t_copy), and each slot cycles once per K layers through one compute and one copy
-    (K x T >= t_compute + t_copy). The link keeps up when this equals t_compute, i.e.
-    t_copy <= t_compute and t_copy <= (K - 1) t_compute; K = 1 never hides a copy.
-    """
-    return max(t_compute, t_copy, (t_compute + t_copy) / slots)
 
 
 def _compute_done(device):
