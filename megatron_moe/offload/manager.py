@@ -52,6 +52,14 @@ def moe_layers(model_chunks):
     return out
 
 
+def _leaf_optimizers(optimizer):
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for sub in optimizer.chained_optimizers for o in _leaf_optimizers(sub)]
+    return [optimizer]
+
+
 def torch_optimizers(optimizer):
     """The torch optimizers inside a megatron-core (chained) optimizer."""
     if optimizer is None:
@@ -146,8 +154,19 @@ class ExpertOffload:
                 layer.placeholders = [torch.zeros((), dtype=p.dtype).expand(p.shape)
                                       for p in layer.params]
                 layer.bind(layer.placeholders)
+        # mixed precision: megatron-core's fp32 master copies of offloaded params go to the host
+        self._masters = set()
+        for sub in _leaf_optimizers(optimizer):
+            for model_group, main_group in zip(getattr(sub, "float16_groups", []),
+                                               getattr(sub, "fp32_from_float16_groups", [])):
+                for mp_, main in zip(model_group, main_group):
+                    if mp_ in self._param_layer:
+                        if main.device.type != "cpu":
+                            main.data = main.data.cpu().pin_memory() if pin else main.data.cpu()
+                        self._masters.add(main)
+        offloaded = set(self._param_layer) | self._masters
         self.torch_opts = [o for o in torch_optimizers(optimizer)
-                           if any(p in self._param_layer for g in o.param_groups for p in g["params"])]
+                           if any(p in offloaded for g in o.param_groups for p in g["params"])]
         self._hooks = []
         for layer in self.layers:
             self._hooks.append(layer.mlp.register_forward_pre_hook(self._pre_hook(layer)))
@@ -156,6 +175,9 @@ class ExpertOffload:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._acc_hook(layer)))
         for opt in self.torch_opts:
+            # CUDA: DDP's main grads stay in its device buffer (clipped there with the global
+            # norm); the host step needs them on the host
+            self._hooks.append(opt.register_step_pre_hook(self._grads_to_host(offloaded)))
             if self.mode == "ssd":
                 opt.step = self._layerwise_step(opt, opt.step)
             else:
@@ -289,6 +311,15 @@ class ExpertOffload:
         return hook
 
     # --- the optimizer step ----------------------------------------------------------------------
+    @staticmethod
+    def _grads_to_host(offloaded):
+        def hook(opt, args, kwargs):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p in offloaded and p.grad is not None and p.grad.device != p.device:
+                        p.grad = p.grad.to(p.device)
+        return hook
+
     def _weights_changed(self):
         """The step changed the master weights: every cached slot is stale."""
         self.version += 1
@@ -401,24 +432,31 @@ class ExpertOffload:
         return self.cache.ssd.bytes_read + self.cache.ssd.bytes_written
 
     def host_bytes(self) -> int:
-        main_grads = sum(getattr(p, "main_grad", p).numel() * 4 for l in self.layers for p in l.params)
+        main_grads = sum(p.main_grad.numel() * p.main_grad.element_size() for l in self.layers
+                         for p in l.params
+                         if getattr(p, "main_grad", None) is not None and not p.main_grad.is_cuda)
         if self.mode == "ssd":
             return self.cache.bytes + main_grads
         states = 0
         for opt in self.torch_opts:
-            for l in self.layers:
-                for p in l.params:
-                    st = opt.state.get(p) or {}
-                    states += sum(t.numel() * t.element_size() for k, t in st.items()
-                                  if torch.is_tensor(t) and t.dim() > 0)
-        return sum(l.host.numel() * l.host.element_size() for l in self.layers) + main_grads + states
+            for p in list(self._param_layer) + list(self._masters):
+                st = opt.state.get(p) or {}
+                states += sum(t.numel() * t.element_size() for k, t in st.items()
+                              if torch.is_tensor(t) and t.dim() > 0)
+        masters = sum(m.numel() * m.element_size() for m in self._masters)
+        return sum(l.host.numel() * l.host.element_size() for l in self.layers) + main_grads \
+            + states + masters
 
     def ssd_bytes(self) -> int:
         return self.cache.ssd.size if self.cache is not None else 0
 
     def device_peak_bytes(self) -> int:
-        """Arena slots in use at their high-water mark plus the largest layer's live gradients."""
-        return self.arena.peak_bytes() + self.grad_peak
+        """Arena slots in use at their high-water mark plus the largest layer's live gradients
+        (plus, on CUDA, DDP's device buffer of the experts' main grads)."""
+        main_grads = sum(p.main_grad.numel() * p.main_grad.element_size() for l in self.layers
+                         for p in l.params
+                         if getattr(p, "main_grad", None) is not None and p.main_grad.is_cuda)
+        return self.arena.peak_bytes() + self.grad_peak + main_grads
 
     def stats(self) -> dict:
         link = {k: v + self.link.stats()[k] for k, v in self._totals.items()}
