@@ -236,6 +236,8 @@ def _hf_dir(path, config=True):
 
 
 def test_huggingface_tokenizer_directory(tmp_path, hard):
+    from tokenizers import processors
+
     hf = _hf_dir(str(tmp_path))
     tok = T.build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
     assert (tok.eod, tok.pad) == (2, 1)
@@ -250,6 +252,20 @@ def test_huggingface_tokenizer_directory(tmp_path, hard):
     assert starts[0] == 0 and starts == sorted(starts) and len(set(starts)) == len(ids) > 3
     assert all(TEXTS[0].startswith(tok.inv_vocab[i], at) for i, at in zip(ids, starts))
     assert pickle.loads(pickle.dumps(tok)).tokenize(TEXTS[2]) == tok.tokenize(TEXTS[2])
+    # --tokenizer-hf-include-special-tokens: the post-processor's tokens (here a trailing eos)
+    hf.post_processor = processors.TemplateProcessing(single="$A </s>",
+                                                      special_tokens=[("</s>", 2)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    with_specials = T.build_tokenizer(tokenizer_type="HuggingFaceTokenizer",
+                                      tokenizer_model=str(tmp_path),
+                                      tokenizer_hf_include_special_tokens=True)
+    assert with_specials.tokenize(TEXTS[0]) == ids + [2]
+    assert with_specials.tokenize_batch(TEXTS[:1]) == [ids + [2]]
+    assert T.build_tokenizer(tokenizer_type="HuggingFaceTokenizer",
+                             tokenizer_model=str(tmp_path)).tokenize(TEXTS[0]) == ids
+    with pytest.raises(T.TokenizerError, match="--tokenizer-hf-include-special-tokens"):
+        T.build_tokenizer(tokenizer_type="BertWordPieceCase", vocab_file="x",
+                          tokenizer_hf_include_special_tokens=True)
     # without an eos_token there is no end-of-document: an error naming the flag when used
     _hf_dir(str(tmp_path / "noeos"), config=False)
     noeos = T.build_tokenizer(tokenizer_type="HuggingFaceTokenizer",

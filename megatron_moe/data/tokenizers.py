@@ -503,14 +503,18 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
     eos/bos/pad are the names in DIR/tokenizer_config.json or DIR/special_tokens_map.json, as
     AutoTokenizer reads them. Otherwise ``transformers.AutoTokenizer`` (local files only).
     ``vocab_size`` counts added tokens (``len(tokenizer)``); text is encoded without adding
-    special tokens (megatron-core's HuggingFaceTokenizer default)."""
+    special tokens (megatron-core's HuggingFaceTokenizer default) unless
+    ``include_special_tokens`` (``--tokenizer-hf-include-special-tokens``: the tokenizer's
+    post-processor adds them, e.g. a BOS per document)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, include_special_tokens: bool = False):
         if not path or not os.path.exists(path):
             raise TokenizerError(f"--tokenizer-model: HuggingFace tokenizer directory {path!r} "
                                  f"not found (only local paths are supported)")
-        super().__init__(path)
+        super().__init__(path, **({"include_special_tokens": True} if include_special_tokens
+                                  else {}))
         self._path = path
+        self._special = bool(include_special_tokens)
         self._hf = self._fast = None
         directory = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -549,10 +553,10 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
         self._inv = {i: t for t, i in self._vocab.items()}
 
     def __getstate__(self):
-        return {"path": self._path}
+        return {"path": self._path, "include_special_tokens": self._special}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], state["include_special_tokens"])
 
     @property
     def vocab_size(self) -> int:
@@ -560,13 +564,13 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
 
     def tokenize(self, text: str) -> List[int]:
         if self._hf is not None:
-            return self._hf.encode(text, add_special_tokens=False)
-        return self._fast.encode(text, add_special_tokens=False).ids
+            return self._hf.encode(text, add_special_tokens=self._special)
+        return self._fast.encode(text, add_special_tokens=self._special).ids
 
     def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
         if self._hf is not None:
             return [self.tokenize(t) for t in texts]
-        return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=self._special)]
 
     def detokenize(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
@@ -580,10 +584,11 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
         """Character offset where each of ``ids`` (``tokenize(text)``) starts, as Megatron's
         ``_HuggingFaceTokenizer.offsets`` (a token without a span starts where the last ended)."""
         if self._hf is not None:
-            spans = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            spans = self._hf(text, add_special_tokens=self._special,
+                             return_offsets_mapping=True)
             spans = spans["offset_mapping"]
         else:
-            spans = self._fast.encode(text, add_special_tokens=False).offsets
+            spans = self._fast.encode(text, add_special_tokens=self._special).offsets
         out, next_start = [], 0
         for i in range(len(ids)):
             span = spans[i] if i < len(spans) else None
@@ -652,7 +657,8 @@ class NullTokenizer(_Tokenizer):
 
 
 # ------------------------------------------------------------------------------------ build
-_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
+           "tokenizer_hf_include_special_tokens")
 
 
 def build_tokenizer(args_or_kwargs: Any = None, **kwargs: Any) -> _Tokenizer:
@@ -672,6 +678,9 @@ def build_tokenizer(args_or_kwargs: Any = None, **kwargs: Any) -> _Tokenizer:
         megatron_core_base()
     kind = opts.get("tokenizer_type") or "SentencePieceTokenizer"
     model, vocab = opts.get("tokenizer_model"), opts.get("vocab_file")
+    if opts.get("tokenizer_hf_include_special_tokens") and kind != "HuggingFaceTokenizer":
+        raise TokenizerError(f"--tokenizer-hf-include-special-tokens applies to "
+                             f"HuggingFaceTokenizer only (got --tokenizer-type {kind})")
     if kind == "SentencePieceTokenizer":
         return SentencePieceTokenizer(model)
     if kind == "GPTSentencePieceTokenizer":
@@ -679,7 +688,7 @@ def build_tokenizer(args_or_kwargs: Any = None, **kwargs: Any) -> _Tokenizer:
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab, opts.get("merge_file"))
     if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(model)
+        return HuggingFaceTokenizer(model, bool(opts.get("tokenizer_hf_include_special_tokens")))
     if kind == "BertWordPieceLowerCase":
         return BertWordPieceTokenizer(vocab, lower_case=True)
     if kind == "BertWordPieceCase":
@@ -699,4 +708,7 @@ def add_tokenizer_args(parser, default_type: Optional[str] = "SentencePieceToken
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json or BERT vocab.txt")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    g.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: add the tokenizer's special tokens (its "
+                        "post-processor, e.g. BOS) to each text")
     return parser
