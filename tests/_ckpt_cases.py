@@ -27,8 +27,13 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def run_pretrain_capture(rank, world_size, argv):
-    """pretrain() with megatron-core's checkpoint warnings captured; (history, warnings, saves)."""
+def run_pretrain_capture(rank, world_size, argv, poison_after_first_save=False):
+    """pretrain() with megatron-core's checkpoint warnings captured; (history, warnings, saves).
+
+    ``poison_after_first_save``: from the second save on, the stored args carry a per-rank value
+    (what a rank-dependent field would do), so the capture is shown to catch megatron-core's
+    "common state dict differs" warning.
+    """
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
@@ -46,6 +51,15 @@ def run_pretrain_capture(rank, world_size, argv):
         return real_save(iteration, *a, **k)
 
     checkpointing.save_checkpoint = counting_save
+    real_portable = checkpointing._portable_args
+    if poison_after_first_save:
+        def poisoned(args):
+            out = real_portable(args)
+            if calls and len(calls) > 1:
+                out.poison = rank
+            return out
+
+        checkpointing._portable_args = poisoned
     try:
         result = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
                           pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
@@ -53,7 +67,13 @@ def run_pretrain_capture(rank, world_size, argv):
     finally:
         logger.removeHandler(capture)
         checkpointing.save_checkpoint = real_save
+        checkpointing._portable_args = real_portable
     return result["history"], capture.messages, calls
+
+
+def differs(warnings):
+    """megatron-core's warning that a rank's common (rank-0-only) state differs from rank 0's."""
+    return [w for w in warnings if "common state dict differs" in w]
 
 
 # --- launching the real CLI under torchrun, in its own process group --------------------------
