@@ -52,15 +52,19 @@ def logits_rank(rank, world_size, hf_dir, ckpt, layouts, tokens, load_checks=Non
 
 
 def pipeline_rank(rank, world_size, train_runs, logit_jobs):
-    """pretrain() runs (same layout) in this process, then logits_rank for each
+    """pretrain() runs in this process, then logits_rank for each
     (hf_dir, ckpt, layouts, tokens) job."""
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
     from megatron_moe.training import pretrain
 
+    from megatron.core import parallel_state
+
     histories = []
     for argv in train_runs:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()  # the runs may use different layouts
         result = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
                           pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
                           pretrain_gpt_moe.forward_step, argv=argv)

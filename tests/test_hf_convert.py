@@ -129,12 +129,14 @@ def converted(tmp_path_factory):
     # fine-tune from the trained checkpoint and plain resume from its round trip: same weights,
     # same data, fresh optimizer -> the same losses
     resume = [TRAIN + ["--train-iters", "2", "--load", t["meg"], "--finetune"],
-              TRAIN + ["--train-iters", "2", "--load", t["back"]]]
+              TRAIN + ["--train-iters", "2", "--load", t["back"]],
+              TRAIN + ["--train-iters", "2", "--load", t["back"], "--expert-model-parallel-size",
+                       "1", "--pipeline-model-parallel-size", "2"]]
     jobs = [(out[k]["hf"], out[k]["meg"], LAYOUTS, TOKENS) for k in ("mixtral", "qwen2_moe")]
     jobs.append((t["hf"], t["meg"], ["--expert-model-parallel-size 2"], TOKENS))
     histories, logits = run_distributed(pipeline_rank, 2, resume, jobs, timeout_s=500)[0]
     out["mixtral"]["logits"], out["qwen2_moe"]["logits"], t["logits"] = logits
-    t["finetuned"], t["resumed"] = histories
+    t["finetuned"], t["resumed"], t["resumed_pp2"] = histories
     return out
 
 
@@ -149,7 +151,9 @@ def test_roundtrip_bit_exact(converted, kind):
         json.load(open(os.path.join(d["hf"], "config.json")))
     # Megatron's layout really was in between: fused QKV, padded vocabulary, experts per rank
     ckpt = os.path.join(d["meg"], "iter_0000000")
-    meta = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_common_state_dict(ckpt)  # common.pt, or inside .distcp (0.19)
     assert meta["args"].padded_vocab_size == 256
     assert meta["extra_state"]["hf"]["family"] == kind.replace("_bf16", "")
     assert meta["args"].bf16 == kind.endswith("bf16")
@@ -164,6 +168,8 @@ def test_logits_match_transformers(converted, kind):
     for layout, (iteration, logits) in zip(LAYOUTS, d["logits"]):
         assert iteration == 0
         torch.testing.assert_close(logits, reference, **TOL, msg=lambda m: f"{layout!r}: {m}")
+        print(f"{kind} {layout or 'TP1 EP1'}: max |ours - transformers| = "
+              f"{(logits - reference).abs().max():.2e} (max |logit| {reference.abs().max():.2f})")
     # the comparison is sharp enough to catch a wrong rope base or top-k normalisation
     mutated = hf_logits(d["hf"], rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
@@ -188,6 +194,9 @@ def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(converted):
     assert t["resumed"]["iteration"] == [1, 2]
     assert all(loss == loss for loss in t["resumed"]["lm_loss"])
     assert t["resumed"]["lm_loss"] == t["finetuned"]["lm_loss"]
+    # and at another layout (PP=2, EP=1) than the one it was converted for
+    assert t["resumed_pp2"]["iteration"] == [1, 2]
+    assert t["resumed_pp2"]["lm_loss"] == pytest.approx(t["resumed"]["lm_loss"], rel=1e-5)
 
 
 def test_help_and_refusals():
