@@ -3,6 +3,9 @@
 A hang (a collective waiting forever, a forked checkpoint writer) must fail the caller, not hang
 it: every rank runs in its own process group, and on timeout or failure the whole group is
 killed, including anything the ranks forked.
+
+Every rank runs in strict device mode (``MEGATRON_MOE_STRICT_DEVICES=1``, megatron_moe/comm/strict.py):
+each collective is checked as NCCL would need it, so the suite proves NCCL-readiness on gloo.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import time
 import traceback
 
 import torch.multiprocessing as mp
+
+
+STRICT_DEVICES_ENV = "MEGATRON_MOE_STRICT_DEVICES"   # = megatron_moe.comm.strict.ENV
 
 
 class DistributedRunError(RuntimeError):
@@ -44,6 +50,9 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, collective_timeou
         from megatron_moe.compat import apply_cpu_shims
 
         apply_cpu_shims()
+        from megatron_moe.comm import strict
+
+        strict.enable_from_env()  # every collective checked as NCCL needs it
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", out))
         try:
@@ -65,6 +74,9 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0,
     Raises DistributedRunError with the failing rank's traceback, or on timeout.
     """
     ctx = mp.get_context("spawn")
+    # NCCL-readiness on gloo: every collective's devices checked (megatron_moe/comm/strict.py);
+    # a caller may pass env={STRICT_DEVICES_ENV: "0"} to run without it
+    env = {STRICT_DEVICES_ENV: os.environ.get(STRICT_DEVICES_ENV, "1"), **(env or {})}
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -124,4 +136,6 @@ def _kill(procs):
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        if p.is_alive():  # not yet in its own process group (killed during start-up on a busy host)
+            p.kill()
         p.join(timeout=5)
