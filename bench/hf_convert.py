@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Peak memory and time of tools/checkpoint/convert.py on a random Mixtral, both directions.
+
+    python bench/hf_convert.py [--layers 4] [--hidden 512] [--experts 8] [--shard-mb 20] [--work-dir DIR]
+
+Every measured step runs in its own process (peak RSS = ru_maxrss of that one child):
+* ``imports``: a process that only imports what the converter imports (torch, megatron-core,
+  our checkpointing, safetensors) and starts its one-rank gloo group: the floor.
+* ``hf->megatron`` / ``megatron->hf``: the converter.
+* peer ``transformers``: ``AutoModelForCausalLM.from_pretrained`` of the same HF directory (what a
+  converter built on transformers must at least do: hold the model), for scale.
+Printed: peak RSS, the part above ``imports``, that part in model sizes and in shard sizes, and
+the ratio to the transformers peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_MEASURE = """
+import resource, subprocess, sys, time
+t = time.time()
+rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+if rc.returncode:
+    sys.exit(rc.stderr[-2000:])
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.time() - t)
+"""
+
+_IMPORTS = """
+from megatron_moe.hf import megatron_side
+megatron_side.init_single_process()
+import megatron_moe.checkpointing, safetensors.torch, tqdm
+"""
+
+_PEER = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+"""
+
+
+def measure(cmd):
+    """(peak RSS in MB, seconds) of ``cmd`` run as the only child of a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE] + cmd, capture_output=True, text=True,
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=3600)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd[:6])} ...: {out.stderr}")
+    kb, seconds = out.stdout.split()
+    return int(kb) / 1024, float(seconds)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--shard-mb", type=int, default=20)
+    p.add_argument("--work-dir", default=None)
+    args = p.parse_args(argv)
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    work = args.work_dir or tempfile.mkdtemp(prefix="hf_convert_bench_")
+    hf, meg, back = (os.path.join(work, n) for n in ("hf", "meg", "back"))
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=8000, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                        num_local_experts=args.experts, num_experts_per_tok=2,
+                        max_position_embeddings=256)
+    model = MixtralForCausalLM(cfg)
+    model_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    model.save_pretrained(hf, max_shard_size=f"{args.shard_mb}MB")
+    del model
+    convert = [sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT"]
+    rows = [("imports", measure([sys.executable, "-c", _IMPORTS])),
+            ("transformers (peer)", measure([sys.executable, "-c", _PEER, hf])),
+            ("hf->megatron", measure(convert + ["--loader", "hf", "--saver", "megatron",
+                                                "--load-dir", hf, "--save-dir", meg,
+                                                "--target-expert-parallel-size", "2"])),
+            ("megatron->hf", measure(convert + ["--loader", "megatron", "--saver", "hf",
+                                                "--load-dir", meg, "--save-dir", back,
+                                                "--max-shard-size", f"{args.shard_mb}MB"]))]
+    floor = rows[0][1][0]
+    peer = rows[1][1][0] - floor
+    print(f"model {model_mb:.0f} MB fp32, shards {args.shard_mb} MB, work dir {work}")
+    print(f"{'step':22s} {'peak MB':>8s} {'above imports':>14s} {'x model':>8s} {'x shard':>8s} "
+          f"{'vs peer':>8s} {'seconds':>8s}")
+    results = {}
+    for name, (peak, seconds) in rows:
+        above = peak - floor
+        print(f"{name:22s} {peak:8.0f} {above:14.0f} {above / model_mb:8.2f} "
+              f"{above / args.shard_mb:8.1f} {above / peer:8.2f} {seconds:8.1f}")
+        results[name] = dict(peak_mb=peak, above_imports_mb=above, seconds=seconds)
+    print(json.dumps(dict(model_mb=model_mb, shard_mb=args.shard_mb, results=results)))
+    return results
+
+
+if __name__ == "__main__":
+    main()
