@@ -20,6 +20,7 @@ API (stable; other packages import it)::
     h.result                                       # fn()'s return value (submit), after wait
     link.stats() -> dict(bytes=, copies=, copy_s=, wait_s=, waits=, blocked_waits=,
                          hidden_fraction=)  # hidden_fraction = 1 - exposed wait / copy time
+    link.drain()                                   # block until every queued job ran and landed
     link.reset_stats(); link.close()
 
     arena = SlotArena(slot_numel, slots, device=None, nan_fill=False)
@@ -181,6 +182,8 @@ class CopyLink:
         h = CopyHandle(self)
         self._queue.put((lambda: None, h, None, False))
         h._done.wait()
+        if self._stream is not None:  # and every copy it launched has landed
+            self._stream.synchronize()
 
     def close(self):
         if self._thread is not None:

@@ -231,6 +231,8 @@ class ExpertOffload:
                 t = cache.get(key, pin=True)
                 try:
                     dst.copy_(t, non_blocking=dst.is_cuda)
+                    if dst.is_cuda:  # the entry may be evicted once unpinned: copy done first
+                        torch.cuda.current_stream().synchronize()
                 finally:
                     cache.unpin(key)
             layer.handle = self.link.submit(job, nbytes=layer.nbytes)
