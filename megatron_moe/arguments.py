@@ -205,6 +205,8 @@ def _add_checkpoint_args(p):
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only; reset iteration, optimizer and scheduler.")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--async-save", action="store_true",
+                   help="Write checkpoint shards in the background (megatron-core's async save).")
     g.add_argument("--auto-detect-ckpt-format", action="store_true")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                    dest="use_checkpoint_opt_param_scheduler")
@@ -391,6 +393,8 @@ def validate_args(args, check_data_paths=True):
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
+    if args.async_save and args.save is None:
+        raise ValueError("--async-save needs --save")
     if args.save is not None and args.save_interval is None:
         args.save_interval = args.train_iters  # save at the end at least
     if args.save_interval is not None and args.save_interval < 1:

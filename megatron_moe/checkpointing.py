@@ -17,9 +17,11 @@ layout is unchanged (it has no meaning across layouts; a note says so).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -107,12 +109,52 @@ def _sharded_state(model, optimizer, args, *, include_optimizer: bool, include_r
     return state
 
 
+TEST_SAVE_DELAY_ENV = "MEGATRON_MOE_TEST_SAVE_DELAY"   # tests only: seconds (module doc)
+
+_async_queue = None      # megatron-core's AsyncCallsQueue, created by the first --async-save
+
+
+def _fsync_dir(path: str):
+    """Make a rename/replace inside ``path`` durable (POSIX: the directory entry is data too)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree_files(path: str, names=None):
+    for name in names if names is not None else os.listdir(path):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            with open(full, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _test_delay() -> float:
+    return float(os.environ.get(TEST_SAVE_DELAY_ENV, "0") or 0)
+
+
 def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train_samples,
                     consumed_valid_samples=0, extra_state: dict | None = None):
+    """Write ``<save>/iter_XXXXXXX`` atomically (``.tmp`` then rename, then the tracker).
+
+    With ``--async-save`` the shards are written in the background (megatron-core's
+    AsyncCallsQueue); the rename and tracker update run as the request's finalisation, on every
+    rank, once all ranks finished writing (``finalize_async_save``). A save waits for the previous
+    async save first, so at most one is in flight.
+    """
+    from megatron_moe.compat.checkpoint import install_test_write_delay, wait_writer_ready
+
     root = args.save
     final_dir = checkpoint_dir(root, iteration)
     tmp_dir = final_dir + ".tmp"
     rank = dist.get_rank()
+    finalize_async_save(blocking=True)
+    delay = _test_delay()
+    if delay:
+        install_test_write_delay(delay)
+    wait_writer_ready()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp_dir, ignore_errors=True)  # leftover of a killed save
@@ -133,23 +175,63 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
         optimizer_count=_optimizer_count(optimizer),
         has_rng=not args.no_save_rng,
     )
-    dist_checkpointing.save(state, tmp_dir, get_default_save_sharded_strategy("torch_dist"))
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    commit = functools.partial(_commit, root, iteration, tmp_dir, final_dir, delay)
+    if getattr(args, "async_save", False):
+        global _async_queue
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        request = dist_checkpointing.save(state, tmp_dir, strategy, async_sharded_save=True)
+        request.finalize_fns.append(commit)
+        if _async_queue is None:
+            _async_queue = AsyncCallsQueue()
+        _async_queue.schedule_async_request(request)
+        return
+    dist_checkpointing.save(state, tmp_dir, strategy)
+    commit()
+
+
+def finalize_async_save(blocking: bool = False) -> list:
+    """Finish the async saves whose writes are done (all of them when ``blocking``); a
+    collective: every rank calls it at the same points (each iteration, before a save, at exit).
+    Returns the finalised call ids."""
+    if _async_queue is None:
+        return []
+    return _async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+
+def async_save_pending() -> bool:
+    return _async_queue is not None and _async_queue.get_num_unfinalized_calls() > 0
+
+
+def _commit(root, iteration, tmp_dir, final_dir, delay=0.0):
+    """Every rank's shards are on disk: rename into place, then move the tracker (rank 0)."""
     dist.barrier()
-    if rank == 0:
+    if dist.get_rank() == 0:
+        # shard files are fsynced by megatron-core's writer; the common files are not
+        _fsync_tree_files(tmp_dir, [n for n in os.listdir(tmp_dir) if not n.endswith(".distcp")])
+        _fsync_dir(tmp_dir)
+        if delay:
+            time.sleep(delay)   # tests: complete but not renamed
         if os.path.exists(final_dir):  # re-saving an iteration: keep the old one until replaced
             old = final_dir + ".old"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final_dir, old)
             os.rename(tmp_dir, final_dir)
+            _fsync_dir(root)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp_dir, final_dir)
+            _fsync_dir(root)
+        if delay:
+            time.sleep(delay)   # tests: renamed, tracker not yet moved
         tracker_tmp = os.path.join(root, TRACKER + ".tmp")
         with open(tracker_tmp, "w") as f:
             f.write(str(iteration))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        _fsync_dir(root)
     dist.barrier()
 
 

@@ -68,6 +68,10 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
 
     exit_conditions = ExitConditions(args, start)  # handler first: a notice may come during setup
     initialize_distributed(args)
+    if args.save:
+        from megatron_moe.compat.checkpoint import prestart_writer
+
+        prestart_writer()  # the checkpoint writer's one-time start, hidden behind setup
     _build_tokenizer(args)
     print_rank_0(f"> initialized {args.world_size} ranks on {args.distributed_backend}: "
                  f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
@@ -110,6 +114,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
     finally:
         exit_conditions.close()
+    from megatron_moe.checkpointing import finalize_async_save
+
+    finalize_async_save(blocking=True)  # --async-save: the last checkpoint is complete on exit
     hooks.close()
     return result
 
@@ -305,14 +312,17 @@ class Trainer:
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, train_iter, valid_iter, iteration, consumed_train, consumed_valid):
-        from megatron_moe.checkpointing import save_checkpoint
+        from megatron_moe.checkpointing import finalize_async_save, save_checkpoint
 
         args = self.args
         for chunk in self.model:
             chunk.train()
         history = {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []}
         window = LogWindow()
-        saved_at = None
+        # resuming from --save itself: the loaded iteration is on disk already (re-saving it would
+        # replace the directory the tracker points at)
+        saved_at = iteration if args.load and args.save and \
+            os.path.abspath(args.load) == os.path.abspath(args.save) else None
         tokens_per_iter = args.global_batch_size * args.seq_length
         if train_iter is None and iteration < args.train_iters:
             raise TrainingError("--data-path: the training split is empty (check --split)")
@@ -326,10 +336,12 @@ class Trainer:
                     save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
                                     consumed_train, consumed_valid, {"hooks": self.hooks.state_dict()})
                 saved_at = it
-                print_rank_0(f"  saved checkpoint at iteration {it:7d} to {args.save} "
+                how = "scheduled async save" if args.async_save else "saved checkpoint"
+                print_rank_0(f"  {how} at iteration {it:7d} to {args.save} "
                              f"in {time.time() - t0:.2f}s")
 
         while iteration < args.train_iters:
+            finalize_async_save(blocking=False)  # --async-save: commit finished writes
             loss_dict, grad_norm, ok = self.train_step(train_iter)
             iteration += 1
             consumed_train += args.global_batch_size

@@ -91,10 +91,20 @@ def start_torchrun(nproc, args, env=None, log_path=None):
 
 
 def kill_group(proc, sig=signal.SIGKILL):
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    """Kill the whole job: torchrun starts each worker in its own session, so the launcher's
+    process group and every worker's group (with what the worker forked: checkpoint writers,
+    multiprocessing managers) are killed one by one."""
+    groups = [proc.pid] + list(worker_pids(proc).values())
+    for pgid in groups:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def wait_for(predicate, timeout, proc=None, what=""):
