@@ -79,3 +79,22 @@ def test_uneven_collectives():
         assert gathered == expected_gather
         rows = full[:2] if rank == 0 else full[2:]
         assert scattered == [[2 * v for v in row] for row in rows]  # summed over 2 ranks
+
+
+def test_paged_stash_stub_only_where_needed():
+    """megatron-core 0.19 imports triton unguarded (moe/ops/paged_stash): without triton the
+    model cannot be imported unless compat registers its stub; older releases need none."""
+    from megatron_moe.compat.versions import mcore_at_least
+
+    def imports(with_stub):
+        code = ("import sys; sys.modules['triton'] = None\n"  # as if triton were not installed
+                + ("from megatron_moe.compat import install_megatron_core_stubs as s; s()\n"
+                   if with_stub else "")
+                + "import megatron.core.models.gpt.gpt_model")
+        return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                              text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+
+    with_stub = imports(True)
+    assert with_stub.returncode == 0, with_stub.stderr[-2000:]
+    without = imports(False)
+    assert (without.returncode != 0) == mcore_at_least("0.19"), without.stderr[-2000:]

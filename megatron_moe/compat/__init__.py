@@ -18,8 +18,15 @@ def quiet_known_warnings():
 def install_megatron_core_stubs():
     """megatron-core >= 0.19 imports triton unguarded in one MoE op module (paged stash).
 
-    Register a stub for that module when triton is missing, before megatron.core is imported.
+    Register a stub for that module when triton is missing, before megatron.core is imported
+    (older releases lack the module: nothing to do there).
     """
+    from packaging.version import Version
+
+    from megatron_moe.compat.versions import distribution_version
+
+    if distribution_version().release < Version("0.19").release:
+        return
     try:
         import triton  # noqa: F401
         return

@@ -16,6 +16,14 @@ def megatron_core_version() -> Version:
     return Version(megatron.core.__version__)
 
 
+def distribution_version() -> Version:
+    """The installed megatron-core's version from its package metadata, without importing it
+    (for what must happen before ``import megatron.core``)."""
+    from importlib.metadata import version
+
+    return Version(version("megatron-core"))
+
+
 def mcore_at_least(version: str) -> bool:
     """True when the installed megatron-core is ``version`` or newer (pre-releases count as it)."""
     return megatron_core_version().release >= Version(version).release
