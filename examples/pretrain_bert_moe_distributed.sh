@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # BERT-large-shaped MoE on GPUs (NCCL), one or more nodes under torchrun.
+# gpu-memory-gb: 80   (checked by tests/test_theoretical_memory.py with tools/report_theoretical_memory.py)
 # Default mapping per node of 8 GPUs: TP=1, PP=1, EP=8 (DP = world): experts and the word-embedding
 # columns (--embedding-partition hidden) are split over the same 8 ranks, so the embedding
 # gradient needs no all-reduce at all. With EP < DP the embedding shards are all-reduced over the

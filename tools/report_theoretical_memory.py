@@ -1,0 +1,343 @@
+#!/usr/bin/env python
+"""Per-GPU theoretical memory of a training run from its Megatron flags (Megatron-LM's tool name).
+
+    WORLD_SIZE=8 python tools/report_theoretical_memory.py <the pretrain_gpt_moe.py flags> \
+        [--world-size N] [--gpu-memory-gb 80] [--vocab-size V]
+
+Accepts the flags a launch script passes to pretrain_gpt_moe.py (the same parser); Megatron-LM
+flags this project does not parse are listed and ignored; recomputation / attention-backend /
+virtual-pipeline flags are Megatron's. Prints, for the most loaded pipeline stage, the bytes of
+parameters, gradients, optimizer state and activations, then Megatron's summary line
+``Theoretical memory footprints: weight and optimizer=... MB, activation=... MB, total=... MB``.
+The arithmetic (docs/memory.md) is our own; it differs from Megatron-LM's
+``theoretical_memory_usage.py`` in that experts are sharded by EP x ETP (not TP) and their
+distributed-optimizer state by the expert-data-parallel size, gradients are fp32 (this project's
+DDP reduces in fp32), and MoE activations scale with top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+MB = 1024 * 1024
+GB = 1e9
+# Allocator fragmentation, CUDA context, NCCL/communication buffers and workspace: an estimate
+# "fits" a card when it stays under this share of the card minus the fixed reserve.
+FIT_FRACTION = 0.9
+FIT_RESERVE_GB = 3.0
+
+# Megatron flags this tool reads that the training parser may not define (added only if absent).
+_EXTRA = [
+    ("--recompute-granularity", dict(default=None, choices=["full", "selective"])),
+    ("--recompute-method", dict(default=None, choices=["uniform", "block"])),
+    ("--recompute-num-layers", dict(type=int, default=None)),
+    ("--recompute-activations", dict(action="store_true")),
+    ("--virtual-pipeline-model-parallel-size", dict(type=int, default=None)),
+    ("--num-layers-per-virtual-pipeline-stage", dict(type=int, default=None)),
+    ("--attention-backend", dict(default="auto",
+                                 choices=["auto", "flash", "fused", "unfused", "local"])),
+    ("--use-flash-attn", dict(action="store_true")),
+]
+_OWN = [
+    ("--world-size", dict(type=int, default=None,
+                          help="GPUs in the run (default: $WORLD_SIZE, else 1).")),
+    ("--gpu-memory-gb", dict(type=float, default=None,
+                             help="Check the estimate against a card of this size (GB = 1e9 B).")),
+    ("--num-microbatches", dict(type=int, default=None,
+                                help="Default: global batch / (micro batch x DP).")),
+]
+_TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "BertWordPieceLowerCase": 30522,
+                    "BertWordPieceCase": 28996}
+
+
+def _help_parser():
+    # --help must not import torch / megatron-core (the full parser's extension modules do)
+    p = argparse.ArgumentParser(prog="report_theoretical_memory.py", description=__doc__.split("\n")[0],
+                                epilog="Also accepts every pretrain_gpt_moe.py flag "
+                                       "(python pretrain_gpt_moe.py --help).")
+    for name, kw in _EXTRA + _OWN:
+        p.add_argument(name, **kw)
+    return p
+
+
+def parse(argv):
+    """(args, ignored flags): the training parser + the flags above, unknown Megatron flags kept
+    aside; derived values (DP, ETP, ffn sizes, padded vocabulary) filled like training does."""
+    from megatron_moe.arguments import build_parser
+
+    parser = build_parser(prog="report_theoretical_memory.py")
+    have = set(parser._option_string_actions)
+    for name, kw in _EXTRA + _OWN:
+        if name not in have:
+            parser.add_argument(name, **kw)
+    args, unknown = parser.parse_known_args(argv)
+    ignored = [u for u in unknown if u.startswith("--")]
+    args.world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    for what, d in (("TP x PP x CP", tp * pp * cp), ("ETP x EP x PP", etp * ep * pp)):
+        if args.world_size % d:
+            parser.error(f"world size {args.world_size} is not divisible by {what} = {d} "
+                         "(pass --world-size or WORLD_SIZE)")
+    args.data_parallel_size = args.world_size // (tp * pp * cp)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if getattr(args, "padded_vocab_size", None) is None:
+        vocab = args.vocab_size or _TOKENIZER_VOCAB.get(args.tokenizer_type)
+        if vocab is None:
+            vocab = 32000
+            args.memory_notes = ["vocabulary size unknown for this tokenizer: 32000 assumed "
+                                 "(pass --vocab-size)"]
+        mult = args.make_vocab_size_divisible_by * tp
+        args.padded_vocab_size = int(math.ceil(vocab / mult) * mult)
+    return args, ignored
+
+
+# --- parameters ------------------------------------------------------------------------------------
+def _moe_pattern(args):
+    L = args.num_layers
+    if not args.num_experts:
+        return [0] * L
+    f = args.moe_layer_freq
+    return list(f) if isinstance(f, list) else [1 if i % f == 0 else 0 for i in range(L)]
+
+
+def layer_params(args):
+    """(non-expert params of a dense layer, of an MoE layer, expert params of one MoE layer); each
+    non-expert entry is (sharded over TP, replicated over TP)."""
+    h, a = args.hidden_size, args.num_attention_heads
+    kv = args.kv_channels or h // a
+    g = args.num_query_groups if (args.group_query_attention and args.num_query_groups) else a
+    bias = getattr(args, "add_bias_linear", True)
+    gate = 2 if args.swiglu else 1
+    norm = h if args.normalization == "RMSNorm" else 2 * h
+    attn = h * (a + 2 * g) * kv + a * kv * h
+    attn_b = ((a + 2 * g) * kv if (bias or getattr(args, "add_qkv_bias", False)) else 0)
+    attn_rep = 2 * norm + (h if bias else 0)            # the two norms, the proj bias
+    f = args.ffn_hidden_size
+    mlp = h * f * gate + f * h + ((f * gate) if bias else 0)
+    dense = (attn + attn_b + mlp, attn_rep + (h if bias else 0))
+    experts = 0
+    moe = (attn + attn_b, attn_rep)
+    if args.num_experts:
+        fm = args.moe_ffn_hidden_size or f
+        one = h * fm * gate + fm * h + ((fm * gate + h) if bias else 0)
+        experts = args.num_experts * one
+        sh = args.moe_shared_expert_intermediate_size or 0
+        shared = h * sh * gate + sh * h
+        router = args.num_experts * h
+        moe = (attn + attn_b + shared, attn_rep + router
+               + (h if getattr(args, "moe_shared_expert_gate", False) else 0))
+    return dense, moe, experts
+
+
+def stage_params(args, stage):
+    """(non-expert params on one rank of ``stage``, expert params on one rank)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    pattern = _moe_pattern(args)
+    per = args.num_layers // pp
+    mine = pattern[stage * per:(stage + 1) * per]
+    dense, moe, experts = layer_params(args)
+    n_moe = sum(mine)
+    n_dense = len(mine) - n_moe
+    nonexp = (n_dense * (dense[0] / tp + dense[1]) + n_moe * (moe[0] / tp + moe[1]))
+    h, V = args.hidden_size, args.padded_vocab_size
+    if stage == 0:
+        nonexp += V * h / tp
+        if args.position_embedding_type == "learned_absolute":
+            nonexp += (args.max_position_embeddings or args.seq_length) * h
+    if stage == pp - 1:
+        nonexp += (h if args.normalization == "RMSNorm" else 2 * h)
+        if args.untie_embeddings_and_output_weights or pp > 1:
+            nonexp += V * h / tp      # PP > 1: the tied output weight is a copy on the last stage
+    exp = n_moe * experts / (ep * etp)
+    return nonexp, exp
+
+
+# --- bytes -----------------------------------------------------------------------------------------
+def weight_and_optimizer_bytes(args, stage):
+    """dict(params, grads, optimizer) bytes on one rank of ``stage``."""
+    nonexp, exp = stage_params(args, stage)
+    mixed = args.bf16 or args.fp16
+    p_bytes = 2 if mixed else 4
+    grad_bytes = 4                          # megatron-core DDP with grad_reduce_in_fp32 (model.py)
+    state = 8 if args.optimizer == "adam" else 4             # Adam m, v (fp32); SGD momentum
+    opt_per_param = state + (4 if mixed else 0)               # + the fp32 main copy of a 16-bit param
+    dp = args.data_parallel_size * args.context_parallel_size
+    edp = args.world_size // (args.expert_model_parallel_size * args.expert_tensor_parallel_size
+                              * args.pipeline_model_parallel_size)
+    if args.use_distributed_optimizer:
+        optimizer = opt_per_param * (nonexp / dp + exp / edp)
+    else:
+        optimizer = opt_per_param * (nonexp + exp)
+    return dict(params=p_bytes * (nonexp + exp), grads=grad_bytes * (nonexp + exp),
+                optimizer=optimizer, nonexpert_params=nonexp, expert_params=exp)
+
+
+def _local(args):
+    """megatron-core's local (no Transformer Engine) layers - what runs on CPU: unfused attention
+    with an fp32 softmax, norms that keep fp32 copies, SwiGLU saving its SiLU output too."""
+    return args.attention_backend in ("local", "unfused")
+
+
+def _flash(args):
+    return (args.use_flash_attn or args.attention_backend in ("flash", "fused", "auto")
+            or args.recompute_granularity == "selective")
+
+
+def _norm_bytes(args, h, ab):
+    # TE norms save the input (+ a per-token rstd); the local RMSNorm/LayerNorm two fp32 copies
+    return 2 * 4 * h if _local(args) else h * ab
+
+
+def layer_activation_bytes(args, moe: bool):
+    """Bytes one layer keeps for backward per micro-batch on one rank (Korthikanti et al. 2022,
+    Table 2, generalised: GQA, SwiGLU, dropout masks only when dropout > 0, MoE top-k copies)."""
+    s = args.seq_length / args.context_parallel_size
+    b, h, a = args.micro_batch_size, args.hidden_size, args.num_attention_heads
+    kv = args.kv_channels or h // a
+    g = args.num_query_groups if (args.group_query_attention and args.num_query_groups) else a
+    tp = args.tensor_model_parallel_size
+    ab = 2 if (args.bf16 or args.fp16) else 4
+    gate = 2 if args.swiglu else 1
+    mask_h = h if args.hidden_dropout > 0 else 0
+    # per token: the part every TP rank holds without SP, and the part TP splits
+    rep = 2 * _norm_bytes(args, h, ab) + h * ab + 2 * mask_h   # 2 norms, QKV input, 2 dropout masks
+    shard = (a + 2 * g) * kv * ab + a * kv * ab           # Q, K, V; projection input
+    if not _flash(args):                                  # unfused softmax(QK^T) [+ dropout] kept
+        soft = (4 + ab) if _local(args) else ab           # local: fp32 softmax + its 16-bit copy
+        shard += a * s * (soft + (ab + 1 if args.attention_dropout > 0 else 0))
+    silu = 1 if (_local(args) and args.swiglu) else 0     # unfused SwiGLU keeps silu(x) too
+    if moe and args.num_experts:
+        k, E = args.moe_router_topk, args.num_experts
+        fm = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        rep += h * ab + 2 * E * 4                         # router input, fp32 logits and probs
+        # k copies per token: permuted input, fc1 output (activation input), fc2 input
+        etp = args.expert_tensor_parallel_size
+        shard_e = k * (h * ab + fm * (gate + 1 + silu) * ab / etp)
+        sh = args.moe_shared_expert_intermediate_size or 0
+        shard += sh * (gate + 1 + silu) * ab
+    else:
+        f = args.ffn_hidden_size
+        rep += h * ab                                     # fc1 input
+        shard += f * (gate + 1 + silu) * ab
+        shard_e = 0
+    sp = args.sequence_parallel or tp == 1
+    per_token = (rep / tp if sp else rep) + shard / tp + shard_e
+    return s * b * per_token
+
+
+def activation_bytes(args, stage, num_microbatches):
+    pp = args.pipeline_model_parallel_size
+    per = args.num_layers // pp
+    pattern = _moe_pattern(args)[stage * per:(stage + 1) * per]
+    s = args.seq_length / args.context_parallel_size
+    b, h, tp = args.micro_batch_size, args.hidden_size, args.tensor_model_parallel_size
+    ab = 2 if (args.bf16 or args.fp16) else 4
+    full = [layer_activation_bytes(args, bool(m)) for m in pattern]
+    keep = list(full)
+    if args.recompute_granularity == "full":
+        n = args.recompute_num_layers or 1
+        inp = s * b * h * ab / (tp if args.sequence_parallel else 1)
+        if args.recompute_method == "block":          # the first n layers keep only their input
+            keep = [inp if i < n else x for i, x in enumerate(full)]
+            peak = max(full[:n], default=0)
+        else:                                          # uniform: one input per chunk of n layers
+            keep = [inp if i % n == 0 else 0 for i in range(len(full))]
+            peak = max((sum(full[i:i + n]) for i in range(0, len(full), n)), default=0)
+    else:
+        peak = 0
+    act = sum(keep)
+    if stage == 0:
+        act += s * b * h * (ab + (1 if args.hidden_dropout > 0 else 0)) + 8 * s * b
+    # 1F1B: stage i holds min(pp - i, m) micro-batches; interleaving adds (pp-1)/(pp*vp)
+    vp = args.virtual_pipeline_model_parallel_size
+    if pp > 1:
+        inflight = min(pp - stage, num_microbatches)
+        if vp:
+            inflight = math.ceil((1 + (pp - 1) / (pp * vp)) * inflight)
+        act *= inflight
+    act += peak                                       # one recomputed chunk during its backward
+    if stage == pp - 1:                               # logits (fp32 for the loss) + final norm out
+        act += s * b * (args.padded_vocab_size / tp * 4 + _norm_bytes(args, h, ab) + h * ab)
+    return act
+
+
+def estimate(args, num_microbatches=None):
+    """Per-GPU bytes on the most loaded pipeline stage: dict(params, grads, optimizer,
+    activations, total, stage, ...)."""
+    if num_microbatches is None:
+        num_microbatches = (getattr(args, "num_microbatches", None)
+                            or max(1, args.global_batch_size
+                                   // (args.micro_batch_size * args.data_parallel_size)))
+    best = None
+    for stage in range(args.pipeline_model_parallel_size):
+        r = weight_and_optimizer_bytes(args, stage)
+        r["activations"] = activation_bytes(args, stage, num_microbatches)
+        r["total"] = r["params"] + r["grads"] + r["optimizer"] + r["activations"]
+        r["stage"] = stage
+        if best is None or r["total"] > best["total"]:
+            best = r
+    return best
+
+
+def fits(total_bytes, gpu_gb):
+    return total_bytes <= FIT_FRACTION * gpu_gb * GB - FIT_RESERVE_GB * GB
+
+
+def report(args, ignored=(), out=print):
+    r = estimate(args)
+    tp, pp, ep, etp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                       args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+    out(f"world {args.world_size}: TP={tp} PP={pp} EP={ep} ETP={etp} CP={args.context_parallel_size} "
+        f"DP={args.data_parallel_size} expert-DP={args.world_size // (ep * etp * pp)}, "
+        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, "
+        f"distributed optimizer {'on' if args.use_distributed_optimizer else 'off'}, "
+        f"recompute {args.recompute_granularity or 'none'}"
+        f"{' (' + str(args.recompute_method) + ')' if args.recompute_granularity == 'full' else ''}")
+    out(f"most loaded rank: pipeline stage {r['stage']}: {r['nonexpert_params'] / 1e9:.3f}B non-expert "
+        f"+ {r['expert_params'] / 1e9:.3f}B expert parameters")
+    for k in ("params", "grads", "optimizer", "activations", "total"):
+        out(f"  {k:<12} {r[k] / GB:9.2f} GB")
+    if ignored:
+        out(f"ignored (not modelled here): {' '.join(ignored)}")
+    for note in getattr(args, "memory_notes", []):
+        out(f"note: {note}")
+    w = (r["params"] + r["grads"] + r["optimizer"]) / MB
+    a = r["activations"] / MB
+    out(f"Theoretical memory footprints: weight and optimizer={w:.2f} MB, activation={a:.2f} MB, "
+        f"total={w + a:.2f} MB")
+    if args.gpu_memory_gb:
+        ok = fits(r["total"], args.gpu_memory_gb)
+        out(f"{'fits' if ok else 'DOES NOT FIT'} a {args.gpu_memory_gb:g} GB GPU (budget "
+            f"{FIT_FRACTION:.0%} of it minus {FIT_RESERVE_GB:g} GB for the CUDA context, "
+            f"communication buffers and fragmentation)")
+    return r
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        _help_parser().print_help()
+        return 0
+    args, ignored = parse(argv)
+    r = report(args, ignored)
+    if args.gpu_memory_gb and not fits(r["total"], args.gpu_memory_gb):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
