@@ -57,7 +57,13 @@ def main(argv=None):
                    help="SSD runs: host cache as a fraction of the expert states")
     p.add_argument("--device-budget-fraction", type=float, default=0.25,
                    help="the budget run: device budget as a fraction of resident expert bytes")
+    p.add_argument("--check", action="store_true",
+                   help="only the equivalence checks the test suite leaves out (to stay lean): 2 "
+                        "ranks with EP=1 (expert-data-parallel 2) for host and ssd, and --bf16 "
+                        "host, each bit-identical to resident")
     a = p.parse_args(argv)
+    if a.check:
+        return check()
 
     from megatron_moe.balance.cost_model import OffloadCost
     from megatron_moe.testing import run_distributed
@@ -142,6 +148,36 @@ def main(argv=None):
           f"device budget {budget / 1e6:.1f} MB; offloaded device peak {s['device_peak'] / 1e6:.2f} MB "
           f"-> {'trains' if trained and s['device_peak'] <= budget else 'FAILS'} "
           f"(losses {', '.join(f'{x:.4f}' for x in losses)})")
+
+
+def check():
+    from megatron_moe.testing import run_distributed
+    from tests import _offload_cases as C
+
+    tmp = tempfile.mkdtemp(prefix="bench_offload_check_")
+    base = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --weight-decay 0.1 "
+            "--clip-grad 0.05 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 "
+            "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+            "--log-interval 1 --eval-interval 2 --eval-iters 1 --disable-bias-linear "
+            "--expert-model-parallel-size 1 --train-iters 3").split()
+    host = ["--moe-expert-offload", "host", "--moe-offload-debug-nan-fill"]
+    ssd = ["--moe-expert-offload", "ssd", "--moe-offload-debug-nan-fill", "--moe-offload-dir",
+           os.path.join(tmp, "ssd"), "--moe-offload-host-cache-gb", "0.0001",
+           "--moe-offload-cache-layers", "3"]
+    runs = {"resident": base, "host": base + host, "ssd K=3": base + ssd,
+            "resident bf16": base + ["--bf16"], "host bf16": base + ["--bf16"] + host}
+    out = run_distributed(C.run_many, 2, list(runs.values()), timeout_s=900)[-1]
+    res = dict(zip(runs, out))
+    ok = True
+    for name, ref in (("host", "resident"), ("ssd K=3", "resident"), ("host bf16", "resident bf16")):
+        same = all(res[name]["history"][k] == res[ref]["history"][k] for k in ("lm_loss", "grad_norm"))
+        ok &= same and res[name]["stats"]["steps"] == 3
+        print(f"2 ranks, EP=1 (expert-DP=2), eval every 2: {name} vs {ref}: "
+              f"{'bit-identical' if same else 'DIFFERENT'} losses and grad norms; "
+              f"{res[name]['lines'][-1]}")
+    if not ok:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
