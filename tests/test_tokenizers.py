@@ -131,6 +131,14 @@ def test_gpt2_bpe_is_byte_identical_to_the_reference_on_hard_text(hard):
         merged += len(text.encode("utf-8")) - len(ids)
     assert merged > 0.3 * sum(len(t.encode("utf-8")) for t in hard["docs"])  # BPE really merged
     assert tok.tokenize_batch(hard["docs"][:50]) == [ref.tokenize(t) for t in hard["docs"][:50]]
+    assert 0 < len(tok._cache) <= tok._CACHE_ENTRIES  # the regex + piece-cache path ran
+    # without the regex package: tokenizers' own ByteLevel pre-tokenizer, same ids
+    fallback = T.GPT2BPETokenizer(hard["vocab"], hard["merges"])
+    fallback._pattern = None
+    for text in hard["docs"]:
+        assert fallback.tokenize(text) == ref.tokenize(text), repr(text[:80])
+    assert fallback.tokenize_batch(hard["docs"][:50]) == tok.tokenize_batch(hard["docs"][:50])
+    assert not fallback._cache
     # the comparison is sensitive: Megatron skips the merges file's first line; ranking it too
     # changes the ids
     with open(hard["merges"], encoding="utf-8") as f:
