@@ -43,6 +43,10 @@ def make_hf(kind, path, dtype=torch.float32):
                                          num_local_experts=4, num_experts_per_tok=2,
                                          rope_theta=10000.0, **common)
         model = transformers.MixtralForCausalLM(cfg)
+    elif kind == "mistral":  # dense, to upcycle
+        cfg = transformers.MistralConfig(intermediate_size=96, num_hidden_layers=2,
+                                         sliding_window=None, **common)
+        model = transformers.MistralForCausalLM(cfg)
     else:  # a dense layer in the middle, shared expert with its gate, no top-k renormalisation
         cfg = transformers.Qwen2MoeConfig(intermediate_size=80, moe_intermediate_size=32,
                                           shared_expert_intermediate_size=48, num_hidden_layers=3,
@@ -118,6 +122,13 @@ def converted(tmp_path_factory):
     make_hf("mixtral", d["hf"], torch.bfloat16)
     runs += [["--loader", "hf", "--saver", "megatron", "--load-dir", d["hf"], "--save-dir", d["meg"]],
              ["--loader", "megatron", "--saver", "hf", "--load-dir", d["meg"], "--save-dir", d["back"]]]
+    # a dense Mistral upcycled into 4 experts (top-2) at EP=2, and exported as a Mixtral
+    u = out["upcycled"] = {name: str(root / f"upcycled_{name}") for name in ("dense", "meg", "hf")}
+    make_hf("mistral", u["dense"])
+    runs += [["--loader", "hf", "--saver", "megatron", "--load-dir", u["dense"], "--save-dir",
+              u["meg"], "--upcycle-num-experts", "4", "--upcycle-topk", "2",
+              "--target-expert-parallel-size", "2"],
+             ["--loader", "megatron", "--saver", "hf", "--load-dir", u["meg"], "--save-dir", u["hf"]]]
     # a checkpoint trained here at EP=2 (random init, 3 iterations) -> HF -> ours at EP=2
     t = out["trained"] = {name: str(root / f"trained_{name}") for name in ("meg", "hf", "back")}
     run_distributed(pipeline_rank, 2, [TRAIN + ["--train-iters", "3", "--save", t["meg"]]], [],
@@ -134,8 +145,9 @@ def converted(tmp_path_factory):
                        "1", "--pipeline-model-parallel-size", "2"]]
     jobs = [(out[k]["hf"], out[k]["meg"], LAYOUTS, TOKENS) for k in ("mixtral", "qwen2_moe")]
     jobs.append((t["hf"], t["meg"], ["--expert-model-parallel-size 2"], TOKENS))
+    jobs.append((u["hf"], u["meg"], ["--expert-model-parallel-size 2"], TOKENS))
     histories, logits = run_distributed(pipeline_rank, 2, resume, jobs, timeout_s=500)[0]
-    out["mixtral"]["logits"], out["qwen2_moe"]["logits"], t["logits"] = logits
+    out["mixtral"]["logits"], out["qwen2_moe"]["logits"], t["logits"], u["logits"] = logits
     t["finetuned"], t["resumed"], t["resumed_pp2"] = histories
     return out
 
@@ -197,6 +209,25 @@ def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(converted):
     # and at another layout (PP=2, EP=1) than the one it was converted for
     assert t["resumed_pp2"]["iteration"] == [1, 2]
     assert t["resumed_pp2"]["lm_loss"] == pytest.approx(t["resumed"]["lm_loss"], rel=1e-5)
+
+
+def test_upcycled_dense_model_computes_the_dense_model(converted):
+    """Every expert a copy of the dense MLP and top-k weights summing to 1: the MoE (ours at EP=2,
+    and transformers' Mixtral on the export) gives the dense Mistral's logits."""
+    u = converted["upcycled"]
+    dense = hf_logits(u["dense"])
+    [(_, ours)] = u["logits"]
+    torch.testing.assert_close(ours, dense, **TOL)
+    torch.testing.assert_close(hf_logits(u["hf"]), dense, **TOL)
+    source, moe = hf_state(u["dense"]), hf_state(u["hf"])
+    assert json.load(open(os.path.join(u["hf"], "config.json")))["num_local_experts"] == 4
+    for layer in range(2):
+        for e in range(4):
+            for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+                assert torch.equal(moe[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"],
+                                   source[f"model.layers.{layer}.mlp.{proj}.weight"])
+        router = moe[f"model.layers.{layer}.block_sparse_moe.gate.weight"]
+        assert router.shape == (4, 64) and router.std() > 0.05  # initialised, not zeros
 
 
 def test_help_and_refusals():

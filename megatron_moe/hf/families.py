@@ -326,6 +326,44 @@ class Qwen2Moe(Family):
 
 FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe())}
 
+# Dense architectures with Mixtral's layer apart from the MLP (same attention, norm and names).
+UPCYCLABLE = {"mistral": 10000, "llama": 10000}  # model_type -> its config's default rope_theta
+
+
+def upcycle_config(cfg, num_experts: int, topk: int) -> dict:
+    """The Mixtral config.json of a dense Mistral/Llama upcycled into ``num_experts`` copies of
+    its MLP (Komatsuzaki et al., "Sparse Upcycling"). With identical experts and Mixtral's
+    renormalised top-k weights (summing to 1) the MoE computes exactly the dense model."""
+    kind = cfg.get("model_type")
+    if kind not in UPCYCLABLE:
+        raise ConversionError(f"config.json: model_type {kind!r} cannot be upcycled (supported: "
+                              f"{', '.join(UPCYCLABLE)}; into Mixtral)")
+    if cfg.get("mlp_bias") or cfg.get("attention_bias"):
+        raise ConversionError("config.json: attention_bias/mlp_bias (Mixtral has no biases)")
+    if not 1 <= topk <= num_experts:
+        raise ConversionError(f"--upcycle-topk {topk} must be in [1, {num_experts}]")
+    theta = _rope_theta(cfg, UPCYCLABLE[kind])  # refuses rope scaling
+    dropped = ("mlp_bias", "attention_bias", "pretraining_tp", "rope_scaling", "rope_parameters")
+    moe = {k: v for k, v in cfg.items() if k not in dropped}
+    moe.update(model_type="mixtral", architectures=["MixtralForCausalLM"],
+               num_local_experts=num_experts, num_experts_per_tok=topk, rope_theta=float(theta),
+               router_aux_loss_coef=cfg.get("router_aux_loss_coef", 0.01),
+               sliding_window=cfg.get("sliding_window"), router_jitter_noise=0.0,
+               output_router_logits=False)
+    return moe
+
+
+def upcycle_source(name: str):
+    """The dense HF tensor a Mixtral tensor is copied from; None for the router (initialised)."""
+    parts = name.split(".")
+    if ".block_sparse_moe.gate." in name:
+        return None
+    if ".block_sparse_moe.experts." in name:  # model.layers.i.block_sparse_moe.experts.e.wK.weight
+        layer, w = parts[2], parts[6]
+        proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[w]
+        return f"model.layers.{layer}.mlp.{proj}.weight"
+    return name
+
 
 def family_for_config(cfg) -> Family:
     kind = cfg.get("model_type")

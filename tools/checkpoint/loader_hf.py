@@ -16,6 +16,12 @@ def add_arguments(parser):
     group = parser.add_argument_group("Hugging Face loader")
     group.add_argument("--hf-config", default=None,
                        help="config.json to use instead of <load-dir>/config.json")
+    group.add_argument("--upcycle-num-experts", type=int, default=None,
+                       help="Upcycle a dense Mistral/Llama checkpoint into a Mixtral MoE: every "
+                            "expert a copy of the layer's MLP, the router initialised (normal, "
+                            "std = initializer_range, --seed)")
+    group.add_argument("--upcycle-topk", type=int, default=2)
+    group.add_argument("--seed", type=int, default=1234, help="Router initialisation when upcycling")
 
 
 def _shards(load_dir):
@@ -38,14 +44,19 @@ def _shards(load_dir):
 def load_checkpoint(args):
     """Returns (metadata, iterator of (megatron name, tensor))."""
     from megatron_moe.hf.families import (IGNORED_HF_SUFFIXES, ConversionError,
-                                          family_for_config, rules_for)
+                                          family_for_config, rules_for, upcycle_config,
+                                          upcycle_source)
 
     config_path = args.hf_config or os.path.join(args.load_dir, "config.json")
     if not os.path.isfile(config_path):
         raise SystemExit(f"--load-dir: {config_path} does not exist")
     with open(config_path) as f:
         cfg = json.load(f)
+    source = lambda name: name  # noqa: E731  HF tensor a converted tensor is read from
     try:
+        if args.upcycle_num_experts:
+            cfg = upcycle_config(cfg, args.upcycle_num_experts, args.upcycle_topk)
+            source = upcycle_source
         family = family_for_config(cfg)
         spec = family.spec_from_config(cfg)
         flags = family.flags_from_config(cfg)
@@ -57,32 +68,44 @@ def load_checkpoint(args):
                     megatron_args=None, source=os.path.abspath(args.load_dir))
 
     def tensors():
+        import torch
         from safetensors import safe_open
         from tqdm import tqdm
 
-        by_hf = {name: rule for rule in rules for name in rule.hf}
+        by_source = {}  # HF tensor on disk -> [(rule, name in the rule)]; upcycling: one feeds many
+        for rule in rules:
+            for name in rule.hf:
+                by_source.setdefault(source(name), []).append((rule, name))
+        initialised = by_source.pop(None, [])  # upcycled routers: nothing to read
+        gen = torch.Generator().manual_seed(args.seed)
+        std = cfg.get("initializer_range", 0.02)
+        for rule, _ in initialised:
+            shape = (spec.num_experts, spec.hidden)
+            yield rule.meg, torch.empty(shape).normal_(0.0, std, generator=gen)
         pending = {}  # rule.meg -> {hf name: tensor}
-        done = set()
+        done = {rule.meg for rule, _ in initialised}
         for shard in tqdm(files, desc="reading HF shards", unit="shard"):
             path = os.path.join(args.load_dir, shard)
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    if name.endswith(IGNORED_HF_SUFFIXES):
+                for key in f.keys():
+                    if key.endswith(IGNORED_HF_SUFFIXES):
                         continue
-                    rule = by_hf.get(name)
-                    if rule is None:
-                        raise SystemExit(f"{path}: tensor {name} has no place in a "
+                    users = by_source.get(key)
+                    if users is None:
+                        raise SystemExit(f"{path}: tensor {key} has no place in a "
                                          f"{family.architecture} with this config.json")
-                    parts = pending.setdefault(rule.meg, {})
-                    parts[name] = f.get_tensor(name)
-                    if len(parts) == len(rule.hf):
-                        del pending[rule.meg]
-                        done.add(rule.meg)
-                        yield rule.meg, rule.merge([parts[n] for n in rule.hf])
-        missing = [n for rule in rules if rule.meg not in done for n in rule.hf
+                    tensor = f.get_tensor(key)
+                    for rule, name in users:
+                        parts = pending.setdefault(rule.meg, {})
+                        parts[name] = tensor
+                        if len(parts) == len(rule.hf):
+                            del pending[rule.meg]
+                            done.add(rule.meg)
+                            yield rule.meg, rule.merge([parts[n] for n in rule.hf])
+        missing = [source(n) for rule in rules if rule.meg not in done for n in rule.hf
                    if n not in pending.get(rule.meg, {})]
         if missing:
             raise SystemExit(f"--load-dir {args.load_dir}: {len(missing)} tensor(s) missing, "
-                             f"e.g. {missing[:3]}")
+                             f"e.g. {sorted(set(missing))[:3]}")
 
     return metadata, tensors()
