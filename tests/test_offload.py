@@ -167,3 +167,14 @@ def test_offload_cost_model():
     assert slow.step_s() == 4e-3 + 4 * (4e-3 + 4e-3) and slow.slowdown() > 2
     ssd = OffloadCost(1e6, 1e9, 1e-3, 4, ssd_read_bytes_per_layer=1e6, ssd_bandwidth=5e8)
     assert ssd.t_copy() == 1e-3 + 2e-3 and not ssd.is_free()
+
+    # from the project's calibrated CostModel (what the planners and the simulator hold)
+    from megatron_moe.balance.cost_model import CostModel
+
+    cm = CostModel.from_profile(None)
+    inputs = 4 * cm.expert_bytes / 25e9 * cm.throughput  # compute == copy of 4 experts at 25 GB/s
+    at = OffloadCost.from_cost_model(cm, inputs, num_local_experts=4, num_layers=8,
+                                     link_bandwidth=25e9)
+    assert abs(at.t_copy() - at.layer_forward_s) < 1e-12 * at.t_copy()
+    assert OffloadCost.from_cost_model(cm, 2 * inputs, 4, 8, 25e9).is_free()
+    assert not OffloadCost.from_cost_model(cm, inputs / 2, 4, 8, 25e9).is_free()

@@ -338,6 +338,17 @@ class OffloadCost:
         """The copy hides under the compute of one layer (the MoESys condition)."""
         return self.t_copy() <= self.layer_forward_s
 
+    @classmethod
+    def from_cost_model(cls, cm: "CostModel", inputs_per_rank: float, num_local_experts: int,
+                        num_layers: int, link_bandwidth: float, t_nonexpert_s: float = 0.0,
+                        **kw) -> "OffloadCost":
+        """The same calibrated constants the planners and the simulator use: one layer's expert
+        compute is Eq. 2 (inputs / throughput), its copy is its local experts' ``expert_bytes``."""
+        return cls(layer_expert_bytes=num_local_experts * cm.expert_bytes,
+                   link_bandwidth=link_bandwidth,
+                   layer_forward_s=cm.t_fec(np.array([inputs_per_rank])) + t_nonexpert_s,
+                   num_layers=num_layers, **kw)
+
     @staticmethod
     def min_tokens_per_expert(flops: float, bytes_per_param: float, link_bandwidth: float) -> float:
         """Expert forward = 2 FLOPs per parameter per token; copy = bytes_per_param per parameter."""
