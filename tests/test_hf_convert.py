@@ -64,7 +64,7 @@ def convert(*runs):
             "for argv in json.loads(sys.argv[1]): convert.main(argv)")
     argvs = [["--model-type", "GPT"] + list(r) for r in runs]
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
+                          capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

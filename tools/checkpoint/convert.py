@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -70,6 +71,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
         parser.error("--save-dir must differ from --load-dir")
+    if "hf" in (args.loader, args.saver) and importlib.util.find_spec("safetensors") is None:
+        parser.error("Hugging Face checkpoints need safetensors: pip install 'megatron-moe[hf]'")
     loader = plugins[("loader", args.loader)]
     saver = plugins[("saver", args.saver)]
     metadata, tensors = loader.load_checkpoint(args)
