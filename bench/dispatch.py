@@ -8,8 +8,10 @@ Per shape it prints, for permute, unpermute+combine and the permute->unpermute r
 forward+backward (as in training): median time, GB/s moved (minimum
 bytes: permute reads T*h elements and writes N*h, unpermute reads N*h and writes T*h), tokens/s,
 ours/mcore speed ratio, and the fraction of the machine's copy bandwidth (a large tensor copy_
-measured in this run).  "ours(no pool)" is our CPU path with the output-buffer pool disabled, so
-the effect of the pool is visible separately.  On CUDA it also times megatron-core's fused
+measured in this run).  "ours(no pool)" is our CPU path with the output-buffer pool disabled; the
+summary gives both ratios.  The calls are the ones megatron-core's dispatchers make: permute with
+probs (the permuted probs go to the experts, which apply them), unpermute WITHOUT probs (its
+alltoall/allgather/flex dispatchers never pass them), routing_map given.  On CUDA it also times megatron-core's fused
 (Transformer Engine) permute when TE is installed.  Outputs are checked for equality first.
 """
 
@@ -90,8 +92,8 @@ def bench_shape(name, T, h, E, k, dtype, pdtype, dev, reps, bw, te_ok):
     same_p = all(torch.equal(x, y) for x, y in zip(a, b))
     expert_out = torch.randn(N, h, generator=torch.Generator().manual_seed(1)).to(dtype).to(dev)
     sidx = a[2]
-    u = mu.unpermute(expert_out, sidx, tokens.shape, probs=probs, routing_map=rmap)
-    v = kernels.unpermute(expert_out, sidx, tokens.shape, probs=probs, routing_map=rmap)
+    u = mu.unpermute(expert_out, sidx, tokens.shape, routing_map=rmap)
+    v = kernels.unpermute(expert_out, sidx, tokens.shape, routing_map=rmap)
     same_u = torch.equal(u, v)
     del a, b, u, v
 
@@ -101,14 +103,13 @@ def bench_shape(name, T, h, E, k, dtype, pdtype, dev, reps, bw, te_ok):
         "ours(top-k api)": lambda: kernels.permute_tokens(
             tokens, kernels.routing_layout(idx, E), topk_p),
     }
+    # no probs: megatron-core's dispatchers apply them in the experts, never in unpermute
     unperm = {
-        "mcore": lambda: mu.unpermute(expert_out, sidx, tokens.shape, probs=probs,
-                                      routing_map=rmap),
-        "ours": lambda: kernels.unpermute(expert_out, sidx, tokens.shape, probs=probs,
-                                          routing_map=rmap),
+        "mcore": lambda: mu.unpermute(expert_out, sidx, tokens.shape, routing_map=rmap),
+        "ours": lambda: kernels.unpermute(expert_out, sidx, tokens.shape, routing_map=rmap),
     }
     layout = kernels.routing_layout(idx, E)
-    unperm["ours(top-k api)"] = lambda: kernels.unpermute_tokens(expert_out, layout, topk_p)
+    unperm["ours(top-k api)"] = lambda: kernels.unpermute_tokens(expert_out, layout)
     if dev.type == "cpu":
         def nopool(f):
             def g():
@@ -124,8 +125,7 @@ def bench_shape(name, T, h, E, k, dtype, pdtype, dev, reps, bw, te_ok):
         perm["mcore fused(TE)"] = lambda: mu.permute(tokens, rmap, probs=probs, num_out_tokens=N,
                                                      fused=True)
         unperm["mcore fused(TE)"] = lambda: mu.unpermute(expert_out, sidx, tokens.shape,
-                                                         probs=probs, routing_map=rmap,
-                                                         fused=True)
+                                                         routing_map=rmap, fused=True)
 
     grad_out = torch.randn(T, h, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev)
 
@@ -133,13 +133,16 @@ def bench_shape(name, T, h, E, k, dtype, pdtype, dev, reps, bw, te_ok):
         def f():
             a = tokens.detach().requires_grad_()
             b = probs.detach().requires_grad_()
-            xp, _, si = perm_fn(a, rmap, probs=b, num_out_tokens=N)
-            unperm_fn(xp, si, a.shape, probs=b, routing_map=rmap).backward(grad_out)
+            xp, pp, si = perm_fn(a, rmap, probs=b, num_out_tokens=N)
+            y = xp * pp.unsqueeze(-1).to(xp.dtype)     # the experts apply the permuted probs
+            unperm_fn(y, si, a.shape, routing_map=rmap).backward(grad_out)
             return a.grad, b.grad
         return f
 
     rt = {"mcore": roundtrip(mu.permute, mu.unpermute),
           "ours": roundtrip(kernels.permute, kernels.unpermute)}
+    if dev.type == "cpu":
+        rt["ours(no pool)"] = nopool(rt["ours"])
     ga, gb = rt["mcore"](), rt["ours"]()
     same_g = torch.equal(ga[0], gb[0]) and torch.allclose(ga[1], gb[1], rtol=1e-4, atol=1e-4)
     del ga, gb
@@ -162,6 +165,8 @@ def bench_shape(name, T, h, E, k, dtype, pdtype, dev, reps, bw, te_ok):
                   f"{100 * nbytes / s / bw:5.1f}% of copy bw")
         sys.stdout.flush()
         ratios[op] = base / t["ours"][0]
+        if "ours(no pool)" in t:
+            ratios[op + " (no pool)"] = base / t["ours(no pool)"][0]
     return ratios
 
 
