@@ -56,6 +56,11 @@ def make_hf(kind, path, dtype=torch.float32):
     # small shards: q/k/v and gate/up of one layer land in different files
     model.to(dtype).save_pretrained(path, max_shard_size="60KB")
     assert len(glob.glob(os.path.join(path, "*.safetensors"))) > 3
+    if kind == "mixtral":  # a tokenizer.json with the model: the stored args use it
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(
+            os.path.join(path, "tokenizer.json"))
 
 
 def convert(*runs):
@@ -169,6 +174,9 @@ def test_roundtrip_bit_exact(converted, kind):
     assert meta["args"].padded_vocab_size == 256
     assert meta["extra_state"]["hf"]["family"] == kind.replace("_bf16", "")
     assert meta["args"].bf16 == kind.endswith("bf16")
+    # the HF directory's tokenizer (250 tokens -> 256 rows: no warning), else NullTokenizer
+    assert meta["args"].tokenizer_type == ("HuggingFaceTokenizer" if kind.startswith("mixtral")
+                                           else "NullTokenizer")
     assert open(os.path.join(d["meg"], "latest_checkpointed_iteration.txt")).read() == "0"
 
 
@@ -194,6 +202,7 @@ def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(converted):
     t = converted["trained"]
     assert "MixtralForCausalLM" in converted["log"]
     assert "model flags for pretrain_gpt_moe.py:" in converted["log"]
+    assert "WARNING" not in converted["log"]
     cfg = json.load(open(os.path.join(t["hf"], "config.json")))
     assert cfg["num_local_experts"] == 4 and cfg["vocab_size"] == 256
     experts = [k for k in hf_state(t["hf"]) if ".block_sparse_moe.experts." in k]

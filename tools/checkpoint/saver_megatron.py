@@ -45,8 +45,8 @@ def _stored_args(metadata, args):
         "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
         "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by),
         # the rest only makes the stored args a complete pretrain_gpt_moe.py namespace
-        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab - 1)]
+        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
+    argv += _tokenizer_flags(metadata, spec, args, tp)
     if tp > 1:
         argv.append("--sequence-parallel")
     # the HF weights' dtype is kept (no rounding, no doubling on disk); training may use another
@@ -61,6 +61,34 @@ def _stored_args(metadata, args):
     stored.save = args.save_dir
     stored.no_save_optim = stored.no_save_rng = True  # weights only, like Megatron's converter
     return stored
+
+
+def _tokenizer_flags(metadata, spec, args, tp):
+    """The HF directory's own tokenizer when it has a tokenizer.json (so --use-checkpoint-args
+    tools find it), else NullTokenizer of the config's vocabulary. Warns when that tokenizer would
+    pad to another embedding size than the checkpoint's: training derives the size from it."""
+    from megatron_moe.data.tokenizers import vocab_size_with_padding
+
+    source = metadata.get("source")
+    if not source or not os.path.isfile(os.path.join(source, "tokenizer.json")):
+        return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab - 1)]
+    try:
+        from megatron_moe.data.tokenizers import HuggingFaceTokenizer
+
+        size = HuggingFaceTokenizer(source).vocab_size
+    except Exception as exc:  # an unreadable tokenizer does not stop the weight conversion
+        print(f"note: {source}/tokenizer.json not usable ({exc}); storing NullTokenizer args")
+        return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec.vocab - 1)]
+    div = args.make_vocab_size_divisible_by
+    rows = vocab_size_with_padding(spec.vocab, div, tp)
+    if vocab_size_with_padding(size, div, tp) != rows:
+        fits = [m for m in range(1, rows // tp + 1)
+                if rows % (m * tp) == 0 and vocab_size_with_padding(size, m, tp) == rows]
+        hint = (f"train with --make-vocab-size-divisible-by {fits[0]} (pads {size} to {rows})"
+                if fits else "no --make-vocab-size-divisible-by pads it to that size")
+        print(f"WARNING: the tokenizer in {source} has {size} tokens, the checkpoint {rows} "
+              f"embedding rows (config vocab_size {spec.vocab}); {hint}")
+    return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", source]
 
 
 def save_checkpoint(metadata, tensors, args):
