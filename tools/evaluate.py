@@ -29,13 +29,18 @@ def add_evaluate_args(parser):
     g.add_argument("--eval-split", default="valid", choices=["valid", "test"],
                    help="Which split of --data-path / --split to evaluate (or --valid-data-path / "
                         "--test-data-path).")
+    from megatron_moe.inference.ring_memory_args import add_ring_memory_args
+
+    add_ring_memory_args(parser)  # the ring's hooks sit on the layers: evaluation streams too
     return parser
 
 
 def _validate(args):
+    from megatron_moe.inference.ring_memory_args import validate_ring_memory_args
     from tools.generate import validate_inference_layout
 
     validate_inference_layout(args)
+    validate_ring_memory_args(args)
     if args.eval_iters < 1:
         raise ValueError(f"--eval-iters must be >= 1 (got {args.eval_iters})")
 
@@ -89,6 +94,9 @@ def evaluate(args) -> dict:
 
     single_process_port()
     model, _, iteration = setup_model(args)
+    from megatron_moe.inference.ring_memory_args import attach_ring_memory
+
+    ring = attach_ring_memory(model, args)
     try:
         train_ds, valid_ds, test_ds = _build_datasets(
             args, lambda _: pretrain_gpt_moe.train_valid_test_datasets_provider(num_samples(args)))
@@ -111,6 +119,9 @@ def evaluate(args) -> dict:
                     f"{args.global_batch_size} samples x {args.seq_length} tokens = {tokens} "
                     f"tokens | lm loss {loss:.6f} | perplexity {math.exp(min(20.0, loss)):.4f}")
     hooks.close()
+    if ring is not None:
+        print_rank_last(ring.summary())
+        ring.close()
     return {"lm loss": loss, "ppl": math.exp(min(20.0, loss)), "iteration": iteration,
             "exit_code": 0, "model": model}
 
