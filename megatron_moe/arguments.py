@@ -64,7 +64,8 @@ def _add_parallel_args(p):
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="Default: nccl when CUDA is available, else gloo.")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="Timeout of every collective (Megatron's flag; fractions allowed).")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--local-rank", type=int, default=None, help="Set by the launcher.")
@@ -393,6 +394,8 @@ def validate_args(args, check_data_paths=True):
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
+    if args.distributed_timeout_minutes <= 0:
+        raise ValueError("--distributed-timeout-minutes must be > 0")
     if args.async_save and args.save is None:
         raise ValueError("--async-save needs --save")
     if args.save is not None and args.save_interval is None:

@@ -52,6 +52,21 @@ def pretrain(train_valid_test_datasets_provider, model_provider, model_type, for
         # every rank reaches the same verdict; print once, exit non-zero without a traceback wall
         print_rank_0(f"error: {exc}")
         sys.exit(1)
+    except RuntimeError as exc:  # torch's DistBackendError is one
+        if not _is_collective_timeout(exc):
+            raise
+        # only the ranks that waited see it: each prints its own line
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        print(f"error: rank {rank}: a collective timed out after --distributed-timeout-minutes "
+              f"{args.distributed_timeout_minutes:g}: another rank is stuck or dead ({first})",
+              flush=True)
+        sys.exit(1)
+
+
+def _is_collective_timeout(exc) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_func):
@@ -80,6 +95,12 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
 
     model = get_model(model_provider, args, model_type)
     optimizer = get_megatron_optimizer(_optimizer_config(args, OptimizerConfig), model)
+    # Megatron-LM's train(): the schedule multiplies each micro-batch loss by the optimizer's
+    # loss scale before backward (fp16 dynamic scaling; 1.0 for bf16/fp32), which the
+    # optimizer divides out of the grads again
+    from megatron_moe.model import unwrap as _unwrap
+
+    _unwrap(model[0]).config.grad_scale_func = optimizer.scale_loss
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,

@@ -145,3 +145,20 @@ def worker_pids(proc) -> dict:
 def log_text(path):
     with open(path, errors="replace") as f:
         return f.read()
+
+
+def run_pretrain_sequence(rank, world_size, argvs):
+    """Several pretrain() runs one after the other in the same ranks (one process start for all;
+    the layout must be the same). Returns each run's history."""
+    import pretrain_gpt_moe
+    from megatron.core.enums import ModelType
+
+    from megatron_moe.training import pretrain
+
+    out = []
+    for argv in argvs:
+        result = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
+                          pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                          pretrain_gpt_moe.forward_step, argv=argv)
+        out.append(result["history"])
+    return out
