@@ -108,7 +108,7 @@ def get_batch(data_iterator):
     """This rank's micro-batch. Every pipeline stage reads it: the encoder needs the padding mask
     on each stage, not only the embedding and loss stages."""
     batch = next(data_iterator)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
     tokens, types, labels, sentence_order, loss_mask, padding_mask = (
         torch.as_tensor(batch[key]).long().to(device, non_blocking=True) for key in _BATCH_KEYS)
     return tokens, types, sentence_order, loss_mask, labels, padding_mask

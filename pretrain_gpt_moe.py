@@ -31,7 +31,7 @@ def get_batch(data_iterator):
     if not (first or last):
         return None, None, None, None, None
     batch = next(data_iterator)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
     batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
              for k, v in batch.items()}
     return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
