@@ -207,6 +207,16 @@ def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(converted):
     assert cfg["num_local_experts"] == 4 and cfg["vocab_size"] == 256
     experts = [k for k in hf_state(t["hf"]) if ".block_sparse_moe.experts." in k]
     assert len(experts) == 2 * 4 * 3  # every expert of both EP ranks, w1/w2/w3, both layers
+    # a later export can start from the original config.json (token ids, ...) if it agrees
+    sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
+    import saver_hf
+
+    template = os.path.join(t["hf"], "..", "template.json")
+    json.dump(dict(cfg, bos_token_id=7, rope_parameters={"rope_theta": 10000.0}), open(template, "w"))
+    assert saver_hf._from_template(template, cfg)["bos_token_id"] == 7
+    json.dump(dict(cfg, num_local_experts=8), open(template, "w"))
+    with pytest.raises(SystemExit, match="num_local_experts is 8"):
+        saver_hf._from_template(template, cfg)
     # transformers on the export gives the trained model's logits (ours at EP=2, iteration 3)
     [(iteration, ours)] = t["logits"]
     assert iteration == 3

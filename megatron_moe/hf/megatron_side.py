@@ -14,6 +14,7 @@ import argparse
 import copy
 import datetime
 import math
+import socket
 
 import torch
 
@@ -34,10 +35,11 @@ def init_single_process():
     from megatron.core import parallel_state
 
     from megatron_moe.compat import apply_cpu_shims
-    from megatron_moe.testing import free_port
-
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+        with socket.socket() as sock:  # a free port for this one-rank group
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(minutes=30))
     apply_cpu_shims()
     if not parallel_state.model_parallel_is_initialized():

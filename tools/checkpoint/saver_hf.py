@@ -20,6 +20,10 @@ def add_arguments(parser):
     group.add_argument("--hf-family", default=None, choices=["mixtral", "qwen2_moe"],
                        help="Architecture to write (default: the one imported from, else guessed "
                             "from the model: shared experts / QKV bias -> qwen2_moe, else mixtral)")
+    group.add_argument("--hf-config-template", default=None,
+                       help="config.json to start from (token ids, names, ...) when the checkpoint "
+                            "no longer carries its HF config (it was trained further here); its "
+                            "architecture fields must agree with the checkpoint's")
     group.add_argument("--max-shard-size", default="5GB",
                        help="Largest shard, e.g. 5GB, 500MB (transformers' default 5GB)")
     group.add_argument("--save-dtype", default=None, choices=sorted(_DTYPES),
@@ -77,6 +81,33 @@ class ShardWriter:
         return n
 
 
+# fields of a generated config that may differ from a template's without changing the model
+_FREE = {"torch_dtype", "dtype", "initializer_range", "use_cache", "attention_dropout",
+         "router_aux_loss_coef", "router_jitter_noise", "max_position_embeddings", "architectures",
+         "max_window_layers", "sliding_window", "use_sliding_window"}
+
+
+def _from_template(path, generated):
+    """The template config with the generated one's values checked against it."""
+    from megatron_moe.hf.families import _rope_theta
+
+    with open(path) as f:
+        template = json.load(f)
+    for key, value in generated.items():
+        if key in _FREE:
+            continue
+        if key == "rope_theta":
+            have = _rope_theta(template, value)
+        elif key == "head_dim":
+            have = template.get("head_dim") or template["hidden_size"] // template["num_attention_heads"]
+        else:
+            have = template.get(key)
+        if have != value and not (key == "mlp_only_layers" and not have and not value):
+            raise SystemExit(f"--hf-config-template {path}: {key} is {have!r}, the checkpoint "
+                             f"has {value!r}")
+    return template
+
+
 def save_checkpoint(metadata, tensors, args):
     import torch
     from tqdm import tqdm
@@ -94,6 +125,8 @@ def save_checkpoint(metadata, tensors, args):
         except ConversionError as exc:
             raise SystemExit(str(exc)) from None
         cfg = family.config_from_args(metadata["megatron_args"], spec, metadata["dtype"])
+        if args.hf_config_template:
+            cfg = _from_template(args.hf_config_template, cfg)
     dtype_name = _DTYPES[args.save_dtype or cfg.get("torch_dtype") or cfg.get("dtype")
                          or metadata.get("dtype", "float32")]
     dtype = getattr(torch, dtype_name)
