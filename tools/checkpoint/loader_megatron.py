@@ -10,7 +10,6 @@ and peak memory is one parameter plus the HF shard being written, not the model.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 
