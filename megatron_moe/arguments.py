@@ -206,6 +206,8 @@ def _add_checkpoint_args(p):
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only; reset iteration, optimizer and scheduler.")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="Load this iteration from --load instead of the tracker's.")
     g.add_argument("--async-save", action="store_true",
                    help="Write checkpoint shards in the background (megatron-core's async save).")
     g.add_argument("--auto-detect-ckpt-format", action="store_true")

@@ -259,6 +259,40 @@ def _portable_args(args):
     return argparse.Namespace(**values)
 
 
+def _load_iteration(args) -> int | None:
+    root = args.load
+    iteration = read_tracker(root) if os.path.isdir(root) else None
+    if getattr(args, "ckpt_step", None) is not None:   # Megatron's --ckpt-step: not the tracker's
+        iteration = args.ckpt_step
+    return iteration
+
+
+def keep_checkpoint_vocab_padding(args):
+    """Before the model is built: the padded vocabulary of the checkpoint under ``--load``.
+
+    The padding rule (a multiple of --make-vocab-size-divisible-by x TP) gives another size at
+    another TP; megatron-core then loads the embedding and output layer with a shape mismatch
+    (they allow it) and leaves the extra rows at their random init, which changes every softmax.
+    The trained size is right whenever TP divides it."""
+    if not args.load:
+        return
+    iteration = _load_iteration(args)
+    if iteration is None or not os.path.isdir(checkpoint_dir(args.load, iteration)):
+        return
+    try:
+        common = dist_checkpointing.load_common_state_dict(checkpoint_dir(args.load, iteration))
+    except Exception:
+        return  # load_checkpoint reports an unreadable checkpoint with its directory
+    stored = getattr(common.get("args"), "padded_vocab_size", None)
+    if stored and stored != args.padded_vocab_size:
+        if stored % args.tensor_model_parallel_size:
+            raise CheckpointError(
+                f"{checkpoint_dir(args.load, iteration)}: its padded vocabulary ({stored}) does "
+                f"not divide into --tensor-model-parallel-size {args.tensor_model_parallel_size} "
+                f"shards")
+        args.padded_vocab_size = stored
+
+
 def load_checkpoint(model, optimizer, scheduler, args):
     """Load the latest checkpoint under ``--load``.
 
@@ -267,7 +301,7 @@ def load_checkpoint(model, optimizer, scheduler, args):
     run and resumes it).
     """
     root = args.load
-    iteration = read_tracker(root) if os.path.isdir(root) else None
+    iteration = _load_iteration(args)
     if iteration is None:
         if dist.get_rank() == 0:
             print(f" WARNING: no {TRACKER} under --load {root}; starting from scratch", flush=True)
@@ -299,6 +333,15 @@ def load_checkpoint(model, optimizer, scheduler, args):
                   f"optimizer(s), this layout has {_optimizer_count(optimizer)} (EP=1 <-> EP>1); "
                   f"Adam state is re-initialised; weights and the LR schedule are loaded",
                   flush=True)
+    if load_optim and args.use_distributed_optimizer:
+        from megatron_moe.compat.checkpoint import distributed_optimizer_state_loadable
+
+        if not distributed_optimizer_state_loadable():
+            raise CheckpointError(
+                f"{ckpt}: --use-distributed-optimizer: megatron-core loads its Adam state only "
+                f"with Transformer Engine or apex installed (its torch.optim.Adam fallback fails; "
+                f"docs/checkpoints.md); pass --no-load-optim to load the weights (Adam and the LR "
+                f"schedule start afresh, as with Megatron-LM's --no-load-optim)")
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
                              include_rng=load_rng, is_loading=True)
     try:

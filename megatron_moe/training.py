@@ -88,6 +88,13 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
 
         prestart_writer()  # the checkpoint writer's one-time start, hidden behind setup
     _build_tokenizer(args)
+    if args.load:
+        from megatron_moe.checkpointing import keep_checkpoint_vocab_padding
+
+        try:
+            keep_checkpoint_vocab_padding(args)   # resuming at another TP: the trained padding
+        except CheckpointError as exc:
+            raise TrainingError(f"--load: {exc}") from None
     print_rank_0(f"> initialized {args.world_size} ranks on {args.distributed_backend}: "
                  f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                  f"EP={args.expert_model_parallel_size} ETP={args.expert_tensor_parallel_size} "

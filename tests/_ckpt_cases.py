@@ -149,14 +149,17 @@ def log_text(path):
 
 def run_pretrain_sequence(rank, world_size, argvs):
     """Several pretrain() runs one after the other in the same ranks (one process start for all;
-    the layout must be the same). Returns each run's history."""
+    each run may have its own TP/PP/EP layout). Returns each run's history."""
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
     from megatron_moe.training import pretrain
 
+    from megatron.core import parallel_state
+
     out = []
     for argv in argvs:
+        parallel_state.destroy_model_parallel()   # each run builds its own layout's groups
         result = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
                           pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
                           pretrain_gpt_moe.forward_step, argv=argv)
