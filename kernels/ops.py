@@ -288,6 +288,13 @@ def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
     op = ref.opmath_dtype(acc)
     feat = tuple(x.shape[1:])
     shape = (num_tokens,) + feat
+    if op == x.dtype and plan is None:
+        # fp32/fp64: opmath is the dtype itself, so index_add_'s sequential row-order sum is the
+        # reference arithmetic exactly; no plan (sort + bincount + levels): at training-size
+        # shapes (hundreds of tokens) that bookkeeping cost more than the sum
+        src = x if row_probs is None else x * _bcast(row_probs.to(acc), x)
+        out = _POOL.empty(shape, x.dtype, x.device)
+        return out.zero_().index_add_(0, row_map, src)
     if plan is None:
         plan = _combine_plan(row_map, num_tokens)
     if row_probs is None and 1 <= len(plan) <= 2 and all(t is None for _, t in plan):
