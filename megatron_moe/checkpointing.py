@@ -281,7 +281,7 @@ def keep_checkpoint_vocab_padding(args):
         return
     try:
         common = dist_checkpointing.load_common_state_dict(checkpoint_dir(args.load, iteration))
-    except Exception:
+    except (Exception, CheckpointException):  # megatron-core >= 0.19 reads it through torch DCP
         return  # load_checkpoint reports an unreadable checkpoint with its directory
     stored = getattr(common.get("args"), "padded_vocab_size", None)
     if stored and stored != args.padded_vocab_size:
@@ -312,9 +312,9 @@ def load_checkpoint(model, optimizer, scheduler, args):
                               f"but {ckpt} does not exist")
     try:
         common = dist_checkpointing.load_common_state_dict(ckpt)
-    except Exception as exc:
-        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's common state "
-                              f"({type(exc).__name__}: {exc})") from None
+    except (Exception, CheckpointException) as exc:  # 0.19 reads it through torch DCP
+        raise CheckpointError(f"{ckpt}: checkpoint is corrupt or incomplete: cannot read its "
+                              f"common state ({_describe_load_error(exc)})") from None
     same_layout = common.get("parallel_layout") == parallel_layout(args)
     load_rng = not args.no_load_rng and not args.finetune and common.get("has_rng", False)
     if load_rng and not same_layout:
