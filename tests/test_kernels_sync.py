@@ -30,6 +30,7 @@ def _runnable_here() -> bool:
 IN_PROCESS = _runnable_here()
 needs_interp = pytest.mark.skipif(not IN_PROCESS, reason="run by test_in_clean_subprocess")
 mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+from megatron_moe.compat.dispatch import mcore_permute  # noqa: E402  (0.16 contract, any version)
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="interpreter active in this process")
@@ -107,7 +108,7 @@ def test_mcore_dropin_no_sync(launches, drop_and_pad):
         (o1.sum() + o2.square().sum()).backward()
     assert syncs == [], syncs
     assert "_combine_kernel" in launches and "_layout_scatter_kernel" in launches
-    wy, _, widx = mu.permute(x.detach(), rmap, num_out_tokens=nout, drop_and_pad=drop_and_pad)
+    wy, _, widx = mcore_permute(x.detach(), rmap, num_out_tokens=nout, drop_and_pad=drop_and_pad)
     assert torch.equal(y, wy) and torch.equal(idx, widx)
     w2 = mu.unpermute(wy, widx, x.shape, probs=dense, routing_map=rmap, drop_and_pad=drop_and_pad)
     torch.testing.assert_close(o2, w2, rtol=1e-6, atol=1e-6)
