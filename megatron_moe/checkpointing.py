@@ -144,7 +144,8 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     rank, once all ranks finished writing (``finalize_async_save``). A save waits for the previous
     async save first, so at most one is in flight.
     """
-    from megatron_moe.compat.checkpoint import install_test_write_delay, wait_writer_ready
+    from megatron_moe.compat.checkpoint import (install_test_write_delay,
+                                                quiet_mcore_async_notice, wait_writer_ready)
 
     root = args.save
     final_dir = checkpoint_dir(root, iteration)
@@ -155,6 +156,7 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     if delay:
         install_test_write_delay(delay)
     wait_writer_ready()
+    quiet_mcore_async_notice()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp_dir, ignore_errors=True)  # leftover of a killed save
@@ -181,7 +183,10 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
         global _async_queue
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        request = dist_checkpointing.save(state, tmp_dir, strategy, async_sharded_save=True)
+        from megatron_moe.compat.checkpoint import async_save_kwargs
+
+        request = dist_checkpointing.save(state, tmp_dir, strategy, async_sharded_save=True,
+                                          **async_save_kwargs())
         request.finalize_fns.append(commit)
         if _async_queue is None:
             _async_queue = AsyncCallsQueue()
