@@ -1,4 +1,4 @@
-"""Test oracles: the reference algorithms Megatron-LM's legacy tokenizers implement, in plain Python.
+"""Test oracles: the algorithms of Megatron-LM's legacy tokenizers, in plain Python.
 
 * ``Gpt2Reference``: OpenAI's GPT-2 encoder (``encoder.py``), which Megatron-LM's
   ``gpt2_tokenization.GPT2Tokenizer`` and transformers' slow ``GPT2Tokenizer`` follow: the

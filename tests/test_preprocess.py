@@ -286,7 +286,8 @@ def test_writer_is_byte_identical_to_megatron_core_builder(tmp_path, vocab_size)
     for tokens, lengths in docs[:20]:
         ours.add_document(tokens, lengths)
     blob = np.concatenate([np.asarray(t, dtype) for t, _ in docs[20:]]).tobytes()
-    ours.add_documents(blob, [n for _, ls in docs[20:] for n in ls], [len(ls) for _, ls in docs[20:]])
+    ours.add_documents(blob, [n for _, ls in docs[20:] for n in ls],
+                       [len(ls) for _, ls in docs[20:]])
     ours.finalize(str(tmp_path / "o.idx"))
     ref = IndexedDatasetBuilder(str(tmp_path / "r.bin"), dtype=dtype)
     for tokens, lengths in docs:

@@ -351,7 +351,8 @@ def test_building_tokenizers_imports_neither_torch_nor_megatron_core(files, tmp_
         f"           dict(tokenizer_type='GPT2BPETokenizer', vocab_file={files['vocab']!r},\n"
         f"                merge_file={files['merges']!r}),\n"
         f"           dict(tokenizer_type='BertWordPieceLowerCase', vocab_file={files['bert']!r}),\n"
-        f"           dict(tokenizer_type='HuggingFaceTokenizer', tokenizer_model={str(tmp_path)!r})]:\n"
+        f"           dict(tokenizer_type='HuggingFaceTokenizer',\n"
+        f"                tokenizer_model={str(tmp_path)!r})]:\n"
         "    assert build_tokenizer(**kw).tokenize('Hello, wörld!')\n"
         "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

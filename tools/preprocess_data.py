@@ -52,7 +52,8 @@ if __package__ in (None, ""):  # run as a script: make megatron_moe importable f
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # light (no torch, no megatron-core): the tokenizer libraries are imported when one is built
-from megatron_moe.data.tokenizers import TokenizerError, add_tokenizer_args, build_tokenizer  # noqa: E402
+from megatron_moe.data.tokenizers import (  # noqa: E402
+    TokenizerError, add_tokenizer_args, build_tokenizer)
 
 
 class PreprocessError(Exception):

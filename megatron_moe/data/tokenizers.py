@@ -1,4 +1,4 @@
-"""Megatron-LM's tokenizers, by ``--tokenizer-type``, with megatron-core's legacy tokenizer interface.
+"""Megatron-LM's tokenizers by ``--tokenizer-type``, with megatron-core's legacy tokenizer API.
 
 ``build_tokenizer(args)`` takes an argparse namespace, a dict or keyword arguments with Megatron's
 field names (``tokenizer_type``, ``tokenizer_model``, ``vocab_file``, ``merge_file``,
