@@ -4,11 +4,13 @@
     python tools/checkpoint_info.py CKPT/iter_0000100     # ... or one iteration directory
     python tools/checkpoint_info.py CKPT --json           # the same as one JSON object
 
-Reads only ``common.pt`` (the small, rank-0 part: args, layout, schedule) and torch DCP's
-``.metadata`` (every tensor's global shape and dtype and which shard file holds which bytes);
-shard files are only stat'ed. Complete means: megatron-core's ``metadata.json``, ``.metadata`` and
-``common.pt`` are there, and every byte range the metadata names lies inside an existing shard
-file. Exit status: 0 complete, 1 incomplete or unreadable, 2 usage error.
+Reads only the common state (the small, rank-0 part: args, layout, schedule: ``common.pt``, or,
+written by megatron-core >= 0.19, one object inside the DCP checkpoint; megatron_moe/compat/
+checkpoint.py) and torch DCP's ``.metadata`` (every tensor's global shape and dtype and which shard
+file holds which bytes); shard files are only stat'ed. Complete means: megatron-core's
+``metadata.json``, ``.metadata`` and the common state are there, and every byte range the metadata
+names lies inside an existing shard file. Exit status: 0 complete, 1 incomplete or unreadable, 2
+usage error.
 """
 
 from __future__ import annotations
@@ -64,18 +66,30 @@ def inspect(ckpt: str) -> dict:
         return info
     if ckpt.rstrip("/").endswith(".tmp"):
         problems.append("a .tmp directory: a save that never finished (never loaded)")
-    for name in ("metadata.json", ".metadata", "common.pt"):
+    from megatron_moe.compat.checkpoint import COMMON_PT, common_state_in_dcp, read_common_state
+
+    for name in ("metadata.json", ".metadata"):
         if not os.path.isfile(os.path.join(ckpt, name)):
             problems.append(f"{name} missing")
     if os.path.isfile(os.path.join(ckpt, "metadata.json")):
         info["format"] = json.load(open(os.path.join(ckpt, "metadata.json")))
-    common = {}
-    if os.path.isfile(os.path.join(ckpt, "common.pt")):
+    in_dcp = False
+    if os.path.isfile(os.path.join(ckpt, ".metadata")):
         try:
-            common = torch.load(os.path.join(ckpt, "common.pt"), map_location="cpu",
-                                weights_only=False)
-        except Exception as exc:  # a truncated file, a foreign pickle
-            problems.append(f"common.pt unreadable: {type(exc).__name__}: {exc}")
+            in_dcp = common_state_in_dcp(FileSystemReader(ckpt).read_metadata())
+        except Exception:
+            pass  # reported below
+    common = {}
+    if not in_dcp and not os.path.isfile(os.path.join(ckpt, COMMON_PT)):
+        problems.append(f"{COMMON_PT} missing")
+    else:
+        try:
+            common = read_common_state(ckpt)
+        except BaseException as exc:  # a truncated file, a foreign pickle (DCP: BaseException)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            where = "common state in the shards" if in_dcp else COMMON_PT
+            problems.append(f"{where} unreadable: {type(exc).__name__}: {str(exc)[:300]}")
     info["iteration"] = common.get("iteration")
     layout = common.get("parallel_layout")
     if layout:
