@@ -297,21 +297,12 @@ def _combine_torch(x: torch.Tensor, row_map: torch.Tensor, num_tokens: int,
         return out.zero_().index_add_(0, row_map, src)
     if plan is None:
         plan = _combine_plan(row_map, num_tokens)
-    if row_probs is None and 1 <= len(plan) <= 2 and all(t is None for _, t in plan):
-        # what megatron-core's dispatchers call (no probs), dropless top-1/top-2: every token has
-        # the same 1 or 2 copies, and a + b rounded once from opmath equals the 16-bit add (which
-        # computes in float and rounds once), so no fp32 buffer, upcast or chunk loop is needed
+    if row_probs is None and 1 <= len(plan) <= 2:
+        # what megatron-core's dispatchers call (no probs) with at most 2 copies per token (top-1,
+        # top-2, or dropped): 0 + a + b rounded per step equals opmath's one rounding for two
+        # terms, so a 16-bit index_add_ (one pass, like megatron-core's scatter_add) is exact
         out = _POOL.empty(shape, x.dtype, x.device)
-        torch.index_select(x, 0, plan[0][0], out=out)
-        if len(plan) == 2:   # second copy gathered through a cache-sized buffer, added in place
-            rows = plan[1][0]
-            C = max(1, min(num_tokens, (1 << 20) // max(1, math.prod(feat) * x.element_size())))
-            tmp = torch.empty((C,) + feat, dtype=x.dtype, device=x.device)
-            with _chunk_threads():
-                for c0 in range(0, num_tokens, C):
-                    c1 = min(num_tokens, c0 + C)
-                    out[c0:c1].add_(torch.index_select(x, 0, rows[c0:c1], out=tmp[:c1 - c0]))
-        return out
+        return out.zero_().index_add_(0, row_map, x)
     out = _POOL.empty(shape, op, x.device)
     op_size = torch.empty((), dtype=op).element_size()
     row_bytes = max(1, math.prod(feat)) * (x.element_size() + 2 * op_size)
