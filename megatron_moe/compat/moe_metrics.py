@@ -40,7 +40,21 @@ def report_moe_metrics(**kwargs):
     """Reduce, log (writer / total_loss_dict) and clear the tracked metrics: megatron-core's
     ``track_moe_metrics`` keywords (loss_scale, iteration, writer, total_loss_dict, ...)."""
     if mcore_at_least("0.18"):
-        return _tracker().report(**kwargs)
+        tracker = _tracker()
+        if kwargs.get("force_initialize") and kwargs.get("num_layers") is not None:
+            # report() would pre-create missing entries on the device *string* "cpu" when CUDA is
+            # absent; create them here as it does with CUDA, on the current device object, so
+            # they are the data device's tensors (strict device mode, comm/strict.py, flags the
+            # string form as a host buffer bound for an NCCL all-reduce).
+            import torch
+
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+            size = kwargs["num_layers"] + (kwargs.get("mtp_num_layers") or 0)
+            names = kwargs.get("track_names")
+            for name in ([names] if isinstance(names, str) else names or []):
+                tracker.ensure_initialized(name, size, device=device)
+        return tracker.report(**kwargs)
     from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
     return track_moe_metrics(**kwargs)
