@@ -23,6 +23,7 @@ The writer (issue 13, megatron_moe/checkpointing.py):
 
 import os
 import sys
+import threading
 import time
 
 COMMON_PT = "common.pt"
@@ -77,14 +78,36 @@ def prestart_writer():
         if "__spec__" in saved:
             main.__spec__ = None
     try:
-        create()
+        queue = create()
     finally:
         if main is not None:
             main.__dict__.update(saved)
+    # The first put of write results makes the server unpickle torch DCP classes, importing torch
+    # there (2-6 s inside the first save, profiled). A round trip of such an object in a
+    # background thread does that now, behind model building; saves join the thread first so the
+    # warm-up item is never taken for a result.
+    global _warmup_thread
+
+    def warm_up():
+        try:
+            from torch.distributed.checkpoint.metadata import MetadataIndex
+
+            queue.put(MetadataIndex("megatron-moe-warmup"))
+            queue.get()
+        except Exception:   # only a warm-up: the first save pays the cost instead
+            pass
+
+    _warmup_thread = threading.Thread(target=warm_up, name="ckpt-writer-warmup", daemon=True)
+    _warmup_thread.start()
+
+
+_warmup_thread = None
 
 
 def wait_writer_ready():
-    """Kept for callers: the prestart is synchronous (it takes ~0.1 s)."""
+    """Before a save: the writer queue's warm-up round trip has finished."""
+    if _warmup_thread is not None:
+        _warmup_thread.join()
 
 
 def async_save_kwargs() -> dict:
