@@ -169,6 +169,13 @@ def _add_training_args(p):
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
     g.add_argument("--use-cpu-initialization", action="store_true")
+    # Activation recomputation: Megatron's flags, handed to megatron-core's TransformerConfig
+    # (same field names), which checks the combinations when the trial config is built.
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Selective recomputation (same as --recompute-granularity selective).")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--no-nan-check", action="store_false", dest="check_for_nan_in_loss",
                    help="Do not stop on a NaN/Inf loss.")
 
@@ -328,6 +335,12 @@ def validate_args(args, check_data_paths=True):
                          f"({args.max_position_embeddings})")
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full" and (args.recompute_method is None
+                                                 or args.recompute_num_layers is None):
+        raise ValueError("--recompute-granularity full needs --recompute-method uniform|block "
+                         "and --recompute-num-layers N")
     if args.num_query_groups is not None:
         args.group_query_attention = True
     # MoE

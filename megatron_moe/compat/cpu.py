@@ -158,6 +158,10 @@ def patch_rng_tracker():
 
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+    # Activation recomputation (CheckpointFunction) saves and restores the "CUDA" generator next
+    # to the CPU one; on a CPU build the device generator is the CPU generator.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
 
 
 def patch_alltoall_dispatcher():
