@@ -124,11 +124,12 @@ class _CpuBufferPool:
                         total -= buf.numel()
                 if total + nbytes > self.max_bytes:
                     return torch.empty(shape, dtype=dtype, device=device)
-                best = torch.empty(nbytes, dtype=torch.uint8)
+                # on the caller's device (always the CPU here): strict device mode trusts it
+                best = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self._bufs.append((best, self._uses(best)))
             # set_ (not a view): autograd treats views made inside a custom Function as
             # non-modifiable in place, which would break callers that update the output in place
-            return torch.empty(0, dtype=dtype).set_(best.untyped_storage(), 0, shape)
+            return torch.empty(0, dtype=dtype, device=device).set_(best.untyped_storage(), 0, shape)
 
     def clear(self) -> None:
         with self._lock:
