@@ -252,6 +252,17 @@ def _layer_freq(text):
 
 
 # --- validation ------------------------------------------------------------------------------------
+def validate_extension_args(args):
+    """The feature modules' own checks (ValueError names the flag)."""
+    for name in _EXTENSION_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "validate_args"):
+            module.validate_args(args)
+
+
 def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_size=None,
                check_data_paths=True):
     parser = build_parser(extra_args_provider)
@@ -266,14 +277,8 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
         validate_args(args, check_data_paths=check_data_paths)
     except ValueError as exc:
         parser.error(str(exc))
-    try:  # feature modules' own checks
-        for name in _EXTENSION_MODULES:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
-            if hasattr(module, "validate_args"):
-                module.validate_args(args)
+    try:
+        validate_extension_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     try:  # megatron-core's own consistency checks, still before any process group starts

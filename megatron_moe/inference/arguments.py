@@ -9,7 +9,6 @@ checkpoint is reshardable, so it loads into whatever layout this launch asks for
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 
 # Never taken from the checkpoint: this launch's layout, process identity, paths, derived values.
@@ -126,13 +125,7 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
             args.mock_data = False
         else:
             margs.validate_args(args, check_data_paths=need_data)
-        for name in margs._EXTENSION_MODULES:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
-            if hasattr(module, "validate_args"):
-                module.validate_args(args)
+        margs.validate_extension_args(args)
         _check_tokenizer_files(args)
         if validate_tool is not None:
             validate_tool(args)
