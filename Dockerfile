@@ -4,7 +4,11 @@
 FROM nvcr.io/nvidia/pytorch:25.09-py3
 WORKDIR /workspace/megatron-moe
 COPY . .
-# The README's install command; the base image's torch, TE and apex satisfy the pins and are kept.
+# NVIDIA apex and Transformer Engine come with this base image (apex is not on PyPI: the "apex"
+# there is an unrelated web toolkit; outside NGC build apex from github.com/NVIDIA/apex, and take
+# Transformer Engine from `pip install transformer-engine[pytorch]`, which builds against the
+# installed torch and CUDA). The README's install command; the base image's torch, TE and apex
+# satisfy the pins and are kept.
 # No "|| true": a failed install fails the build.
 RUN pip install --no-cache-dir -e .
 # Refuse to produce an image whose Python / megatron-core pair is outside the tested matrix.
