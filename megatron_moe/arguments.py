@@ -36,6 +36,7 @@ def build_parser(extra_args_provider=None, prog="pretrain_gpt_moe.py") -> argpar
     _add_parallel_args(p)
     _add_model_args(p)
     _add_moe_args(p)
+    _add_megatron_model_impl_args(p)
     _add_training_args(p)
     _add_data_args(p)
     _add_checkpoint_args(p)
@@ -49,7 +50,9 @@ def build_parser(extra_args_provider=None, prog="pretrain_gpt_moe.py") -> argpar
             module.add_arguments(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p) or p
-    return p
+    from megatron_moe import flags
+
+    return flags.register(p)  # the rest of Megatron's flags: no-ops and refusals (flags/status.txt)
 
 
 def _add_parallel_args(p):
@@ -98,6 +101,32 @@ def _add_model_args(p):
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_megatron_model_impl_args(p):
+    """Megatron's model-family and implementation flags (Qwen3-MoE, Mixtral scripts; issue 20)."""
+    g = p.add_argument_group("model family and implementation")
+    g.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
+                   help="Deprecated in Megatron: megatron-core models are the only implementation.")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="Deprecated Megatron form; accepted with --position-embedding-type rope.")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Legacy form of --position-embedding-type rope.")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's dimensions rotated by RoPE.")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="Normalise queries and keys per head (--normalization's kind; Qwen3).")
+    g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
+                   help="Router logits, top-k and aux loss in this dtype (default: the input's).")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="Attention softmax in fp32 under --bf16/--fp16 (local attention).")
+    g.add_argument("--transformer-impl", default=None,
+                   choices=["local", "transformer_engine", "inference_optimized"],
+                   help="Default: transformer_engine when Transformer Engine and CUDA are present, "
+                        "else local (megatron-core's own modules).")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["flash", "fused", "unfused", "local", "auto"],
+                   help="flash/fused need --transformer-impl transformer_engine.")
 
 
 def _add_moe_args(p):
@@ -176,7 +205,8 @@ def _add_training_args(p):
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--no-nan-check", action="store_false", dest="check_for_nan_in_loss",
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", "--no-nan-check", action="store_false",
+                   dest="check_for_nan_in_loss",
                    help="Do not stop on a NaN/Inf loss.")
 
 
@@ -205,7 +235,7 @@ def _add_checkpoint_args(p):
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
@@ -218,9 +248,11 @@ def _add_checkpoint_args(p):
     g.add_argument("--async-save", action="store_true",
                    help="Write checkpoint shards in the background (megatron-core's async save).")
     g.add_argument("--auto-detect-ckpt-format", action="store_true")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true",
                    dest="use_checkpoint_opt_param_scheduler")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   action="store_true",
                    dest="override_opt_param_scheduler")
 
 
@@ -269,6 +301,12 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
     if args_defaults:
         parser.set_defaults(**args_defaults)
     args = parser.parse_args(argv)
+    from megatron_moe import flags
+
+    try:
+        flags.check_refused(args)  # a refused Megatron flag: one line saying why (flags/status.txt)
+    except ValueError as exc:
+        parser.error(str(exc))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
@@ -325,9 +363,10 @@ def validate_args(args, check_data_paths=True):
     if pp > 1 and args.num_layers % pp != 0:
         raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
                          f"--pipeline-model-parallel-size ({pp})")
-    if args.hidden_size % args.num_attention_heads != 0:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads != 0:
         raise ValueError(f"--hidden-size ({args.hidden_size}) must be divisible by "
-                         f"--num-attention-heads ({args.num_attention_heads})")
+                         f"--num-attention-heads ({args.num_attention_heads}) (or set --kv-channels)")
+    _validate_model_impl_args(args)
     if args.num_attention_heads % tp != 0:
         raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible "
                          f"by --tensor-model-parallel-size ({tp})")
@@ -453,6 +492,36 @@ def validate_args(args, check_data_paths=True):
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise ValueError(f"--load: {args.load} is not a directory")
     return args
+
+
+def _validate_model_impl_args(args):
+    """--transformer-impl / --attention-backend / position-embedding forms, as Megatron resolves them."""
+    te = _transformer_engine_available()
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if te else "local"
+    if args.transformer_impl == "inference_optimized":
+        raise ValueError("--transformer-impl inference_optimized is refused: Megatron's "
+                         "inference-only layers; training needs local or transformer_engine")
+    if args.transformer_impl == "transformer_engine" and not te:
+        raise ValueError("--transformer-impl transformer_engine needs Transformer Engine and CUDA "
+                         "(not available here); use --transformer-impl local")
+    if args.attention_backend in ("flash", "fused") and args.transformer_impl != "transformer_engine":
+        raise ValueError(f"--attention-backend {args.attention_backend} needs --transformer-impl "
+                         f"transformer_engine (Transformer Engine kernels); local attention is "
+                         f"--attention-backend local|unfused|auto")
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ValueError("--no-position-embedding is deprecated in Megatron and accepted only with "
+                         "--position-embedding-type rope; use --position-embedding-type none|rope")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ValueError(f"--rotary-percent ({args.rotary_percent}) must be in (0, 1]")
+
+
+def _transformer_engine_available():
+    from megatron_moe.model import have_transformer_engine
+
+    return have_transformer_engine()
 
 
 def _prefixes(values):

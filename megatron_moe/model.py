@@ -55,6 +55,7 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         if field in names:
             kwargs[field] = value
     dtype = _DTYPES[args.params_dtype]
+    te = use_transformer_engine(args)
     kwargs.update(
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -64,17 +65,19 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         # Fusions need TE/apex/CUDA; they are chosen explicitly elsewhere (--moe-permute-fusion).
         moe_permute_fusion=False,
         gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
-        moe_router_dtype="fp32",
+        moe_router_dtype=getattr(args, "moe_router_dtype", None),
         activation_func=F.silu if args.swiglu else F.gelu,
         num_moe_experts=args.num_experts,
         moe_layer_freq=args.moe_layer_freq,
         deterministic_mode=False,
         calculate_per_token_loss=False,
     )
+    kwargs.update(_fusion_selectors(args, te))
+    if hasattr(args, "attention_backend"):
+        from megatron.core.transformer.enums import AttnBackend
+
+        kwargs["attention_backend"] = AttnBackend[args.attention_backend]
     if args.moe_router_load_balancing_type == "none":
         kwargs["moe_aux_loss_coeff"] = 0.0
     if args.num_experts is None:
@@ -83,8 +86,33 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
     return config_class(**kwargs)
 
 
+def _fusion_selectors(args, te: bool) -> dict:
+    """Megatron's fusion selectors (--no-masked-softmax-fusion, --no-rope-fusion, ...: no-ops in
+    flags/status.txt): with Transformer Engine on GPU their values reach megatron-core; the local
+    (CPU) path runs the unfused kernels, which compute the same math."""
+    def on(dest):
+        return te and getattr(args, dest, True)
+
+    swiglu = args.swiglu
+    return dict(
+        masked_softmax_fusion=on("masked_softmax_fusion"),
+        apply_rope_fusion=on("apply_rope_fusion") and args.position_embedding_type == "rope",
+        bias_dropout_fusion=on("bias_dropout_fusion"),
+        bias_activation_fusion=on("bias_swiglu_fusion" if swiglu else "bias_gelu_fusion"),
+        cross_entropy_loss_fusion=te and getattr(args, "cross_entropy_loss_fusion", False),
+        moe_router_fusion=te and getattr(args, "moe_router_fusion", False),
+        moe_shared_expert_overlap=te and getattr(args, "moe_shared_expert_overlap", False),
+    )
+
+
+def use_transformer_engine(args) -> bool:
+    """--transformer-impl (resolved at parse time: transformer_engine only with TE and CUDA)."""
+    impl = getattr(args, "transformer_impl", None)
+    return have_transformer_engine() if impl is None else impl == "transformer_engine"
+
+
 def gpt_layer_spec(args, config):
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine())
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine(args))
     for name in SPEC_HOOKS:
         try:
             module = importlib.import_module(name)
@@ -117,6 +145,7 @@ def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None)
     model = GPTModel(
         transformer_layer_spec=gpt_layer_spec(args, config),
         rotary_base=args.rotary_base,
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
         **common_model_kwargs(args, config, pre_process, post_process, vp_stage),
     )
     return partition_word_embeddings(model, args)  # --embedding-partition (vocab: unchanged)

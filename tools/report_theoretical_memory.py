@@ -68,13 +68,18 @@ def parse(argv):
     aside; derived values (DP, ETP, ffn sizes, padded vocabulary) filled like training does."""
     from megatron_moe.arguments import build_parser
 
-    parser = build_parser(prog="report_theoretical_memory.py")
-    have = set(parser._option_string_actions)
-    for name, kw in _EXTRA + _OWN:
-        if name not in have:
-            parser.add_argument(name, **kw)
+    def add_own(parser):  # before build_parser registers Megatron's refused/no-op flags
+        have = set(parser._option_string_actions)
+        for name, kw in _EXTRA + _OWN:
+            if name not in have:
+                parser.add_argument(name, **kw)
+        return parser
+
+    from megatron_moe import flags
+
+    parser = build_parser(add_own, prog="report_theoretical_memory.py")
     args, unknown = parser.parse_known_args(argv)
-    ignored = [u for u in unknown if u.startswith("--")]
+    ignored = flags.refused_given(args) + [u for u in unknown if u.startswith("--")]
     args.world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
