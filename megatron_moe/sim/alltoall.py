@@ -33,6 +33,11 @@ def _layout(p: int, rpn: int):
     return p // l, l
 
 
+def _pair_scale(cluster, l: int) -> np.ndarray:
+    """[l, l] factor on intra-node transfer times: intra_bw / the local link's rate (NVLink pairs)."""
+    return cluster.intra_bw / cluster.local_bw(l)
+
+
 def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.ndarray:
     """Seconds per EP group for one all-to-all with the given byte matrix."""
     if algorithm not in ALGORITHMS:
@@ -49,16 +54,22 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.n
     inter_t = np.where(~eye_n[None, :, None, :, None], t4, 0.0)
     if algorithm in ("flat", "pipe"):
         # one message per peer; its rate may be capped by the calibrated bandwidth-by-size table
-        ti = cluster.transfer_time(intra_t, True)
+        ti = cluster.transfer_time(intra_t, True) * _pair_scale(cluster, l)[None, None, :, None, :]
         te = cluster.transfer_time(inter_t, False)
         t_intra = np.maximum(ti.sum(axis=(3, 4)), ti.sum(axis=(1, 2))) + (l - 1) * li
-        t_inter = np.maximum(te.sum(axis=(3, 4)), te.sum(axis=(1, 2))) + (n - 1) * l * le
+        out_e, in_e = te.sum(axis=(3, 4)), te.sum(axis=(1, 2))
+        if cluster.node_inter_bw:
+            # the node's NICs are shared: a rank drives one NIC (inter_bw) and all ranks of a node
+            # together at most node_inter_bw, so one hot receiver gets the whole NIC
+            out_e = np.maximum(out_e, inter_t.sum(axis=(2, 3, 4))[:, :, None] / cluster.node_inter_bw)
+            in_e = np.maximum(in_e, inter_t.sum(axis=(1, 2, 4))[:, :, None] / cluster.node_inter_bw)
+        t_inter = np.maximum(out_e, in_e) + (n - 1) * l * le
         t = t_intra + t_inter if algorithm == "flat" else np.maximum(t_intra, t_inter)
         return t.reshape(g, -1).max(axis=1)
     # phase 1: rank (a, l) sends to (a, l') everything whose destination local index is l' != l
     diff_l = ~eye_l[None, None, :, None, :]
     p1 = np.where(diff_l, t4, 0.0).sum(axis=3)               # [g, a, l(src), l'(dst local)]
-    p1t = cluster.transfer_time(p1, True)                    # one message per local peer
+    p1t = cluster.transfer_time(p1, True) * _pair_scale(cluster, l)[None, None]   # one message per local peer
     out1 = p1t.sum(axis=3)
     in1 = p1t.sum(axis=2)
     ph1 = np.maximum(out1, in1).reshape(g, -1).max(axis=1) + (l - 1) * li
@@ -67,6 +78,9 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.n
     xt = cluster.transfer_time(x, False)                     # node-aggregated messages
     out2 = xt.sum(axis=2)                                    # [g, a, l]
     in2 = xt.sum(axis=1)                                     # [g, b, l]
+    if cluster.node_inter_bw:
+        out2 = np.maximum(out2, x.sum(axis=(2, 3))[:, :, None] / cluster.node_inter_bw)
+        in2 = np.maximum(in2, x.sum(axis=(1, 3))[:, :, None] / cluster.node_inter_bw)
     ph2 = np.maximum(out2, in2).reshape(g, -1).max(axis=1) + (n - 1) * le
     if n == 1:
         ph2 = np.zeros(g)

@@ -51,6 +51,9 @@ class Cluster:
     t_bnec_s: Optional[float] = None
     inputs_per_rank: int = 8192      # only for the default non-MoE time estimate
     a2a_bw_table: Optional[list] = None   # [[max_msg_bytes|None, bytes/s], ...] from a calibration
+    intra_pair_bw: Optional[float] = None  # faster link between local ranks 2i and 2i+1 (NVLink bridge pairs)
+    node_inter_bw: Optional[float] = None  # all NICs of a node together (inter_bw = what one rank can drive)
+    t_step_s: float = 0.0            # per-iteration time outside the MoE blocks (dense all-reduce, optimizer, LM head)
     source: str = "defaults"
 
     def __post_init__(self):
@@ -112,11 +115,24 @@ class Cluster:
     def node_of(self, ranks):
         return np.asarray(ranks) // self.ranks_per_node
 
+    def local_bw(self, l: int) -> np.ndarray:
+        """[l, l] bytes/s between the local ranks of one node (NVLink pairs 2i <-> 2i+1 when set)."""
+        bw = np.full((l, l), float(self.intra_bw))
+        if self.intra_pair_bw:
+            i = np.arange(l)
+            bw[(i[:, None] // 2) == (i[None, :] // 2)] = self.intra_pair_bw
+        return bw
+
     def link_seconds_per_byte(self, ranks: np.ndarray) -> np.ndarray:
         """[P, P] seconds per byte between the given global ranks (0 on the diagonal)."""
+        ranks = np.asarray(ranks)
         n = self.node_of(ranks)
         same = n[:, None] == n[None, :]
-        c = np.where(same, 1.0 / self.intra_bw, 1.0 / self.inter_bw)
+        intra = np.full(same.shape, 1.0 / self.intra_bw)
+        if self.intra_pair_bw:
+            loc = ranks % self.ranks_per_node
+            intra = np.where(loc[:, None] // 2 == loc[None, :] // 2, 1.0 / self.intra_pair_bw, intra)
+        c = np.where(same, intra, 1.0 / self.inter_bw)
         np.fill_diagonal(c, 0.0)
         return c
 

@@ -74,11 +74,22 @@ def _gmax(x: np.ndarray) -> np.ndarray:
     return np.broadcast_to(x.max(axis=1, keepdims=True), x.shape).copy()
 
 
+def _pipelined(a2a: np.ndarray, comp: np.ndarray, degree: int) -> np.ndarray:
+    """Seconds of a dispatch + expert compute + combine segment split into ``degree`` chunks on two
+    streams (FasterMoE 2.6): the larger of comm (2 all-to-alls) and compute runs end to end and
+    the first send / last return of the other one is exposed, 1/degree of it.  degree 1 gives the
+    synchronous 2 a2a + comp; degree -> inf the bound max(2 a2a, comp)."""
+    c2 = 2.0 * np.asarray(a2a, dtype=np.float64)
+    return np.maximum(c2, comp) + np.minimum(c2, comp) / float(degree)
+
+
 def simulate_iterations(cluster: Cluster, assign_fn: Callable[[int, int], Assignment],
                         iterations: int, layers: int, algorithm: str = "flat",
-                        overlap: bool = False) -> IterationBreakdown:
+                        overlap: bool = False, degree: int = 1) -> IterationBreakdown:
     """Run ``iterations`` x ``layers``; ``assign_fn(it, layer)`` runs the policy and returns the
-    layer's assignment (called in forward order, once per block and iteration)."""
+    layer's assignment (called in forward order, once per block and iteration).  ``degree`` > 1
+    pipelines each all-to-all / expert-compute / all-to-all segment in that many chunks (FasterMoE's
+    smart schedule, :func:`_pipelined`)."""
     out = {k: np.zeros(iterations) for k in FIELDS}
     fwd = 1.0 / cluster.expert_tokens_per_s
     bpi = cluster.bytes_per_input
@@ -107,49 +118,92 @@ def simulate_iterations(cluster: Cluster, assign_fn: Callable[[int, int], Assign
                 trans_end[l] = st + a.trans_s
                 comm = trans_end[l].copy()
                 comp = np.maximum(comp, trans_end[l])       # synchronous broadcast before dispatch
-            start = _gmax(np.maximum(comp, comm))
-            d_end = start + a2a_t[l]
-            comm = d_end.copy()
-            comm_busy += a2a_t[l]
-            a2a_tot += float(a2a_t[l].max())
-            # planning of the next iteration overlaps the dispatch on the compute resource
-            comp = np.maximum(comp, start) + a.plan_hidden_s[:, None]
-            comp_busy += a.plan_hidden_s[:, None]
-            if overlap and l + 1 < layers:                  # issue Trans of the next block (part B)
-                trans_end[l + 1] = comm + asg[l + 1].trans_s
-                comm = trans_end[l + 1].copy()
-            fec = fwd * loads[l]
-            comp = np.maximum.reduce([comp, d_end, trans_end[l]]) + fec
-            comp_busy += fec; expert_busy += fec
-            start = _gmax(np.maximum(comp, comm))
-            comm = start + a2a_t[l]
-            comm_busy += a2a_t[l]; a2a_tot += float(a2a_t[l].max())
+            if degree > 1:
+                # FasterMoE smart schedule: dispatch, FEC and combine pipelined in ``degree`` chunks
+                fec = fwd * loads[l]
+                start = _gmax(np.maximum.reduce([comp, comm, trans_end[l]]))
+                seg_end = _gmax(start + _pipelined(a2a_t[l], fec, degree))   # the combine is collective
+                comm = start + 2.0 * a2a_t[l]               # the comm FIFO is free for Trans meanwhile
+                comm_busy += 2.0 * a2a_t[l]; a2a_tot += 2.0 * float(a2a_t[l].max())
+                comp = np.maximum(comp, start) + a.plan_hidden_s[:, None]
+                comp_busy += a.plan_hidden_s[:, None] + fec; expert_busy += fec
+                if overlap and l + 1 < layers:
+                    trans_end[l + 1] = comm + asg[l + 1].trans_s
+                    comm = trans_end[l + 1].copy()
+                comp = np.maximum(comp, seg_end)
+                comm = np.maximum(comm, seg_end)
+            else:
+                start = _gmax(np.maximum(comp, comm))
+                d_end = start + a2a_t[l]
+                comm = d_end.copy()
+                comm_busy += a2a_t[l]
+                a2a_tot += float(a2a_t[l].max())
+                # planning of the next iteration overlaps the dispatch on the compute resource
+                comp = np.maximum(comp, start) + a.plan_hidden_s[:, None]
+                comp_busy += a.plan_hidden_s[:, None]
+                fec = fwd * loads[l]
+                part_a = None
+                if overlap and l + 1 < layers:
+                    # Trans of the next block: part B under this block's FEC, part A (the rest) after
+                    # the combine, under FNEC (Pro-Prophet's block-wise split, note 2.6)
+                    part_b = np.minimum(asg[l + 1].trans_s, fec)
+                    part_a = asg[l + 1].trans_s - part_b
+                    trans_end[l + 1] = comm + part_b
+                    comm = trans_end[l + 1].copy()
+                comp = np.maximum.reduce([comp, d_end, trans_end[l]]) + fec
+                comp_busy += fec; expert_busy += fec
+                start = _gmax(np.maximum(comp, comm))
+                comm = start + a2a_t[l]
+                comm_busy += a2a_t[l]; a2a_tot += float(a2a_t[l].max())
+                if part_a is not None:
+                    trans_end[l + 1] = comm + part_a
+                    comm = trans_end[l + 1].copy()
             comp = np.maximum(comp, comm) + cluster.t_fnec_s
             comp_busy += cluster.t_fnec_s
         # ---- backward
         agg_end = np.zeros(shape)
+        agg_rest = None
         for l in reversed(range(layers)):
             a = asg[l]
             comp = comp + cluster.t_bnec_s
             comp_busy += cluster.t_bnec_s
-            start = _gmax(np.maximum(comp, comm))
-            comm = start + a2a_t[l]
-            comm_busy += a2a_t[l]; a2a_tot += float(a2a_t[l].max())
             bec = 2.0 * fwd * loads[l]
-            comp = np.maximum(comp, comm) + bec
+            if degree > 1:
+                start = _gmax(np.maximum(comp, comm))
+                comp = _gmax(start + _pipelined(a2a_t[l], bec, degree))
+                comm = comp.copy()
+                comm_busy += 2.0 * a2a_t[l]; a2a_tot += 2.0 * float(a2a_t[l].max())
+                if agg_rest is not None:
+                    comm = comm + agg_rest
+                    agg_rest = None
+            else:
+                start = _gmax(np.maximum(comp, comm))
+                comm = start + a2a_t[l]
+                comm_busy += a2a_t[l]; a2a_tot += float(a2a_t[l].max())
+                if agg_rest is not None:                   # the later block's Agg part B under BEC
+                    comm = comm + agg_rest
+                    agg_rest = None
+                comp = np.maximum(comp, start + a2a_t[l]) + bec
+                start = _gmax(np.maximum(comp, comm))
+                comm = start + a2a_t[l]
+                comm_busy += a2a_t[l]; a2a_tot += float(a2a_t[l].max())
             comp_busy += bec; expert_busy += bec
-            start = _gmax(np.maximum(comp, comm))
-            comm = start + a2a_t[l]
-            comm_busy += a2a_t[l]; a2a_tot += float(a2a_t[l].max())
-            # Agg (replica grads -> owner) after BEC; queued behind the combine on the comm FIFO
+            # Agg (replica grads -> owner) after BEC, queued behind the combine on the comm FIFO.
             st = np.maximum(comm, comp)
-            agg_end = st + a.agg_s
+            if overlap and l > 0:
+                # Pro-Prophet: part A under the next backward block's BNEC, the rest under its BEC
+                part = np.minimum(a.agg_s, cluster.t_bnec_s)
+                agg_end = st + part
+                agg_rest = a.agg_s - part
+            else:
+                agg_end = st + a.agg_s
             comm = agg_end.copy()
             if not overlap:
                 comp = np.maximum(comp, agg_end)
         ta = sum(a.trans_s + a.agg_s for a in asg)
         comm_busy += ta; ta_busy += ta
-        end = np.maximum(comp, comm)
+        end = np.maximum(comp, comm) + cluster.t_step_s
+        comp_busy += cluster.t_step_s
         # best-effort placement transfers: fill idle comm time, excess is exposed
         adj = sum(a.adjust_s for a in asg)
         idle = end.max() - comm_busy

@@ -19,7 +19,7 @@ from .traces import tile_sources
 
 __all__ = ["POLICIES", "available_policies", "simulate", "compare", "ep_layout"]
 
-POLICIES = ("none", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap")
+POLICIES = ("none", "deepspeed", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap")
 
 
 def _proprophet_cls():
@@ -39,7 +39,7 @@ def _training_planner_defaults() -> Dict[str, float]:
 
 
 def available_policies() -> List[str]:
-    pols = ["none", "fastermoe", "flexmoe"]
+    pols = ["none", "deepspeed", "fastermoe", "flexmoe"]
     if _proprophet_cls() is not None:
         pols += ["proprophet", "proprophet+overlap"]
     return pols
@@ -65,8 +65,15 @@ class _Timer:
 
 def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorithm: str = "flat",
              ep_size: Optional[int] = None, plan_time: Union[str, float] = 0.0,
-             policy_kwargs: Optional[Dict] = None) -> IterationBreakdown:
-    """Replay ``trace[iteration, layer, source, expert]`` through ``policy`` on ``cluster``."""
+             policy_kwargs: Optional[Dict] = None, degree: int = 1) -> IterationBreakdown:
+    """Replay ``trace[iteration, layer, source, expert]`` through ``policy`` on ``cluster``.
+
+    ``deepspeed`` is DeepSpeed-MoE's GShard-style expert parallelism: every (source, expert) slot of
+    the all-to-all is padded to one capacity C; ``policy_kwargs={"capacity_factor": f}`` gives
+    C = ceil(f * inputs_per_source / E) and drops the overflow, None (default) is its
+    ``drop_tokens=False`` mode, C = the largest count over all sources and experts (all-reduce MAX).
+    ``degree`` > 1 pipelines each all-to-all / expert / all-to-all segment (FasterMoE's smart schedule).
+    """
     from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy, default_owner
     from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy, route_real
     from megatron_moe.balance.cost_model import sync_s_vec
@@ -91,6 +98,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     base = policy.split("+")[0]
     overlap = policy.endswith("+overlap")
     pols = {}
+    ds_cf = kw.pop("capacity_factor", None) if base == "deepspeed" else None
     if base == "fastermoe":
         pols = {(g, l): FasterMoEPolicy(n_exp, p, costs[g], **kw) for g in range(groups) for l in range(layers)}
     elif base == "flexmoe":
@@ -117,6 +125,13 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         if base == "none":
             local = c * own_mask
             traffic = (c * ~own_mask) @ onehot
+        elif base == "deepspeed":
+            if ds_cf is None:                                    # drop_tokens=False: global max count
+                cap = float(trace[it, l].max())
+            else:
+                cap = float(np.ceil(ds_cf * trace[it, l].sum(axis=1).max() / n_exp))
+            local = np.broadcast_to(cap * own_mask, c.shape).astype(np.float64)
+            traffic = np.broadcast_to(cap * (~own_mask) @ onehot, (groups, p, p)).astype(np.float64)
         elif base == "fastermoe":
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):
@@ -163,7 +178,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 prev[(g, l)] = c[g]
         return Assignment(local, traffic, trans, agg, plan_s, plan_h, adj)
 
-    res = simulate_iterations(cluster, assign, iters, layers, algorithm, overlap=overlap)
+    res = simulate_iterations(cluster, assign, iters, layers, algorithm, overlap=overlap, degree=degree)
     if base == "flexmoe":
         res.values["plan_s"] += sum(getattr(pp, "plan_seconds", 0.0) for pp in pols.values()) / max(1, iters) / groups
     return res

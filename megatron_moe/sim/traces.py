@@ -20,10 +20,12 @@ __all__ = ["synthetic_trace", "balanced_trace", "load_trace_dir", "tile_sources"
 
 def synthetic_trace(num_sources: int, num_experts: int, iterations: int, layers: int = 1,
                     inputs_per_source: int = 8192, zipf_s: float = 1.2, drift_sigma: float = 0.05,
-                    source_sigma: float = 0.3, seed: int = 0) -> np.ndarray:
+                    source_sigma: float = 0.3, seed: int = 0,
+                    popularity: Optional[np.ndarray] = None) -> np.ndarray:
     """Zipf-skewed expert popularity that drifts by a log-normal random walk between iterations.
 
-    * Each layer starts from Zipf(``zipf_s``) over a random permutation of the experts.
+    * Each layer starts from Zipf(``zipf_s``) (or the given ``popularity`` vector, e.g. a paper's
+      "4 hot experts at 20% each") over a random permutation of the experts.
     * Each iteration multiplies every expert's popularity by ``exp(drift_sigma * N(0,1))`` (smooth
       drift, the "locality" both FlexMoE and Pro-Prophet rely on).
     * Each source rank sees the global popularity times a fixed per-source log-normal preference
@@ -41,8 +43,12 @@ def synthetic_trace(num_sources: int, num_experts: int, iterations: int, layers:
     rng = np.random.default_rng(seed)
     out = np.empty((iterations, layers, num_sources, num_experts), dtype=np.int64)
     ranks = np.arange(1, num_experts + 1, dtype=np.float64)
+    if popularity is not None:
+        popularity = np.asarray(popularity, dtype=np.float64)
+        if popularity.shape != (num_experts,) or (popularity <= 0).any():
+            raise ValueError(f"synthetic_trace: popularity must be {num_experts} positive numbers")
     for layer in range(layers):
-        logp = -zipf_s * np.log(ranks)
+        logp = -zipf_s * np.log(ranks) if popularity is None else np.log(popularity)
         logp = logp[rng.permutation(num_experts)]
         pref = source_sigma * rng.standard_normal((num_sources, num_experts))
         for it in range(iterations):

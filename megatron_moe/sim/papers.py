@@ -1,0 +1,274 @@
+"""The seed papers' testbeds, models and published numbers as data, and the simulator set up to
+reproduce them (``bench/paper_tables.py``).
+
+Data files (``megatron_moe/sim/testbeds/``), every number with its source:
+
+* ``<paper>_<cluster>.json``: one testbed each (GPU peak FLOP/s and memory bandwidth, intra-node link,
+  optional NVLink pair link, inter-node NICs, latencies);
+* ``models.json``: the papers' model configurations and per-paper run settings (tokens, precision,
+  top-k, benchmark scope, the imbalance each paper reports and how the trace matches it);
+* ``published.json``: every published cell we model (speed-up of a system over a baseline) and
+  the ones we do not, with the reason.
+
+Two free constants turn peaks into achieved rates, the same for every testbed: ``flops`` (achieved
+fraction of the GPU's peak FLOP/s, for expert and non-expert GEMMs) and ``net`` (achieved fraction
+of every link's bandwidth, for all-to-all, broadcast/reduce and all-reduce).  They are fitted on
+Pro-Prophet's Table IV only; everything else is predicted with the same two numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .cluster import Cluster
+from .runner import simulate
+from .traces import synthetic_trace
+
+__all__ = ["TESTBED_DIR", "Efficiency", "load_testbed", "list_testbeds", "load_models", "load_published",
+           "paper_cluster", "paper_trace", "zipf_for_share", "SYSTEMS", "simulate_system", "PaperSim",
+           "smart_schedule_degree"]
+
+TESTBED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbeds")
+
+# system name in the papers -> (simulator policy, policy kwargs, smart-schedule pipelining)
+SYSTEMS: Dict[str, Tuple[str, Dict, bool]] = {
+    # Pro-Prophet Sec. VI-A: "It exclusively implements EP"; FasterMoE is slower than it in Table V
+    # (k=1 DM, 0.96x), impossible against a padded all-to-all: dropless EP, no pipelining
+    "DeepSpeed-MoE": ("none", {}, False),
+    "DeepSpeed-MoE padded": ("deepspeed", {}, False),            # drop_tokens=False: pad to max count
+    "DeepSpeed": ("deepspeed", {"capacity_factor": 1.0}, False),  # FlexMoE's: capacity 1.0, drops
+    "FastMoE": ("none", {}, False),
+    "FasterMoE": ("fastermoe", {}, True),
+    "FasterMoE shadowing": ("fastermoe", {}, False),
+    "FasterMoE smart schedule": ("none", {}, True),
+    "Pro-Prophet": ("proprophet+overlap", {}, True),            # built on FasterMoE's pipelined A2A
+    "FlexMoE": ("flexmoe", {}, False),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    flops: float = 0.5      # achieved fraction of peak FLOP/s
+    net: float = 0.5        # achieved fraction of link bandwidth
+
+    def __post_init__(self):
+        for f in ("flops", "net"):
+            v = getattr(self, f)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"efficiency {f}={v} must be in (0, 1]")
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def list_testbeds() -> List[str]:
+    return sorted(f[:-5] for f in os.listdir(TESTBED_DIR)
+                  if f.endswith(".json") and f not in ("models.json", "published.json"))
+
+
+_NEED = {"gpu": ("peak_fp32_flops", "memory_bandwidth"), "intra": ("bandwidth", "latency_s"),
+         "inter": ("bandwidth_per_nic", "nics_per_node", "latency_s")}
+
+
+def load_testbed(name: str) -> dict:
+    """A testbed by file stem (``proprophet_hpnv``) or path; every section must name its source."""
+    path = name if name.endswith(".json") else os.path.join(TESTBED_DIR, name + ".json")
+    d = _read(path)
+    for sec, keys in _NEED.items():
+        if sec not in d or not isinstance(d[sec], dict):
+            raise ValueError(f"{path}: missing section {sec!r}")
+        for k in keys + ("source",):
+            if k not in d[sec]:
+                raise ValueError(f"{path}: {sec}.{k} missing")
+    if "intra_pair" in d and "source" not in d["intra_pair"]:
+        raise ValueError(f"{path}: intra_pair.source missing")
+    if int(d.get("gpus_per_node", 0)) < 1:
+        raise ValueError(f"{path}: gpus_per_node must be >= 1")
+    return d
+
+
+def load_models() -> dict:
+    return _read(os.path.join(TESTBED_DIR, "models.json"))
+
+
+def load_published() -> dict:
+    return _read(os.path.join(TESTBED_DIR, "published.json"))
+
+
+def zipf_for_share(num_experts: int, share: float, top: Optional[int] = None,
+                   bottom: Optional[int] = None) -> float:
+    """Zipf exponent s whose ``top`` heaviest (or ``bottom`` lightest) experts hold ``share`` of the
+    inputs (bisection; the share is monotone in s)."""
+    r = np.arange(1, num_experts + 1, dtype=np.float64)
+
+    def f(s):
+        p = r ** -s
+        p /= p.sum()
+        return p[:top].sum() if top else p[-bottom:].sum()
+
+    lo, hi = 0.0, 8.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if (f(mid) < share) == bool(top):
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def _popularity(imb: dict, num_experts: int):
+    """(zipf_s, popularity) of a paper's imbalance description (models.json)."""
+    if imb["kind"] == "zipf":
+        m = re.fullmatch(r"(top|bottom)(\d+)_share", imb["match"])
+        if not m:
+            raise ValueError(f"models.json: imbalance match {imb['match']!r} is not top<N>_share / bottom<N>_share")
+        return zipf_for_share(num_experts, imb["value"], **{m.group(1): int(m.group(2))}), None
+    if imb["kind"] == "hot":
+        h, share = int(imb["hot_experts"]), float(imb["hot_share_each"])
+        rest = (1.0 - h * share) / (num_experts - h)
+        return 0.0, np.array([share] * h + [rest] * (num_experts - h))
+    raise ValueError(f"models.json: unknown imbalance kind {imb['kind']!r}")
+
+
+def _settings(model: str) -> Tuple[dict, dict]:
+    m = load_models()
+    if model not in m["models"]:
+        raise ValueError(f"models.json: unknown model {model!r}")
+    cfg = m["models"][model]
+    return cfg, m["papers"][cfg["paper"]]
+
+
+def _tokens_per_gpu(run: dict, gpus: int) -> int:
+    if "tokens_per_gpu" in run:
+        return int(run["tokens_per_gpu"])
+    return int(run["tokens_per_iteration"][str(gpus)]) // gpus
+
+
+def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: int) -> Cluster:
+    """The ``Cluster`` (hence the ``CostModel`` the planners price with) of ``model`` on ``gpus``
+    GPUs of ``testbed``: achieved rates = peak x ``eff``; non-expert time from the model's FLOPs.
+
+    end_to_end benchmarks also get per block the attention (and dense FFN layers between MoE layers)
+    as FNEC / BNEC = 2 FNEC, and per iteration the LM head, the data-parallel all-reduce of the dense
+    gradients (ring, after backward, not overlapped as in FastMoE/Megatron-LM of the papers' time) and
+    the Adam step (memory bound).  moe_layers_only benchmarks (FasterMoE's latency traces) get none.
+    """
+    tb = load_testbed(testbed)
+    cfg, run = _settings(model)
+    h, f = int(cfg["hidden"]), int(cfg["ffn_hidden"])
+    b = int(run["dtype_bytes"])
+    peak = tb["gpu"]["peak_fp16_flops"] if b == 2 else tb["gpu"]["peak_fp32_flops"]
+    flops = float(peak) * eff.flops
+    rpn = int(tb["gpus_per_node"])
+    nic, nics = float(tb["inter"]["bandwidth_per_nic"]), int(tb["inter"]["nics_per_node"])
+    inter = nic * nics / rpn                       # per rank when every rank sends alike
+    pair = tb.get("intra_pair", {}).get("bandwidth")
+    kw = dict(num_gpus=gpus, ranks_per_node=min(rpn, gpus),
+              intra_bw=float(tb["intra"]["bandwidth"]) * eff.net,
+              inter_bw=min(nic, float(tb["intra"]["bandwidth"])) * eff.net,   # one rank drives one NIC
+              node_inter_bw=nic * nics * eff.net,
+              intra_lat=float(tb["intra"]["latency_s"]), inter_lat=float(tb["inter"]["latency_s"]),
+              intra_pair_bw=float(pair) * eff.net if pair else None,
+              hidden_size=h, ffn_hidden_size=f, dtype_bytes=b, device_flops=flops,
+              expert_state_bytes=float(2 * h * f * (b + 12)), source=f"{testbed} / {model}")
+    if run["benchmark"] == "moe_layers_only":
+        return Cluster(t_fnec_s=0.0, t_bnec_s=0.0, t_step_s=0.0, **kw)
+    tokens = _tokens_per_gpu(run, gpus)
+    s, v, every = int(run["seq_length"]), int(run["vocab_size"]), int(cfg.get("moe_every", 1))
+    layers = int(cfg["layers"])
+    # per MoE block: `every` attention layers + (every - 1) dense FFN layers, forward FLOPs
+    fnec = tokens * (every * (8.0 * h * h + 4.0 * s * h) + (every - 1) * 4.0 * h * f) / flops
+    head = 3.0 * tokens * 2.0 * v * h / flops
+    n_moe = layers // every
+    dense = layers * 4.0 * h * h + (layers - n_moe) * 2.0 * h * f + (v + s) * h
+    experts_here = n_moe * max(1, int(cfg.get("experts", gpus)) // gpus) * 2.0 * h * f
+    nodes = max(1, gpus // rpn)
+    ring_bw = (min(float(tb["intra"]["bandwidth"]), inter * rpn) if nodes > 1
+               else float(tb["intra"]["bandwidth"])) * eff.net
+    allreduce = 2.0 * (gpus - 1) / gpus * dense * b / ring_bw if gpus > 1 else 0.0
+    adam_bytes = 28.0 if b == 4 else 32.0          # read p, g, m, v (+ fp16 copy), write p, m, v
+    opt = (dense + experts_here) * adam_bytes / float(tb["gpu"]["memory_bandwidth"])
+    return Cluster(t_fnec_s=fnec, t_bnec_s=2.0 * fnec, t_step_s=head + allreduce + opt, **kw)
+
+
+def paper_trace(model: str, gpus: int, top_k: int, iterations: int, seed: int = 0,
+                source_sigma: float = 0.3) -> np.ndarray:
+    """Routing trace with the imbalance the model's paper reports (models.json ``imbalance``)."""
+    cfg, run = _settings(model)
+    e = int(cfg.get("experts", gpus))
+    zs, pop = _popularity(run["imbalance"], e)
+    layers = int(cfg["layers"]) // int(cfg.get("moe_every", 1))
+    return synthetic_trace(gpus, e, iterations, layers, top_k * _tokens_per_gpu(run, gpus), zs,
+                           drift_sigma=0.05, source_sigma=source_sigma, seed=seed, popularity=pop)
+
+
+def smart_schedule_degree(testbed: str, gpus: int) -> int:
+    """FasterMoE's group-wise exchange: groups of tightly connected workers (one node), n = nodes."""
+    return max(2, gpus // int(load_testbed(testbed)["gpus_per_node"]))
+
+
+class PaperSim:
+    """Simulates (testbed, model, gpus, k, system) with one efficiency; traces and results cached."""
+
+    def __init__(self, eff: Efficiency, iterations: int = 8, seed: int = 0):
+        self.eff, self.iterations, self.seed = eff, int(iterations), int(seed)
+        self._traces: Dict = {}
+        self._res: Dict = {}
+
+    def iter_s(self, testbed: str, model: str, gpus: int, top_k: int, system: str) -> float:
+        key = (testbed, model, gpus, top_k, system)
+        if key not in self._res:
+            tk = (model, gpus, top_k)
+            if tk not in self._traces:
+                self._traces[tk] = paper_trace(model, gpus, top_k, self.iterations, self.seed)
+            self._res[key] = simulate_system(self._traces[tk], testbed, model, gpus, top_k, system, self.eff)
+        return self._res[key]
+
+    def speedup(self, testbed: str, model: str, gpus: int, top_k: int, system: str, baseline: str) -> float:
+        return (self.iter_s(testbed, model, gpus, top_k, baseline)
+                / self.iter_s(testbed, model, gpus, top_k, system))
+
+    def cell(self, c: dict) -> float:
+        """Simulated value of one published cell (``stat`` reduces over its models x gpus)."""
+        models = c["model"] if isinstance(c["model"], list) else [c["model"]]
+        vals = []
+        for m in models:
+            g = c["gpus"]
+            gs = [g[m]] if isinstance(g, dict) else (g if isinstance(g, list) else [g])
+            for gg in gs:
+                vals.append(self.speedup(c["testbed"], m, int(gg), int(c["top_k"]), c["system"], c["baseline"]))
+        stat = c.get("stat", "value")
+        if stat in ("value", "max"):
+            return float(max(vals))
+        if stat == "min":
+            return float(min(vals))
+        if stat == "mean":
+            return float(np.mean(vals))
+        raise ValueError(f"published.json: unknown stat {stat!r}")
+
+
+def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_k: int, system: str,
+                    eff: Efficiency) -> float:
+    """Mean iteration seconds of a paper's ``system`` (``SYSTEMS``), warm-up iteration excluded."""
+    if system not in SYSTEMS:
+        raise ValueError(f"published.json: unknown system {system!r}; known: {sorted(SYSTEMS)}")
+    pol, kw, smart = SYSTEMS[system]
+    cl = paper_cluster(testbed, model, gpus, eff, top_k)
+    degree = smart_schedule_degree(testbed, gpus) if smart else 1
+    r = simulate(trace, cl, pol, "flat", policy_kwargs=dict(kw), degree=degree)
+    it = r.values["iter_s"]
+    return float(it[1:].mean() if len(it) > 1 else it.mean())
