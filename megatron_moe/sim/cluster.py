@@ -53,6 +53,7 @@ class Cluster:
     a2a_bw_table: Optional[list] = None   # [[max_msg_bytes|None, bytes/s], ...] from a calibration
     intra_pair_bw: Optional[float] = None  # faster link between local ranks 2i and 2i+1 (NVLink bridge pairs)
     node_inter_bw: Optional[float] = None  # all NICs of a node together (inter_bw = what one rank can drive)
+    msg_efficiency: Optional[list] = None  # [[max_msg_bytes|None, fraction of link rate], ...] (small messages)
     t_step_s: float = 0.0            # per-iteration time outside the MoE blocks (dense all-reduce, optimizer, LM head)
     source: str = "defaults"
 
@@ -87,6 +88,10 @@ class Cluster:
         """Seconds to move ``nbytes`` (array) as single messages over intra/inter links."""
         nbytes = np.asarray(nbytes, dtype=np.float64)
         bw = np.where(intra, self.intra_bw, self.inter_bw)
+        if self.msg_efficiency:
+            limits = np.array([np.inf if m is None else m for m, _ in self.msg_efficiency])
+            frac = np.array([f for _, f in self.msg_efficiency], dtype=np.float64)
+            bw = bw * frac[np.minimum(np.searchsorted(limits, nbytes, side="left"), len(frac) - 1)]
         if self.a2a_bw_table:
             limits = np.array([np.inf if m is None else m for m, _ in self.a2a_bw_table])
             rates = np.array([b for _, b in self.a2a_bw_table], dtype=np.float64)
