@@ -213,3 +213,22 @@ def test_proprophet_plans_with_the_training_defaults(tmp_path):
     # the paper artifact's alpha = 3 stops after one expert here: a different computation
     pp3 = simulate(skew, cl, "proprophet", policy_kwargs={"alpha": 3.0}).values["expert_s"]
     assert pp3[1] > fm[1] * 1.2
+
+
+def test_alltoall_fast_path_matches_general():
+    """The linear flat/pipe path (per-rank sums) gives the general per-message path's times; a
+    message-efficiency table of 1.0 forces the general path on the same cluster."""
+    from megatron_moe.sim.alltoall import alltoall_time
+    from megatron_moe.sim.cluster import Cluster
+
+    rng = np.random.default_rng(3)
+    for pair in (None, 40e9):
+        cl = Cluster(num_gpus=32, ranks_per_node=4, intra_bw=12e9, inter_bw=9e9, intra_pair_bw=pair,
+                     node_inter_bw=20e9)
+        slow = Cluster(**{**cl.__dict__, "msg_efficiency": [[None, 1.0]]})
+        traffic = rng.integers(0, 10 ** 6, size=(2, 16, 16)).astype(np.float64)
+        for algo in ("flat", "pipe"):
+            np.testing.assert_allclose(alltoall_time(traffic, cl, algo), alltoall_time(traffic, slow, algo),
+                                       rtol=1e-12)
+        half = Cluster(**{**cl.__dict__, "msg_efficiency": [[None, 0.5]]})
+        assert (alltoall_time(traffic, half, "flat") > alltoall_time(traffic, slow, "flat")).all()

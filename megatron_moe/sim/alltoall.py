@@ -38,6 +38,32 @@ def _pair_scale(cluster, l: int) -> np.ndarray:
     return cluster.intra_bw / cluster.local_bw(l)
 
 
+def _flat_linear(t4: np.ndarray, cluster, algorithm: str, n: int, l: int) -> np.ndarray:
+    """flat / pipe when every link has one rate (no bandwidth-by-message-size table): the same
+    formula as the general path from per-rank byte sums only, without [g, P, P] masks (the general
+    path's cost dominated 8192-GPU runs; tests/test_sim.py checks both paths agree)."""
+    g = t4.shape[0]
+    node_blk = np.einsum("gaiaj->gaij", t4)                   # [g, node, src local, dst local]
+    selfb = np.einsum("gaii->gai", node_blk)
+    if cluster.intra_pair_bw:
+        w = node_blk / cluster.local_bw(l)[None, None]
+        ti_out = w.sum(axis=3) - selfb / cluster.local_bw(l).diagonal()[None, None]
+        ti_in = w.sum(axis=2) - selfb / cluster.local_bw(l).diagonal()[None, None]
+    else:
+        ti_out = (node_blk.sum(axis=3) - selfb) / cluster.intra_bw
+        ti_in = (node_blk.sum(axis=2) - selfb) / cluster.intra_bw
+    e_out = t4.sum(axis=(3, 4)) - node_blk.sum(axis=3)        # inter-node bytes per rank
+    e_in = t4.sum(axis=(1, 2)) - node_blk.sum(axis=2)
+    out_e, in_e = e_out / cluster.inter_bw, e_in / cluster.inter_bw
+    if cluster.node_inter_bw:
+        out_e = np.maximum(out_e, e_out.sum(axis=2, keepdims=True) / cluster.node_inter_bw)
+        in_e = np.maximum(in_e, e_in.sum(axis=2, keepdims=True) / cluster.node_inter_bw)
+    t_intra = np.maximum(ti_out, ti_in) + (l - 1) * cluster.intra_lat
+    t_inter = np.maximum(out_e, in_e) + (n - 1) * l * cluster.inter_lat
+    t = t_intra + t_inter if algorithm == "flat" else np.maximum(t_intra, t_inter)
+    return t.reshape(g, -1).max(axis=1)
+
+
 def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.ndarray:
     """Seconds per EP group for one all-to-all with the given byte matrix."""
     if algorithm not in ALGORITHMS:
@@ -48,6 +74,8 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.n
     eye_n = np.eye(n, dtype=bool)
     eye_l = np.eye(l, dtype=bool)
     li, le = cluster.intra_lat, cluster.inter_lat
+    if algorithm in ("flat", "pipe") and not (cluster.msg_efficiency or cluster.a2a_bw_table):
+        return _flat_linear(t4, cluster, algorithm, n, l)
     # intra / inter bytes out of and into every rank (self excluded)
     same = eye_n[None, :, None, :, None] & ~(eye_n[:, None, :, None] & eye_l[None, :, None, :])[None]
     intra_t = np.where(same, t4, 0.0)

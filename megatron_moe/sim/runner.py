@@ -90,11 +90,21 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     kw = dict(policy_kwargs or {})
     timer = _Timer(plan_time)
     ranks = [np.arange(g * p, (g + 1) * p) for g in range(groups)]
-    costs = [cluster.planner_cost(r) for r in ranks]
+    if p % cluster.ranks_per_node == 0:     # node-aligned groups: every group prices the same
+        costs = [cluster.planner_cost(ranks[0])] * groups
+    else:
+        costs = [cluster.planner_cost(r) for r in ranks]
     owner = default_owner(n_exp, p)
     onehot = np.zeros((n_exp, p)); onehot[np.arange(n_exp), owner] = 1.0
     own_mask = (owner[None, :] == np.arange(p)[:, None])            # [P, E]
     bcast = np.array([cluster.broadcast_time(cluster.expert_param_bytes, r) for r in ranks])
+    per_rank = n_exp // p                                            # experts per rank (contiguous)
+
+    def to_owner(x):
+        """[G, P, E] inputs -> [G, P, P] inputs each source sends to each owner rank."""
+        if n_exp % p:
+            return x @ onehot
+        return x.reshape(x.shape[0], p, p, per_rank).sum(axis=3)
     base = policy.split("+")[0]
     overlap = policy.endswith("+overlap")
     pols = {}
@@ -124,14 +134,14 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         trans = z.copy(); agg = z.copy(); adj = z.copy()
         if base == "none":
             local = c * own_mask
-            traffic = (c * ~own_mask) @ onehot
+            traffic = to_owner(c * ~own_mask)
         elif base == "deepspeed":
             if ds_cf is None:                                    # drop_tokens=False: global max count
                 cap = float(trace[it, l].max())
             else:
                 cap = float(np.ceil(ds_cf * trace[it, l].sum(axis=1).max() / n_exp))
             local = np.broadcast_to(cap * own_mask, c.shape).astype(np.float64)
-            traffic = np.broadcast_to(cap * (~own_mask) @ onehot, (groups, p, p)).astype(np.float64)
+            traffic = np.broadcast_to(to_owner((cap * ~own_mask)[None])[0], (groups, p, p)).astype(np.float64)
         elif base == "fastermoe":
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):
@@ -139,7 +149,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 plan_s[g] = dt                                   # needs this iteration's counts
                 s = own_mask.copy(); s[:, plan.shadowed] = True
                 local[g] = c[g] * s
-                traffic[g] = (c[g] * ~s) @ onehot
+                traffic[g] = to_owner((c[g] * ~s)[None])[0]
                 trans[g] = len(plan.shadowed) * bcast[g]
                 agg[g] = len(plan.shadowed) * bcast[g]           # reduce = same ring volume
         elif base == "flexmoe":
@@ -174,7 +184,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                         trans[g, rs] += cluster.broadcast_time(cluster.expert_param_bytes, ranks[g][rs])
                 agg[g] = trans[g]
                 local[g] = c[g] * s
-                traffic[g] = (c[g] * ~s) @ onehot
+                traffic[g] = to_owner((c[g] * ~s)[None])[0]
                 prev[(g, l)] = c[g]
         return Assignment(local, traffic, trans, agg, plan_s, plan_h, adj)
 
