@@ -99,6 +99,16 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     own_mask = (owner[None, :] == np.arange(p)[:, None])            # [P, E]
     bcast = np.array([cluster.broadcast_time(cluster.expert_param_bytes, r) for r in ranks])
     per_rank = n_exp // p                                            # experts per rank (contiguous)
+    _bc = {}
+
+    def bcast_of(g, rs):
+        """Broadcast time of one expert over group g's ranks ``rs`` (sorted): it depends only on the
+        member count and on whether they span nodes, so it is cached by that."""
+        gr = ranks[g]
+        key = (len(rs), int(gr[rs[0]]) // cluster.ranks_per_node != int(gr[rs[-1]]) // cluster.ranks_per_node)
+        if key not in _bc:
+            _bc[key] = cluster.broadcast_time(cluster.expert_param_bytes, gr[rs])
+        return _bc[key]
 
     def to_owner(x):
         """[G, P, E] inputs -> [G, P, P] inputs each source sends to each owner rank."""
@@ -181,7 +191,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                     for e in placement.replicated():
                         rs = placement.replica_sets[e]
                         s[rs, e] = True
-                        trans[g, rs] += cluster.broadcast_time(cluster.expert_param_bytes, ranks[g][rs])
+                        trans[g, rs] += bcast_of(g, rs)
                 agg[g] = trans[g]
                 local[g] = c[g] * s
                 traffic[g] = to_owner((c[g] * ~s)[None])[0]

@@ -193,6 +193,57 @@ def flex_cost(origin: np.ndarray, n: np.ndarray, cost, details: bool = False):
     return float(t.max())
 
 
+def expert_terms(origin_t: np.ndarray, n: np.ndarray, cost) -> np.ndarray:
+    """Eq. 5 split by expert: ``[k, G]`` seconds each of the given experts adds to every rank
+    (compute of what it processes there, its all-to-all receives x4, its replica sync on its hosts).
+    ``origin_t[k, G]`` and ``n[k, G]`` are those experts' rows; summed over all experts this is
+    :func:`flex_cost`'s per-rank time, so a candidate that changes two experts is priced by
+    re-evaluating their two rows only (the policy maker's ranking; the accept test stays exact)."""
+    return _expert_parts(origin_t, n, cost)[1]
+
+
+def _expert_parts(origin_t: np.ndarray, n: np.ndarray, cost):
+    """(processed[k, G], seconds[k, G]) of :func:`expert_terms`."""
+    from megatron_moe.balance.cost_model import sync_s_vec
+    keep, spill, frac = route_real(origin_t.T, n)
+    proc = keep + spill.sum(axis=1, keepdims=True) * frac
+    t = cost.compute_s(proc)
+    if cost.pair_s_per_input is not None:
+        t = t + 4.0 * frac * (spill @ cost.pair_s_per_input)
+    hosts = n > 0
+    return proc, t + sync_s_vec(cost, hosts)[:, None] * hosts
+
+
+class _Priced:
+    """Per-expert rows of Eq. 5 for one count matrix, updated row by row as the slot table changes
+    (the scheduler loop changes two experts per accepted pair; pricing all E x G again per
+    candidate dominated large simulations)."""
+
+    def __init__(self, origin, n, cost):
+        self.o_t, self.cost = np.asarray(origin, dtype=np.float64).T, cost
+        self.n = np.array(n)
+        self.proc, self.terms = _expert_parts(self.o_t, self.n, cost)
+        self.base = self.terms.sum(axis=0)
+
+    def time(self) -> float:
+        return float(self.base.max())
+
+    def loads(self) -> np.ndarray:
+        return self.proc.sum(axis=0)
+
+    def trial(self, rows, n_rows) -> float:
+        """Modelled time with ``rows`` of n replaced by ``n_rows``."""
+        t = expert_terms(self.o_t[rows], n_rows, self.cost)
+        return float((self.base - self.terms[rows].sum(axis=0) + t.sum(axis=0)).max())
+
+    def update(self, n) -> None:
+        rows = np.nonzero((np.asarray(n) != self.n).any(axis=1))[0]
+        if len(rows):
+            self.n = np.array(n)
+            self.proc[rows], self.terms[rows] = _expert_parts(self.o_t[rows], self.n[rows], self.cost)
+            self.base = self.terms.sum(axis=0)
+
+
 @register_policy
 class FlexMoEPolicy(BalancePolicy):
     """``--moe-balance-policy flexmoe``: stateful; ``step(origin)`` adjusts the slot table.
@@ -254,10 +305,14 @@ class FlexMoEPolicy(BalancePolicy):
         return float(self.cost.link_s_per_byte[a, b])
 
     # -- Alg. 2 -----------------------------------------------------------------------------------
-    def make_plan(self, origin: np.ndarray) -> List[Tuple]:
+    def make_plan(self, origin: np.ndarray, priced: Optional[_Priced] = None) -> List[Tuple]:
+        """One (Shrink, Expand) pair or a lone Expand; ``priced`` (the scheduler loop's running
+        pricing of this ``origin`` and the current table) avoids pricing every expert again."""
         slots = self.table.slots
         n = self.table.counts()
-        t0 = flex_cost(origin, n, self.cost)
+        if priced is None:
+            priced = _Priced(origin, n, self.cost)
+        t0 = priced.time()
         tot = np.asarray(origin, dtype=np.float64).sum(axis=0)
         ne = n.sum(axis=1)
         cap = tot / ne
@@ -278,18 +333,21 @@ class FlexMoEPolicy(BalancePolicy):
                 cands.append((int(g), s, e_cold))
         node = self.cost.node
         best = None
+        scale = max(abs(t0), 1e-30)
         for g, s, e_cold in cands:
-            n1 = n.copy()
-            n1[e_hot, g] += 1
+            rows = [e_hot] if e_cold == FREE else [e_hot, e_cold]
+            n1 = n[rows].copy()
+            n1[0, g] += 1
             if e_cold != FREE:
-                n1[e_cold, g] -= 1
-            t1 = flex_cost(origin, n1, self.cost)
+                n1[1, g] -= 1
+            t1 = priced.trial(rows, n1)
             same_node = node is not None and bool((node[hot_hosts] == node[g]).any())
-            key = (t1, g not in hot_hosts, not same_node, g)
+            # rounded: candidates equal up to summation order tie-break by the rules that follow
+            key = (round(t1 / scale, 12), g not in hot_hosts, not same_node, g)
             if best is None or key < best[0]:
                 best = (key, g, s, e_cold)
         (t1, *_), g, s, e_cold = best
-        if not t1 < t0:
+        if not t1 < 1.0 - 1e-12:             # strictly lower, beyond summation-order rounding
             return []
         src = int(min(hot_hosts, key=lambda h: (self._link(h, g), h)))
         plan = [("expand", e_hot, src, g, s)]
@@ -311,18 +369,23 @@ class FlexMoEPolicy(BalancePolicy):
         assert (n.sum(axis=1) >= 1).all(), "flexmoe: an expert lost its last vExpert"
 
     # -- Migrate (the paper gives no algorithm; greedy swaps, see module doc) ---------------------
-    def migrate(self, origin: np.ndarray, experts: Optional[List[int]] = None) -> List[Tuple]:
+    def migrate(self, origin: np.ndarray, experts: Optional[List[int]] = None,
+                priced: Optional[_Priced] = None) -> List[Tuple]:
         """Greedy swaps for ``experts`` (default: all replicated experts), ascending id."""
         from megatron_moe.balance.cost_model import sync_s_vec
         ops: List[Tuple] = []
         slots = self.table.slots
+        if priced is None:
+            priced = _Priced(origin, self.table.counts(), self.cost)
         for _ in range(self.max_migrations):
             n = self.table.counts()
+            priced.update(n)
             hosts = n > 0
-            sync = sync_s_vec(self.cost, hosts).sum()
+            sync_e = sync_s_vec(self.cost, hosts)
+            sync = sync_e.sum()
             if sync <= 0:
                 break
-            t0 = flex_cost(origin, n, self.cost)
+            t0 = priced.time()
             found = None
             multi = np.nonzero(hosts.sum(axis=1) > 1)[0]
             if experts is not None:
@@ -338,14 +401,18 @@ class FlexMoEPolicy(BalancePolicy):
                         f = int(slots[b, sb])
                         if f == e:
                             continue
-                        n1 = n.copy()
-                        n1[e, a] -= 1
-                        n1[e, b] += 1
+                        rows = [e] if f == FREE else [e, f]
+                        r1 = n[rows].copy()
+                        r1[0, a] -= 1
+                        r1[0, b] += 1
                         if f != FREE:
-                            n1[f, b] -= 1
-                            n1[f, a] += 1
-                        s1 = sync_s_vec(self.cost, n1 > 0).sum()
-                        if s1 < sync and flex_cost(origin, n1, self.cost) <= t0:
+                            r1[1, b] -= 1
+                            r1[1, a] += 1
+                        # only rows e and f change: price them alone, confirm a hit exactly
+                        s1 = sync - sync_e[rows].sum() + sync_s_vec(self.cost, r1 > 0).sum()
+                        if not s1 < sync:
+                            continue
+                        if priced.trial(rows, r1) <= t0 * (1 + 1e-12):   # Eq. 5 does not rise
                             found = (a, sa, int(b), sb, int(e), f)
                             break
                     if found:
@@ -365,20 +432,22 @@ class FlexMoEPolicy(BalancePolicy):
         if origin.shape != (self.num_ranks, self.num_experts):
             raise ValueError(f"flexmoe: counts shape {origin.shape} != ({self.num_ranks}, {self.num_experts})")
         ops: List[Tuple] = []
-        r = balance_ratio(self.loads(origin))
+        priced = _Priced(origin, self.table.counts(), self.cost)
+        r = balance_ratio(priced.loads())
         steps = 0
         if r > self.threshold:
             self.calls += 1
         while r > self.threshold and steps < self.max_steps:
-            plan = self.make_plan(origin)
+            plan = self.make_plan(origin, priced)
             if not plan:
                 break
             self._apply(plan)
             ops.extend(plan)
             steps += 1
-            r = balance_ratio(self.loads(origin))
+            priced.update(self.table.counts())
+            r = balance_ratio(priced.loads())
         if self.migrate_enabled and ops:
-            ops.extend(self.migrate(origin, sorted({op[1] for op in ops if op[0] == "expand"})))
+            ops.extend(self.migrate(origin, sorted({op[1] for op in ops if op[0] == "expand"}), priced))
         if ops:
             self.table.version += 1
         return ops

@@ -21,7 +21,7 @@ import numpy as np
 
 from megatron_moe.balance.cost_model import CostModel
 from megatron_moe.balance.policies.base import (BalancePolicy, Placement, balance_degree, default_owner,
-                                                loads, register_policy)
+                                                register_policy)
 
 __all__ = ["ProProphetPolicy", "SearchResult", "search"]
 
@@ -58,8 +58,9 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         raise ValueError(f"--moe-balance-n {n}: must be in [0, {D - 1}] for {D} EP ranks")
     owner = default_owner(E, D)
     I = float(C.sum()) if num_inputs is None else float(num_inputs)
-    placement = Placement.plain(E, D)
-    H, R = loads(C, placement)
+    colsum = C.sum(axis=0)                                     # plain EP loads (ReplaceInputs)
+    H = np.bincount(owner, colsum, D).astype(np.float64)
+    R = np.bincount(owner, colsum - C[owner, np.arange(E)], D).astype(np.float64)
     H0 = H.copy()
     t_best = cost.layer_time(R, H, 0, 0, D, eq8)
     t_noop = t_best
@@ -87,12 +88,13 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
             used[i] = True
         o = int(owner[e])
         col = C[:, e]
-        others = np.array([d for d in range(D) if d != o], dtype=np.int64)
-        order = np.lexsort((others, col[others]))                # by count, ties -> lowest rank
-        nb = sorted(int(d) for d in others[order[:n]])           # BottomK
         members = np.ones(D, dtype=bool)
-        members[nb] = False
-        placement.replica_sets[e] = [d for d in range(D) if members[d]]
+        nb: List[int] = []
+        if n:
+            others = np.delete(np.arange(D), o)
+            order = np.lexsort((others, col[others]))            # by count, ties -> lowest rank
+            nb = sorted(int(d) for d in others[order[:n]])       # BottomK
+            members[nb] = False
         # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
         moved = np.where(members, col, 0.0)
         moved[o] = 0.0
