@@ -98,6 +98,8 @@ def summary(rows) -> str:
     lines = []
     for label, sel in (("fit (Table IV)", [r for r in rows if r["fitted"]]),
                        ("predicted (all other tables)", [r for r in rows if not r["fitted"]])):
+        if not sel:
+            continue
         e = np.abs([r["error"] for r in sel])
         kept, total = order_kept(sel)
         lines.append(f"{label}: {len(sel)} cells, median |error| {100 * np.median(e):.0f}%, "
@@ -116,6 +118,12 @@ def main(argv=None):
     p.add_argument("--flops", type=float, default=None, help="skip the fit: achieved fraction of peak FLOP/s")
     p.add_argument("--net", type=float, default=None, help="skip the fit: achieved fraction of link bandwidth")
     p.add_argument("--json", default=None, help="write one row per published cell here")
+    p.add_argument("--tables", nargs="+", default=None,
+                   help="report only these tables (e.g. 'Table V'); the fit still uses all of Table IV")
+    p.add_argument("--flops-grid", type=float, nargs="+", default=list(np.geomspace(0.02, 0.8, 9)),
+                   help="fit grid: achieved fractions of peak FLOP/s")
+    p.add_argument("--net-grid", type=float, nargs="+", default=[0.1, 0.2, 0.35, 0.5, 0.7, 1.0],
+                   help="fit grid: achieved fractions of link bandwidth")
     args = p.parse_args(argv)
     if (args.flops is None) != (args.net is None):
         p.error("--flops and --net go together (both skip the fit)")
@@ -126,11 +134,16 @@ def main(argv=None):
     cells = pub["cells"]
     if args.flops is None:
         eff = fit([c for c in cells if _is_fit(c)], args.iterations,
-                  flops_grid=np.geomspace(0.02, 0.8, 9), net_grid=(0.1, 0.2, 0.35, 0.5, 0.7, 1.0),
+                  flops_grid=args.flops_grid, net_grid=args.net_grid,
                   log=lambda s: print(s, file=sys.stderr))
     else:
         eff = Efficiency(args.flops, args.net)
     sim = PaperSim(eff, args.iterations)
+    if args.tables:
+        unknown = set(args.tables) - {c["table"] for c in cells}
+        if unknown:
+            p.error(f"--tables: unknown {sorted(unknown)}; published.json has {sorted({c['table'] for c in cells})}")
+        cells = [c for c in cells if c["table"] in args.tables]
     rows = []
     for c in cells:
         v = sim.cell(c)

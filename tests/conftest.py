@@ -19,6 +19,7 @@ SINGLE_LEG = {
     "test_balance_tools.py", "test_cost_model.py", "test_topology.py", "test_harness.py",
     "test_tokenizers.py", "test_preprocess.py", "test_merge_datasets.py", "test_tools_help.py",
     "test_comm.py", "test_offload_link.py", "test_bench_alltoall.py", "test_bench_policies.py",
+    "test_paper_tables.py",   # the papers' testbeds/tables through the simulator: numpy only
     # kernels against their torch reference and the Triton compiler (test_kernels_moe stays:
     # it compares with megatron-core's permute)
     "test_kernels.py", "test_kernels_triton.py", "test_kernels_aot.py", "test_kernels_sync.py",

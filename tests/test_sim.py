@@ -218,7 +218,6 @@ def test_proprophet_plans_with_the_training_defaults(tmp_path):
 def test_alltoall_fast_path_matches_general():
     """The linear flat/pipe path (per-rank sums) gives the general per-message path's times; a
     message-efficiency table of 1.0 forces the general path on the same cluster."""
-    from megatron_moe.sim.alltoall import alltoall_time
     from megatron_moe.sim.cluster import Cluster
 
     rng = np.random.default_rng(3)
@@ -232,3 +231,21 @@ def test_alltoall_fast_path_matches_general():
                                        rtol=1e-12)
         half = Cluster(**{**cl.__dict__, "msg_efficiency": [[None, 0.5]]})
         assert (alltoall_time(traffic, half, "flat") > alltoall_time(traffic, slow, "flat")).all()
+
+
+def test_work_is_linear_in_layers_and_iterations():
+    """The engine prices each (iteration, layer) once: the policy hook runs layers x iterations
+    times and one more iteration adds the same work (counted, not timed), the reason the
+    simulator's cost fits a + b * layers * iterations (bench/sim_speed.py)."""
+    cl = load_cluster(8)
+    calls = []
+
+    def assign(it, l):
+        calls.append((it, l))
+        z = np.zeros((1, 8))
+        return Assignment(np.ones((1, 8, 8)), np.ones((1, 8, 8)), z, z, np.zeros(1), np.zeros(1), z)
+
+    for layers, iters in ((1, 3), (2, 3), (4, 5)):
+        calls.clear()
+        simulate_iterations(cl, assign, iters, layers)
+        assert calls == [(i, l) for i in range(iters) for l in range(layers)]
