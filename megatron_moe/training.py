@@ -437,6 +437,12 @@ class Trainer:
         line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
         line += f" consumed samples: {consumed:12d} |"
         line += f" elapsed time per iteration (ms): {elapsed_s * 1000.0:.1f} |"
+        if args.log_throughput:  # Megatron-LM's field, from the one FLOP count (megatron_moe/flops.py)
+            from megatron_moe.flops import num_floating_point_operations
+
+            flops = num_floating_point_operations(args, args.global_batch_size)
+            tflops = flops / elapsed_s / 1e12 / args.world_size if elapsed_s > 0 else 0.0
+            line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
         line += f" learning rate: {lr:.6E} |"
         line += f" global batch size: {args.global_batch_size:5d} |"
         for key, value in losses.items():

@@ -14,6 +14,8 @@ if ROOT not in sys.path:
 # the newest release (named after each entry). Run them on 3.12 by hand with
 # `PYTHON=python3.12 VENV=.venv312 bash scripts/run_tests.sh tests/<file>`.
 SINGLE_LEG = {
+    # the GPU kit's wheel selection, FLOP count, planted offload fault (test_gpu_check.py: both)
+    "test_gpu_kit.py",
     # no megatron-core: planners, simulator, tools, tokenizers, .bin/.idx, raw torch.distributed
     "test_sim.py", "test_sim_recorded.py", "test_planner.py", "test_plot_expert_load.py",
     "test_balance_tools.py", "test_cost_model.py", "test_topology.py", "test_harness.py",

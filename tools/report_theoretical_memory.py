@@ -319,6 +319,11 @@ def report(args, ignored=(), out=print):
         out(f"ignored (not modelled here): {' '.join(ignored)}")
     for note in getattr(args, "memory_notes", []):
         out(f"note: {note}")
+    from megatron_moe.flops import num_floating_point_operations  # the log line's count too
+
+    r["flops_per_iteration"] = num_floating_point_operations(args, args.global_batch_size)
+    out(f"model FLOPs per iteration: {r['flops_per_iteration'] / 1e12:.3f} TFLOP (global batch "
+        f"{args.global_batch_size} x sequence {args.seq_length}, forward + backward)")
     w = (r["params"] + r["grads"] + r["optimizer"]) / MB
     a = r["activations"] / MB
     out(f"Theoretical memory footprints: weight and optimizer={w:.2f} MB, activation={a:.2f} MB, "

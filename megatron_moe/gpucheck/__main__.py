@@ -1,0 +1,5 @@
+import sys
+
+from megatron_moe.gpucheck.run import main
+
+sys.exit(main())

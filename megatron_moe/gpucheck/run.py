@@ -1,0 +1,208 @@
+"""The GPU check's runner (``bash scripts/gpu_check.sh [--cpu] OUTDIR``; docs/gpu.md).
+
+Runs every section of ``checks.py`` in its own process with a share of the time budget (a crash,
+a hang or a CUDA error in one section cannot stop the others), prints one line per check::
+
+    gpu-check NAME: PASS|FAIL|SKIP <figures>
+
+and writes ``OUTDIR/gpu_report.json``, ``OUTDIR/gpu_report.md``, ``OUTDIR/gpu_check.log`` (every
+section's own output) and ``OUTDIR/gpu_check_loss.png`` (the training losses). Exit status 1 when
+any check failed or is missing. ``--cpu``: the same checks at toy sizes on the CPU, the CUDA-only
+figures listed as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from megatron_moe.gpucheck.checks import PLANT_ENV, ROOT, SECTIONS
+
+# seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
+SECTION_CAP_S = {"environment": (60, 120), "kernels": (90, 240), "training": (240, 600),
+                 "offload": (120, 400), "inference": (120, 400)}
+
+
+def run_section(name, cpu, work, log, budget_s):
+    """The section in a child process; returns (its result dict or None, why it ended)."""
+    result = os.path.join(work, f"{name}.json")
+    cmd = [sys.executable, "-m", "megatron_moe.gpucheck.checks", name, "--result", result,
+           "--work", os.path.join(work, name)] + (["--cpu"] if cpu else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1" if cpu else "8")
+    log.write(f"\n===== section {name} ({datetime.datetime.now():%H:%M:%S}, limit "
+              f"{budget_s:.0f}s): {' '.join(cmd)}\n")
+    log.flush()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                            start_new_session=True)
+    try:
+        rc = proc.wait(timeout=max(1.0, budget_s))
+        why = f"exit {rc}" if rc else "ok"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        why = f"timed out after {budget_s:.0f}s"
+    else:
+        try:  # anything the section left behind (a checkpoint writer, a generate.py child)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    log.write(f"===== section {name}: {why} in {time.monotonic() - t0:.1f}s\n")
+    log.flush()
+    data = None
+    if os.path.exists(result):
+        with open(result) as f:
+            data = json.load(f)
+    return data, why, time.monotonic() - t0
+
+
+def _tail(path, n=4):
+    try:
+        with open(path, errors="replace") as f:
+            lines = [l.strip() for l in f.readlines() if l.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])[-500:]
+
+
+def _fmt_md_value(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list) and len(v) > 8:
+        return "[" + ", ".join(_fmt_md_value(x) for x in v[:3]) + f", ... ({len(v)} values), " \
+            + _fmt_md_value(v[-1]) + "]"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt_md_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "; ".join(f"{k}={_fmt_md_value(x)}" for k, x in v.items())
+    return str(v)
+
+
+def write_markdown(path, report):
+    info = report["info"]
+    lines = [f"# GPU check report ({report['mode']} mode)", "",
+             f"Date (UTC): {report['date']}; total {report['wall_s']:.0f} s; "
+             f"{report['passed']} passed, {report['failed']} failed, {report['skipped']} skipped.",
+             ""]
+    if info:
+        lines += ["| environment | |", "|---|---|"]
+        lines += [f"| {k} | {_fmt_md_value(v)} |" for k, v in info.items()]
+        lines.append("")
+    lines += ["| check | result | figures |", "|---|---|---|"]
+    for c in report["checks"]:
+        lines.append(f"| {c['name']} | {c['status']} | {c['summary'].replace('|', '/')} |")
+    lines.append("")
+    for c in report["checks"]:
+        lines += [f"## {c['name']}: {c['status']}", "", c["summary"], ""]
+        if c.get("skipped"):
+            lines += ["Skipped here: " + "; ".join(c["skipped"]), ""]
+        for k, v in c.get("figures", {}).items():
+            lines.append(f"* {k}: {_fmt_md_value(v)}")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def plot_losses(path, checks):
+    """The training checks' loss curves; None when matplotlib is absent or nothing to draw."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    curves = []
+    for c in checks:
+        f = c.get("figures", {})
+        for key in ("losses", "off_losses"):
+            xs = f.get(key)
+            if isinstance(xs, list) and xs and all(isinstance(x, (int, float)) for x in xs):
+                curves.append((f"{c['name']} ({key})", xs))
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, xs in curves:
+        ax.plot(range(1, len(xs) + 1), xs, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
+    p.add_argument("outdir")
+    p.add_argument("--cpu", action="store_true",
+                   help="toy sizes on the CPU (the suite runs this; CUDA-only parts skipped)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma-separated subset of: " + ", ".join(SECTIONS))
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="the whole run's time limit (default 470 s on the GPU: the checks' 8 "
+                        "minutes; 1500 s with --cpu)")
+    a = p.parse_args(argv)
+    names = [s.strip() for s in a.sections.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown:
+        p.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
+    budget = a.budget_s or (1500.0 if a.cpu else 470.0)
+    os.makedirs(a.outdir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu_check_")
+    t_start = time.monotonic()
+    checks, info = [], {}
+    mode = "cpu" if a.cpu else "gpu"
+    print(f"gpu-check: {mode} mode, sections {', '.join(names)}, budget {budget:.0f}s, "
+          f"log {os.path.join(a.outdir, 'gpu_check.log')}", flush=True)
+    if os.environ.get(PLANT_ENV):
+        print(f"gpu-check: {PLANT_ENV}={os.environ[PLANT_ENV]}: a planted fault", flush=True)
+    log_path = os.path.join(a.outdir, "gpu_check.log")
+    with open(log_path, "w") as log:
+        for i, name in enumerate(names):
+            left = budget - (time.monotonic() - t_start)
+            # keep a little for every section still to come
+            reserve = sum(10.0 for _ in names[i + 1:])
+            cap = SECTION_CAP_S[name][1 if a.cpu else 0]
+            data, why, took = run_section(name, a.cpu, work, log, min(cap, left - reserve))
+            got = {c["name"]: c for c in (data or {}).get("checks", [])}
+            info.update((data or {}).get("info", {}))
+            for check in SECTIONS[name]:
+                c = got.get(check) or dict(
+                    name=check, status="FAIL", figures={}, skipped=[],
+                    summary=f"no result: section {name} {why} ({_tail(log_path)})")
+                checks.append(c)
+                print(f"gpu-check {c['name']}: {c['status']} {c['summary']}", flush=True)
+                if c.get("skipped"):
+                    print(f"gpu-check {c['name']}: skipped here: " + "; ".join(c["skipped"]),
+                          flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    report = dict(mode=mode, date=datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M"), wall_s=time.monotonic() - t_start, info=info, checks=checks,
+        passed=sum(c["status"] == "PASS" for c in checks),
+        failed=sum(c["status"] == "FAIL" for c in checks),
+        skipped=sum(c["status"] == "SKIP" for c in checks),
+        planted=os.environ.get(PLANT_ENV) or None)
+    png = plot_losses(os.path.join(a.outdir, "gpu_check_loss.png"), checks)
+    report["plot"] = os.path.basename(png) if png else None
+    with open(os.path.join(a.outdir, "gpu_report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    write_markdown(os.path.join(a.outdir, "gpu_report.md"), report)
+    print(f"gpu-check: {report['passed']} passed, {report['failed']} failed, {report['skipped']} "
+          f"skipped in {report['wall_s']:.0f}s; report {os.path.join(a.outdir, 'gpu_report.md')}",
+          flush=True)
+    return 1 if report["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

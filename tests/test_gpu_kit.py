@@ -1,0 +1,85 @@
+"""The GPU kit's parts that need no GPU run: the wheel selection (scripts/gpu_wheels.sh), the one
+FLOP count (megatron_moe/flops.py) and the planted offload fault that must fail the offload check."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+import zipfile
+
+import pytest
+
+from megatron_moe.gpucheck import wheels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_wheels_are_the_runtime_dependencies_the_gpu_machine_lacks(tmp_path):
+    deps = wheels.project_dependencies(os.path.join(ROOT, "pyproject.toml"))
+    names = sorted(wheels.canonical(d.split(">")[0].split("<")[0].split("=")[0].strip())
+                   for d in wheels.missing(deps))
+    assert names == ["megatron-core", "packaging", "psutil"]
+    assert all("torch" not in n for n in names)
+    w = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(w, "w") as z:
+        z.writestr("demo-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: demo\n"
+                   "Version: 1.0\nRequires-Dist: torch>=2.6.0\nRequires-Dist: packaging>=24.2\n"
+                   "Requires-Dist: wandb; extra == \"dev\"\n"
+                   "Requires-Dist: pywin32; sys_platform == \"win32\"\n"
+                   "Requires-Dist: psutil; python_version >= \"3.12\"\n")
+    reqs = wheels.wheel_requirements(str(w))
+    assert reqs == ["torch>=2.6.0", "packaging>=24.2", 'psutil; python_version >= "3.12"']
+    assert wheels.missing(reqs) == ["packaging>=24.2", 'psutil; python_version >= "3.12"']
+
+
+def _args(**kw):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                ffn_hidden_size=256, vocab_size=1000, padded_vocab_size=1024, swiglu=False,
+                num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_layer_freq=1,
+                kv_channels=None, group_query_attention=False, num_query_groups=None,
+                moe_shared_expert_intermediate_size=None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_flops_match_megatron_formula_and_scale_with_topk():
+    from megatron_moe.flops import num_floating_point_operations
+
+    a = _args()
+    B, s, L, h, V = 3, a.seq_length, a.num_layers, a.hidden_size, a.padded_vocab_size
+    # Megatron-LM, dense GPT with ffn = 4h: 72 B s L h^2 (1 + s / (6h) + V / (12 h L))
+    want = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    assert num_floating_point_operations(a, B) == pytest.approx(want, rel=1e-12)
+    m1 = num_floating_point_operations(_args(num_experts=8, moe_router_topk=1,
+                                             moe_ffn_hidden_size=256), B)
+    m2 = num_floating_point_operations(_args(num_experts=8, moe_router_topk=2,
+                                             moe_ffn_hidden_size=256), B)
+    # one more routed expert per token: one more 2 x (h x f + f x h) forward, x3, per layer
+    assert m2 - m1 == pytest.approx(3 * B * s * L * 2 * 2 * h * 256)
+
+
+def test_theoretical_memory_tool_prints_the_same_flop_count(capsys):
+    from megatron_moe.flops import num_floating_point_operations
+    from tools import report_theoretical_memory as rtm
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
+            "--num-experts 4 --moe-router-topk 2 --vocab-size 1000 --world-size 1").split()
+    args, _ = rtm.parse(argv)
+    r = rtm.report(args)
+    assert r["flops_per_iteration"] == num_floating_point_operations(args, 4)
+    assert f"{r['flops_per_iteration'] / 1e12:.3f} TFLOP" in capsys.readouterr().out
+
+
+def test_planted_skipped_bind_fails_the_offload_check(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               MEGATRON_MOE_GPU_CHECK_PLANT="skip-bind")
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--cpu",
+                        str(tmp_path), "--sections", "offload"], capture_output=True, text=True,
+                       env=env, timeout=900, cwd=ROOT)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "gpu-check offload: FAIL" in p.stdout
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    host = report["checks"][0]["figures"]["host"]
+    assert report["planted"] == "skip-bind" and host["probe"]["violations"] > 0
