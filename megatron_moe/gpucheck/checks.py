@@ -27,8 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # The checks of each section, in order (the runner reports a missing one as FAIL).
 SECTIONS = {
-    "environment": ["environment"],
-    "kernels": ["kernels"],
+    "kernels": ["environment", "kernels"],  # one process: the environment is recorded first
     "training": ["training-bf16", "training-fusion", "training-resume", "training-fp16"],
     "offload": ["offload"],
     "inference": ["inference-gpu-vs-cpu", "inference-ring-memory"],
@@ -332,6 +331,7 @@ def section_environment(rec, mode, work):
 
 
 def section_kernels(rec, mode, work):
+    section_environment(rec, mode, work)
     import torch
     from megatron.core.transformer.moe import moe_utils as mu
 
