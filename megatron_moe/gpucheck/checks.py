@@ -726,10 +726,14 @@ def section_inference(rec, mode, work):
 
     # ring memory with K=2 against resident, same model, same process
     try:
-        res0, tok0, peak0 = peak_during(generate)
+        def best_of(n):  # the fastest of n generations (after a warm-up): tokens/s, peak
+            runs = [peak_during(generate) for _ in range(n)]
+            return runs[0][0], max(r[1] for r in runs), max(r[2] or 0 for r in runs) or None
+
+        res0, tok0, peak0 = best_of(3)
         ring = RingMemory(model, slots=2, debug=True)
         generate()
-        res2, tok2, peak2 = peak_during(generate)
+        res2, tok2, peak2 = best_of(3)
         st = ring.stats()
         ring.close()
         same = [r.tokens for r in res2] == [r.tokens for r in res0] and \

@@ -70,11 +70,17 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     """
     from megatron_moe import arguments as margs
 
-    parser = margs.build_parser(extra_args_provider=add_tool_args, prog=prog)
-    g = parser.add_argument_group("checkpoint args")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="Take the model, tokenizer and data flags from the checkpoint under --load; "
-                        "flags given here override them.")
+    def tool_args(parser):
+        # registered before build_parser adds Megatron's remaining flags (megatron_moe/flags),
+        # where --use-checkpoint-args is a training refusal that would otherwise conflict
+        parser = add_tool_args(parser) or parser
+        g = parser.add_argument_group("checkpoint args")
+        g.add_argument("--use-checkpoint-args", action="store_true",
+                       help="Take the model, tokenizer and data flags from the checkpoint under "
+                            "--load; flags given here override them.")
+        return parser
+
+    parser = margs.build_parser(extra_args_provider=tool_args, prog=prog)
     required = {a.dest: a.option_strings[0] for a in parser._actions if a.required}
     for action in parser._actions:
         action.required = False
