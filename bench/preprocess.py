@@ -4,7 +4,7 @@ tokenizer type, start-up included.
 
     python bench/preprocess.py [--target-mb 6] [--workers 2] [--repeats 3] [--work-dir DIR]
         [--types SentencePieceTokenizer GPT2BPETokenizer BertWordPieceLowerCase
-                 HuggingFaceTokenizer] [--megatron-lm DIR]
+                 HuggingFaceTokenizer Llama2Tokenizer TikTokenizer] [--megatron-lm DIR]
 
 Peers:
 * ``builder``: megatron-core's own ``IndexedDatasetBuilder`` fed line by line by the same
@@ -15,7 +15,9 @@ Peers:
   matches (SentencePieceTokenizer); GPT2BPETokenizer and BertWordPiece* need the Hugging Face
   Hub there (AutoTokenizer of 'gpt2' / 'bert-large-uncased'), so they run with
   ``--legacy-tokenizer`` (Megatron's own gpt2_tokenization.py / bert_tokenization.py), as
-  does HuggingFaceTokenizer (faster than the default system there, same ids). Extra
+  does HuggingFaceTokenizer (faster than the default system there, same ids) and
+  Llama2Tokenizer (its default system maps that name to the plain sentencepiece wrapper, no
+  bos: GPTSentencePieceTokenizer here); TikTokenizer runs in its default system. Extra
   directories for its imports (six, pydantic) go in ``--megatron-lm-pythonpath``.
 
 Corpus: tools/make_corpus.py (standard-library docstrings and comments) repeated to about
@@ -165,7 +167,7 @@ def measure(cmd, env=None) -> dict:
 
 # ------------------------------------------------------------------------------------ corpus
 TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "BertWordPieceLowerCase",
-         "HuggingFaceTokenizer")
+         "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer")
 
 
 def prepare(work, target_mb):
@@ -187,7 +189,7 @@ def prepare(work, target_mb):
                 f.writelines(lines)
     files = {"sp": os.path.join(work, "sp.model"), "hf": os.path.join(work, "hf"),
              "vocab": os.path.join(work, "vocab.json"), "merges": os.path.join(work, "merges.txt"),
-             "bert": os.path.join(work, "bert_vocab.txt")}
+             "bert": os.path.join(work, "bert_vocab.txt"), "tik": os.path.join(work, "tik.json")}
     if not os.path.exists(files["sp"]):
         train_tokenizer.main(["--input", base, "--model-prefix", files["sp"][:-6],
                               "--vocab-size", "8000", "--num-threads", "1"])
@@ -216,6 +218,10 @@ def prepare(work, target_mb):
         inv = {i: t for t, i in wp.get_vocab().items()}
         with open(files["bert"], "w", encoding="utf-8") as f:
             f.write("".join(inv[i] + "\n" for i in range(len(inv))))
+    if not os.path.exists(files["tik"]):  # Megatron's tiktoken JSON vocabulary, 8000 ranks
+        from tests._data_helpers import write_tiktoken_vocab
+
+        write_tiktoken_vocab([json.loads(line)["text"] for line in lines], files["tik"], 7744)
     return corpus, half, files
 
 
@@ -227,6 +233,16 @@ def tokenizer_settings(kind, files):
         flags = ["--vocab-file", files["vocab"], "--merge-file", files["merges"]]
         return (flags, dict(vocab_file=files["vocab"], merge_file=files["merges"]),
                 ["--legacy-tokenizer"], True)
+    if kind == "Llama2Tokenizer":  # Megatron's _Llama2Tokenizer is in its legacy system only
+        return (["--tokenizer-model", files["sp"]], dict(tokenizer_model=files["sp"]),
+                ["--legacy-tokenizer"], True)
+    if kind == "TikTokenizer":  # default system (tiktoken runs offline there)
+        with open(files["tik"]) as f:
+            vocab = 1000 + len(json.load(f))  # the 1000 special ids + the file's ranks
+        flags = ["--tokenizer-model", files["tik"], "--vocab-size", str(vocab),
+                 "--tiktoken-pattern", "v2"]
+        return (flags, dict(tokenizer_model=files["tik"], vocab_size=vocab,
+                            tiktoken_pattern="v2"), [], True)
     if kind == "HuggingFaceTokenizer":
         return (["--tokenizer-model", files["hf"]], dict(tokenizer_model=files["hf"]),
                 ["--legacy-tokenizer"], True)

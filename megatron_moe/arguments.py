@@ -228,7 +228,11 @@ def _add_data_args(p):
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="For NullTokenizer.")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="For NullTokenizer; TikTokenizer's vocabulary (default 131072).")
+    from megatron_moe.data.tokenizers import add_tiktoken_args
+
+    add_tiktoken_args(g)
 
 
 def _add_checkpoint_args(p):
@@ -480,7 +484,8 @@ def validate_args(args, check_data_paths=True):
                             f"--{flag.replace('_', '-')}: {prefix + ext} does not exist (a data path "
                             f"is the prefix that both .bin and .idx extend)")
     if args.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                               "Llama2Tokenizer", "HuggingFaceTokenizer") and not args.mock_data:
+                               "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer") \
+            and not args.mock_data:
         if args.tokenizer_model is None:
             raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
         if not os.path.exists(args.tokenizer_model):

@@ -107,3 +107,34 @@ def bert_sample(rank, world_size, prefix, tokenizer_kwargs, cache):
     s = train[0]
     return dict(n=len(train),
                 **{k: np.asarray(s[k]).tolist() for k in ("text", "loss_mask", "is_random")})
+
+
+def write_tiktoken_vocab(docs, path: str, merges: int = 500) -> str:
+    """Megatron's tiktoken JSON vocabulary (a list of {rank, token_bytes, token_str}): the 256
+    bytes in order, then the merges of a byte-level BPE trained on `docs` with `tokenizers`
+    (rank = merge order, as tiktoken ranks merges)."""
+    import base64
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from megatron_moe.data.tokenizers import bytes_to_unicode
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(docs, trainers.BpeTrainer(
+        vocab_size=256 + merges, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    tokens = [bytes([i]) for i in range(256)]
+    seen = set(tokens)
+    for merge in json.loads(bpe.to_str())["model"]["merges"]:
+        a, b = merge.split(" ") if isinstance(merge, str) else merge
+        token = bytes(byte_of[c] for c in a + b)
+        if token not in seen:
+            seen.add(token)
+            tokens.append(token)
+    entries = [{"rank": i, "token_bytes": base64.b64encode(t).decode("ascii"),
+                "token_str": t.decode("utf-8", errors="replace")} for i, t in enumerate(tokens)]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(entries, f)
+    return path

@@ -300,7 +300,7 @@ def test_writer_is_byte_identical_to_megatron_core_builder(tmp_path, vocab_size)
 
 
 @pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "BertWordPieceCase",
-                                  "HuggingFaceTokenizer"])
+                                  "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer"])
 def test_preprocess_equals_megatron_reference_on_hard_text(tmp_path, kind):
     """End to end on the hard corpus (scripts, controls, whitespace runs, code): the .bin/.idx
     of tools/preprocess_data.py (2 workers, batch tokenization) == megatron-core's builder fed
@@ -333,6 +333,23 @@ def test_preprocess_equals_megatron_reference_on_hard_text(tmp_path, kind):
         flags = ["--vocab-file", str(vocab)]
         ref = R.BertReference(str(vocab), lower_case=False)
         eod = ref.vocab["[SEP]"]
+    elif kind == "Llama2Tokenizer":  # bos + sentencepiece's ids (Megatron's _Llama2Tokenizer)
+        import sentencepiece as spm
+
+        model = H.train_sp(str(corpus), str(tmp_path / "sp"), vocab_size=500)
+        sp = spm.SentencePieceProcessor(model_file=model)
+        flags = ["--tokenizer-model", model]
+        ref = type("Ref", (), {"tokenize": lambda self, t: [sp.bos_id()] + sp.encode(t)})()
+        eod = sp.eos_id()
+    elif kind == "TikTokenizer":  # tiktoken's reference BPE on the ranks, shifted by K = 1000
+        from tests.test_tokenizers import _tiktoken_oracle
+
+        pytest.importorskip("regex")
+        vocab = H.write_tiktoken_vocab(docs, str(tmp_path / "tik.json"), 400)
+        flags = ["--tokenizer-model", vocab, "--vocab-size", "1600", "--tiktoken-pattern", "v1"]
+        oracle = _tiktoken_oracle(vocab, "v1", limit=600)
+        ref = type("Ref", (), {"tokenize": lambda self, t: [r + 1000 for r in oracle(t)]})()
+        eod = 2
     else:
         hf = Tokenizer(models.BPE(unk_token="<unk>"))
         hf.pre_tokenizer = pre_tokenizers.Metaspace()

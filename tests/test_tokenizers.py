@@ -384,6 +384,10 @@ def test_vocab_size_with_padding():
     (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/no/vocab.json"), "--vocab-file"),
     (dict(tokenizer_type="BertWordPieceCase"), "--vocab-file"),
     (dict(tokenizer_type="NullTokenizer"), "--vocab-size"),
+    (dict(tokenizer_type="TikTokenizer", tokenizer_model="/no/vocab.json"), "--tokenizer-model"),
+    (dict(tokenizer_type="Llama2Tokenizer"), "--tokenizer-model"),
+    (dict(tokenizer_type="GPT2BPETokenizer", tokenizer_special_tokens=["<s>"]),
+     "--tokenizer-special-tokens"),
 ])
 def test_bad_settings_name_the_flag(kwargs, flag):
     with pytest.raises(T.TokenizerError, match=flag):
@@ -395,3 +399,137 @@ def test_not_a_sentencepiece_model(tmp_path):
     bad.write_bytes(b"not a model")
     with pytest.raises(T.TokenizerError, match="not a sentencepiece model"):
         T.build_tokenizer(tokenizer_model=str(bad))
+
+
+def test_llama2_tokenizer_prepends_bos(files):
+    """Megatron's _Llama2Tokenizer: bos + sentencepiece ids, eod = eos, nothing added."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=files["sp"])
+    tok = T.build_tokenizer(tokenizer_type="Llama2Tokenizer", tokenizer_model=files["sp"])
+    assert (tok.vocab_size, tok.bos, tok.eod, tok.eos, tok.pad) == \
+        (sp.get_piece_size(), sp.bos_id(), sp.eos_id(), sp.eos_id(), sp.pad_id()) == (400, 1, 2, 2, 3)
+    for text in TEXTS + [""]:
+        ids = tok.tokenize(text)
+        assert ids == [sp.bos_id()] + sp.encode(text)
+        assert tok.detokenize(ids) == text
+    assert tok.tokenize_batch(TEXTS + [""]) == [tok.tokenize(t) for t in TEXTS + [""]]
+    # offsets: where each piece starts (the bos piece is empty, at 0)
+    text = TEXTS[1]
+    ids = tok.tokenize(text)
+    offsets = tok.offsets(ids, text)
+    assert len(offsets) == len(ids) and offsets[0] == 0 and offsets == sorted(offsets)
+    assert pickle.loads(pickle.dumps(tok)).tokenize(TEXTS[2]) == tok.tokenize(TEXTS[2])
+    assert not hasattr(tok, "cls")
+    with pytest.raises(T.TokenizerError, match="no eos"):
+        T.build_tokenizer(tokenizer_type="Llama2Tokenizer", tokenizer_model=files["noeos"])
+
+
+@pytest.fixture(scope="module")
+def tik(files, hard):
+    path = H.write_tiktoken_vocab(hard["docs"], os.path.join(files["dir"], "tik.json"), 500)
+    with open(path) as f:
+        n = len(json.load(f))
+    return dict(path=path, n=n, docs=hard["docs"])
+
+
+def _tiktoken_oracle(path, pattern, limit=None):
+    """tiktoken's pure-Python reference BPE (tiktoken._educational, run by `regex`) on the
+    file's ranks, unshifted: an encoder independent of tiktoken's Rust core."""
+    import base64
+    import contextlib
+    import io
+
+    from tiktoken._educational import SimpleBytePairEncoding
+
+    with open(path) as f:
+        entries = json.load(f)[:limit]
+    ranks = {base64.b64decode(e["token_bytes"]): e["rank"] for e in entries}
+    enc = SimpleBytePairEncoding(pat_str=T.TIKTOKEN_PATTERNS[pattern], mergeable_ranks=ranks)
+
+    def encode(text):
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints nothing with visualise=None
+            return enc.encode(text, visualise=None)
+
+    return encode
+
+
+@pytest.mark.parametrize("pattern", ["v1", "v2"])
+def test_tiktokenizer_ids_are_shifted_ranks_of_the_reference_bpe(tik, pattern):
+    pytest.importorskip("regex")
+    k = 1000
+    tok = T.build_tokenizer(tokenizer_type="TikTokenizer", tokenizer_model=tik["path"],
+                            tiktoken_pattern=pattern, vocab_size=k + tik["n"],
+                            tiktoken_num_special_tokens=k)
+    oracle = _tiktoken_oracle(tik["path"], pattern)
+    compared = 0
+    for doc in tik["docs"]:
+        if "<" in doc:  # special-token strings are checked below
+            continue
+        assert tok.tokenize(doc) == [r + k for r in oracle(doc)], doc[:80]
+        assert tok.detokenize(tok.tokenize(doc)) == doc
+        compared += 1
+    assert compared > 200
+    assert tok.tokenize_batch(tik["docs"][:20]) == [tok.tokenize(d) for d in tik["docs"][:20]]
+
+
+def test_tiktokenizer_special_tokens_and_vocab_size(tik):
+    """Megatron's default system: 1000 special ids first (7 named, then <SPECIAL_i> fillers),
+    special-token strings in the text are special, the file is cut at --vocab-size."""
+    tok = T.build_tokenizer(tokenizer_type="TikTokenizer", tokenizer_model=tik["path"],
+                            vocab_size=1600)
+    assert (tok.unk, tok.bos, tok.eod, tok.eos, tok.mask, tok.pad, tok.cls, tok.sep) == \
+        (0, 1, 2, 2, 3, 4, 5, 6)
+    assert tok.vocab_size == 1600 and len(tok.vocab) == 1600
+    assert tok.vocab["<SPECIAL_7>"] == 7 and tok.vocab["<SPECIAL_999>"] == 999
+    assert tok.vocab[b"a"] == 1000 + ord("a") and tok.inv_vocab[1599] == tok.inv_vocab[1599]
+    assert max(i for d in tik["docs"][:50] for i in tok.tokenize(d)) < 1600  # ranks >= 600 cut
+    ids = tok.tokenize("x<s>y</s><SPECIAL_9>")
+    assert ids == [1000 + ord("x"), 1, 1000 + ord("y"), 2, 9]
+    assert tok.detokenize(ids) == "x<s>y</s><SPECIAL_9>"
+    # a custom list (Megatron's --tokenizer-special-tokens; --tiktoken-special-tokens is its
+    # deprecated name) and a smaller --tiktoken-num-special-tokens shift every id
+    names = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", "<cls>", "<sep>", "<|im_start|>"]
+    custom = T.build_tokenizer(tokenizer_type="TikTokenizer", tokenizer_model=tik["path"],
+                               vocab_size=700, tiktoken_num_special_tokens=10,
+                               tiktoken_special_tokens=names)
+    assert (custom.pad, custom.unk, custom.bos, custom.eod) == (0, 1, 2, 3)
+    assert custom.vocab["<|im_start|>"] == 7 and custom.vocab["<SPECIAL_9>"] == 9
+    assert custom.tokenize("a<|im_start|>") == [10 + ord("a"), 7]
+    assert pickle.loads(pickle.dumps(custom)).tokenize("hello there") == \
+        custom.tokenize("hello there")
+    text = "naïve café"
+    ids = custom.tokenize(text)
+    # the character holding each token's first byte ("ï" is two byte tokens here)
+    raw, starts = text.encode(), [0]
+    for i in ids[:-1]:
+        starts.append(starts[-1] + len(custom.inv_vocab[i]))
+    expected = [len(raw[:b].decode("utf-8", errors="ignore")) for b in starts]
+    assert custom.offsets(ids, text) == expected and len(set(expected)) < len(ids)
+    assert custom.offsets(ids[:3], text) == expected[:3]  # ends inside "ï": not UTF-8
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(vocab_size=100000), "has 756 tokens, fewer than"),
+    (dict(tokenizer_special_tokens=["<unk>", "<s>", "</s>"]), "must include"),
+    (dict(tiktoken_pattern="v3"), "--tiktoken-pattern"),
+    (dict(vocab_size=1600, tiktoken_num_special_tokens=5), "--tiktoken-num-special-tokens"),
+])
+def test_tiktokenizer_bad_settings_name_the_flag(tik, kwargs, match):
+    with pytest.raises(T.TokenizerError, match=match):
+        T.build_tokenizer(tokenizer_type="TikTokenizer", tokenizer_model=tik["path"], **kwargs)
+
+
+def test_tiktokenizer_bad_vocabulary_names_the_entry(tmp_path):
+    import base64
+
+    entries = [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(),
+                "token_str": ""} for i in range(256)]
+    entries[65]["token_bytes"] = base64.b64encode(b"B").decode()
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(entries))
+    with pytest.raises(T.TokenizerError, match="entry 65 must be the single byte 65"):
+        T.build_tokenizer(tokenizer_type="TikTokenizer", tokenizer_model=str(path), vocab_size=1256)
+    path.write_text('{"a": 1}')
+    with pytest.raises(T.TokenizerError, match="expected a JSON list"):
+        T.build_tokenizer(tokenizer_type="TikTokenizer", tokenizer_model=str(path))

@@ -13,6 +13,12 @@ Types:
       after its vocabulary, as Megatron does, which grows ``vocab_size`` by up to 5.
   GPTSentencePieceTokenizer         --tokenizer-model; Megatron's variant: nothing is added,
       eod = eos id, pad = the model's pad id (-1 when the model has none).
+  Llama2Tokenizer                   --tokenizer-model; Megatron's _Llama2Tokenizer: as
+      GPTSentencePieceTokenizer, and every tokenize() call starts with the model's bos id.
+  TikTokenizer                      --tokenizer-model vocab.json (Megatron's tiktoken JSON: a list
+      of {rank, token_bytes (base64), token_str}) --tiktoken-pattern v1|v2 --vocab-size N
+      --tiktoken-num-special-tokens K --tokenizer-special-tokens ...: tiktoken's BPE, the K
+      special tokens take ids 0..K-1 and the file's ranks are shifted by K; eod = ``</s>``.
   GPT2BPETokenizer                  --vocab-file vocab.json --merge-file merges.txt: GPT-2's
       byte-level BPE on the ``tokenizers`` library (Rust); eod = ``<|endoftext|>``, pad = -1.
   HuggingFaceTokenizer              --tokenizer-model DIR: a local Hugging Face tokenizer
@@ -55,8 +61,9 @@ from typing import Any, Iterable, List, Optional
 from megatron_moe.compat import megatron_tokenizer_base
 
 TOKENIZER_TYPES = (
-    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-    "HuggingFaceTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "NullTokenizer",
+    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
+    "HuggingFaceTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer",
+    "NullTokenizer",
 )
 
 
@@ -233,6 +240,12 @@ class SentencePieceTokenizer(_Tokenizer):
         ids = [int(i) for i in ids]
         return self._sp.DecodeIds([i for i in ids if 0 <= i < self._n_model])
 
+    def offsets(self, ids, text):
+        """Character offset where each piece of ``ids`` starts (Megatron's sentencepiece
+        tokenizers: sentencepiece's own decoding spans)."""
+        proto = self._sp.decode_ids_as_proto([int(i) for i in ids])
+        return [p.begin for p in proto.pieces]
+
     @property
     def eod(self) -> int:
         return self._eod
@@ -270,8 +283,29 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
         super().__init__(model_file)
         if self._eod < 0:
             raise TokenizerError(f"--tokenizer-model: {model_file} has no eos piece, which "
-                                 f"GPTSentencePieceTokenizer uses as end-of-document; use "
+                                 f"{type(self).__name__} uses as end-of-document; use "
                                  f"SentencePieceTokenizer (adds one)")
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron's ``_Llama2Tokenizer`` (its legacy tokenizer system; the default system has no
+    Llama2 class and builds its plain sentencepiece wrapper = GPTSentencePieceTokenizer here):
+    the model's pieces only, eod = eos, pad = the model's pad id (-1 without one), and each
+    ``tokenize`` call (one document, or one sentence under --split-sentences) starts with bos,
+    as ``_Llama2Tokenizer.tokenize(s, bos=True, eos=False)``."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        if self._sp.bos_id() < 0:
+            raise TokenizerError(f"--tokenizer-model: {model_file} has no bos piece, which "
+                                 f"Llama2Tokenizer puts before every text")
+
+    def tokenize(self, text: str) -> List[int]:
+        return [self._sp.bos_id()] + self._sp.EncodeAsIds(text)
+
+    def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
+        bos = self._sp.bos_id()
+        return [[bos] + ids for ids in self._sp.encode(texts, out_type=int)]
 
 
 # ----------------------------------------------------------------------------- GPT-2 byte BPE
@@ -650,6 +684,176 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
         return -1 if self._pad is None else self._pad
 
 
+# ----------------------------------------------------------------------------------- tiktoken
+# Megatron's pre-tokenizer patterns (--tiktoken-pattern v1 / v2), as its tokenizer modules define
+# them (the default system's default is v2).
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+# the special tokens of Megatron's default tokenizer system (its legacy class needs only the first
+# three); a custom --tokenizer-special-tokens list must contain them all
+TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+TIKTOKEN_DEFAULT_VOCAB = 2 ** 17
+
+
+def load_tiktoken_ranks(path: str, max_vocab: int) -> "dict[bytes, int]":
+    """Megatron's tiktoken vocabulary file: a JSON list whose i-th entry is
+    ``{"rank": i, "token_bytes": base64, "token_str": str}``, the first 256 being the single bytes
+    0..255 in order. Returns token bytes -> rank of the first ``max_vocab`` entries. Megatron
+    asserts these properties; here a violation names the file and the entry."""
+    import base64
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"--tokenizer-model: {path} is not a tiktoken JSON vocabulary "
+                             f"({exc})") from None
+    if not isinstance(entries, list):
+        raise TokenizerError(f"--tokenizer-model: {path}: expected a JSON list of "
+                             f"{{rank, token_bytes, token_str}} entries")
+    ranks = {}
+    for i, entry in enumerate(entries[:max_vocab]):
+        if not isinstance(entry, dict) or entry.keys() != {"rank", "token_bytes", "token_str"} \
+                or entry["rank"] != i:
+            raise TokenizerError(f"--tokenizer-model: {path}: entry {i} is not "
+                                 f"{{\"rank\": {i}, \"token_bytes\": ..., \"token_str\": ...}}")
+        token = base64.b64decode(entry["token_bytes"])
+        if i < 256 and token != bytes([i]):
+            raise TokenizerError(f"--tokenizer-model: {path}: entry {i} must be the single "
+                                 f"byte {i} (the first 256 ranks are the bytes)")
+        if token in ranks:
+            raise TokenizerError(f"--tokenizer-model: {path}: entry {i} repeats the token of "
+                                 f"entry {ranks[token]}")
+        ranks[token] = i
+    return ranks
+
+
+class TikTokenizer(_Tokenizer):
+    """Megatron's TikTokenizer on the ``tiktoken`` library, with the default tokenizer system's
+    conventions (Megatron-LM 0.16, ``megatron.core.tokenizers`` TikTokenTokenizer):
+
+    * ids 0..K-1 (K = --tiktoken-num-special-tokens, default 1000) are the special tokens:
+      --tokenizer-special-tokens (default ``<unk> <s> </s> <mask> <pad> <cls> <sep>``, which a
+      custom list must contain) then fillers ``<SPECIAL_i>`` up to K; the file's rank r is id
+      r + K; the file is cut to --vocab-size - K entries (default vocab 2**17 = 131072);
+    * ``tokenize`` recognises special-token strings in the text (tiktoken's
+      ``allowed_special="all"``), as the default system's ``text_to_ids``;
+    * eod = eos = ``</s>``, bos = ``<s>``, pad = ``<pad>``, unk/mask/cls/sep likewise.
+
+    Megatron's legacy class (``--legacy-tokenizer``) differs in two places only: its default
+    list is ``<unk> <s> </s>`` (so the ids of ordinary text and of unk/bos/eos are the same) and
+    it encodes special-token strings as ordinary text. ``detokenize`` decodes the bytes of all
+    ids at once (the legacy class's; the default system decodes each token on its own, which
+    breaks characters split across tokens)."""
+
+    def __init__(self, path: str, pattern: Optional[str] = None, vocab_size: Optional[int] = None,
+                 num_special_tokens: int = 1000, special_tokens: Optional[List[str]] = None):
+        if not path or not os.path.isfile(path):
+            raise TokenizerError(f"--tokenizer-model: tiktoken vocabulary {path!r} not found "
+                                 f"(TikTokenizer needs Megatron's JSON vocabulary file)")
+        pattern = pattern or "v2"
+        if pattern not in TIKTOKEN_PATTERNS:
+            raise TokenizerError(f"--tiktoken-pattern: {pattern!r} (choose v1 or v2)")
+        vocab_size = int(vocab_size or TIKTOKEN_DEFAULT_VOCAB)
+        num_special_tokens = int(num_special_tokens)
+        special = list(special_tokens) if special_tokens else list(TIKTOKEN_SPECIAL_TOKENS)
+        if len(set(special)) != len(special):
+            raise TokenizerError(f"--tokenizer-special-tokens: repeated tokens in {special}")
+        lacking = [t for t in TIKTOKEN_SPECIAL_TOKENS if t not in special]
+        if lacking:
+            raise TokenizerError(f"--tokenizer-special-tokens must include "
+                                 f"{' '.join(TIKTOKEN_SPECIAL_TOKENS)} (lacks {' '.join(lacking)})")
+        if not len(special) <= num_special_tokens < vocab_size:
+            raise TokenizerError(f"--tiktoken-num-special-tokens {num_special_tokens} must be at "
+                                 f"least the {len(special)} special tokens and below --vocab-size "
+                                 f"{vocab_size}")
+        try:
+            import tiktoken
+        except ImportError:
+            raise TokenizerError("--tokenizer-type TikTokenizer needs the `tiktoken` package "
+                                 "(pip install tiktoken)") from None
+        super().__init__(path, pattern=TIKTOKEN_PATTERNS[pattern], vocab_size=vocab_size,
+                         num_special_tokens=num_special_tokens, special_tokens=special_tokens)
+        self._args = (path, pattern, vocab_size, num_special_tokens, special_tokens)
+        special += [f"<SPECIAL_{i}>" for i in range(len(special), num_special_tokens)]
+        if len(set(special)) != len(special):
+            raise TokenizerError(f"--tokenizer-special-tokens: a token repeats one of the fillers "
+                                 f"<SPECIAL_{len(special_tokens or ())}>..<SPECIAL_"
+                                 f"{num_special_tokens - 1}>")
+        inner = vocab_size - num_special_tokens
+        ranks = load_tiktoken_ranks(path, inner)
+        if len(ranks) < inner:
+            raise TokenizerError(f"--vocab-size {vocab_size}: {path} has {len(ranks)} tokens, "
+                                 f"fewer than --vocab-size minus --tiktoken-num-special-tokens "
+                                 f"({inner})")
+        shifted = {t: r + num_special_tokens for t, r in ranks.items()}
+        self._special = {t: i for i, t in enumerate(special)}
+        self._size = vocab_size
+        self._model = tiktoken.Encoding(name=os.path.basename(os.path.dirname(
+            os.path.abspath(path))), pat_str=TIKTOKEN_PATTERNS[pattern],
+            mergeable_ranks=shifted, special_tokens=self._special)
+        self._vocab = dict(shifted)
+        self._vocab.update(self._special)  # str keys for specials, bytes for the BPE tokens
+        self._inv = {i: t for t, i in self._vocab.items()}
+
+    def __getstate__(self):  # tiktoken's Rust core is rebuilt from the file
+        return {"args": self._args}
+
+    def __setstate__(self, state):
+        self.__init__(*state["args"])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    @property
+    def vocab(self):
+        return self._vocab
+
+    @property
+    def inv_vocab(self):
+        return self._inv
+
+    encoder, decoder = vocab, inv_vocab
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._model.encode(text, allowed_special="all")
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._model.decode([int(i) for i in ids])
+
+    def offsets(self, ids, text):
+        """Character offset where each of ``ids`` starts. tiktoken's decode_with_offsets refuses
+        byte sequences that are not UTF-8; then count characters from the bytes directly (a
+        token that starts inside a character starts at that character)."""
+        ids = [int(i) for i in ids]
+        try:
+            return self._model.decode_with_offsets(ids)[1]
+        except UnicodeDecodeError:
+            out, chars = [], 0
+            for token in self._model.decode_tokens_bytes(ids):
+                continuation = [0x80 <= b < 0xC0 for b in token]
+                out.append(max(0, chars - int(bool(token) and continuation[0])))
+                chars += continuation.count(False)
+            return out
+
+    def _id(self, name):
+        return self._special[name]
+
+    eod = property(lambda self: self._id("</s>"))
+    eos = property(lambda self: self._id("</s>"))
+    bos = property(lambda self: self._id("<s>"))
+    pad = property(lambda self: self._id("<pad>"))
+    unk = property(lambda self: self._id("<unk>"))
+    mask = property(lambda self: self._id("<mask>"))
+    cls = property(lambda self: self._id("<cls>"))
+    sep = property(lambda self: self._id("<sep>"))
+
+
 # ------------------------------------------------------------------------------------- Null
 class NullTokenizer(_Tokenizer):
     """Text is space-separated integer ids (Megatron's NullTokenizer); eod = vocab_size - 1."""
@@ -689,7 +893,8 @@ class NullTokenizer(_Tokenizer):
 
 # ------------------------------------------------------------------------------------ build
 _FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
-           "tokenizer_hf_include_special_tokens")
+           "tokenizer_hf_include_special_tokens", "tiktoken_pattern",
+           "tiktoken_num_special_tokens", "tokenizer_special_tokens", "tiktoken_special_tokens")
 
 
 def build_tokenizer(args_or_kwargs: Any = None, **kwargs: Any) -> _Tokenizer:
@@ -712,8 +917,17 @@ def build_tokenizer(args_or_kwargs: Any = None, **kwargs: Any) -> _Tokenizer:
     if opts.get("tokenizer_hf_include_special_tokens") and kind != "HuggingFaceTokenizer":
         raise TokenizerError(f"--tokenizer-hf-include-special-tokens applies to "
                              f"HuggingFaceTokenizer only (got --tokenizer-type {kind})")
+    special = opts.get("tokenizer_special_tokens") or opts.get("tiktoken_special_tokens")
+    if special and kind != "TikTokenizer":  # Megatron's SP/HF uses of the list are not built here
+        raise TokenizerError(f"--tokenizer-special-tokens applies to TikTokenizer only (got "
+                             f"--tokenizer-type {kind})")
     if kind == "SentencePieceTokenizer":
         return SentencePieceTokenizer(model)
+    if kind == "Llama2Tokenizer":
+        return Llama2Tokenizer(model)
+    if kind == "TikTokenizer":
+        return TikTokenizer(model, opts.get("tiktoken_pattern"), opts.get("vocab_size"),
+                            opts.get("tiktoken_num_special_tokens") or 1000, special)
     if kind == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(model)
     if kind == "GPT2BPETokenizer":
@@ -738,8 +952,23 @@ def add_tokenizer_args(parser, default_type: Optional[str] = "SentencePieceToken
                    help="sentencepiece .model, or a HuggingFace tokenizer directory")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json or BERT vocab.txt")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer vocab size; TikTokenizer's (default 131072)")
     g.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
                    help="HuggingFaceTokenizer: add the tokenizer's special tokens (its "
                         "post-processor, e.g. BOS) to each text")
+    add_tiktoken_args(g)
     return parser
+
+
+def add_tiktoken_args(group):
+    """Megatron's TikTokenizer flags (tools and training share them)."""
+    group.add_argument("--tiktoken-pattern", default=None, choices=sorted(TIKTOKEN_PATTERNS),
+                       help="TikTokenizer's pre-tokenizer pattern (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="TikTokenizer: ids 0..N-1 are special tokens")
+    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                       help="TikTokenizer's special tokens (must include "
+                            f"{' '.join(TIKTOKEN_SPECIAL_TOKENS)})")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                       help="Deprecated name of --tokenizer-special-tokens (Megatron's)")
