@@ -136,13 +136,17 @@ def _test_delay() -> float:
 
 
 def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train_samples,
-                    consumed_valid_samples=0, extra_state: dict | None = None):
+                    consumed_valid_samples=0, extra_state: dict | None = None,
+                    sharded_strategy=None):
     """Write ``<save>/iter_XXXXXXX`` atomically (``.tmp`` then rename, then the tracker).
 
     With ``--async-save`` the shards are written in the background (megatron-core's
     AsyncCallsQueue); the rename and tracker update run as the request's finalisation, on every
     rank, once all ranks finished writing (``finalize_async_save``). A save waits for the previous
     async save first, so at most one is in flight.
+
+    ``sharded_strategy``: a megatron-core torch_dist save strategy other than the default (the HF
+    import's streaming one, megatron_moe/hf/megatron_side.py).
     """
     from megatron_moe.compat.checkpoint import (install_test_write_delay,
                                                 quiet_mcore_async_notice, wait_writer_ready)
@@ -177,7 +181,7 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
         optimizer_count=_optimizer_count(optimizer),
         has_rng=not args.no_save_rng,
     )
-    strategy = get_default_save_sharded_strategy("torch_dist")
+    strategy = sharded_strategy or get_default_save_sharded_strategy("torch_dist")
     commit = functools.partial(_commit, root, iteration, tmp_dir, final_dir, delay)
     if getattr(args, "async_save", False):
         global _async_queue

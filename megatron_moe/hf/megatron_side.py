@@ -181,3 +181,110 @@ def _region_planner_class():
 
 def _region_planner(offsets):
     return _region_planner_class()(offsets)
+
+
+# --- streaming write (HF import) ------------------------------------------------------------------
+# megatron-core's own torch_dist save (dist_checkpointing.save -> TorchDistSaveShardedStrategy)
+# needs every tensor's data when it is called and stages all of it before writing: a whole model
+# in memory. The import instead hands dist_checkpointing.save a model built on the meta device
+# (names, shapes, dtypes and megatron-core's own sharded_state_dict(), no storage) and a strategy
+# that differs from megatron-core's in one point only: torch DCP asks the save planner for each
+# chunk's data as the writer reaches it (SavePlanner.resolve_data), and that is where the chunk is
+# produced from the HF shards, written, and dropped. Everything else -- keys, global offsets,
+# SwiGLU's gate/up factory, the layer/expert stacking, the common state, metadata.json -- is
+# megatron-core's own code on the meta model, so the files are those megatron-core writes; one
+# writer thread keeps the plan's order and DCP's serial loader resolves one item at a time (the
+# overlapping loader used when CUDA is present reads ahead at most its 10 MB threshold).
+
+def chunk_index(sharded_state_dict) -> dict:
+    """(checkpoint key, global offset) -> (parameter name, entry, path) for every tensor chunk a
+    save of ``sharded_state_dict`` (the model's, on any device) writes. ``path`` locates the chunk
+    inside a ShardedTensorFactory's build (None: the parameter is the chunk)."""
+    import copy
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    index = {}
+    for name, entry in sharded_state_dict.items():
+        if isinstance(entry, ShardedTensor):
+            index[(entry.key, tuple(entry.global_offset))] = (name, entry, None)
+        elif isinstance(entry, ShardedTensorFactory):
+            for path, sh_ten in _walk(copy.copy(entry).build()):
+                index[(sh_ten.key, tuple(sh_ten.global_offset))] = (name, entry, path)
+    return index
+
+
+def _walk(x, path=()):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(x, ShardedTensor):
+        yield path, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _walk(v, path + (k,))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _walk(v, path + (i,))
+    else:
+        raise TypeError(f"unexpected item {type(x).__name__} in a sharded tensor factory")
+
+
+class ChunkProducer:
+    """The data of one checkpoint chunk, made on demand: ``produce(name)`` gives the full
+    parameter (the HF tensors merged); a factory's chunk is cut from it by the factory's own
+    build. The last parameter is kept, so gate and up of one expert (two chunks, written one
+    after the other) read the HF tensors once. ``chunks`` counts what was produced."""
+
+    def __init__(self, index: dict, produce):
+        self.index, self.produce = index, produce
+        self.chunks = 0
+        self._last = (None, None)
+
+    def __call__(self, key, offset):
+        import copy
+
+        name, entry, path = self.index[(key, tuple(offset))]
+        if self._last[0] != name:
+            self._last = (None, None)  # drop the previous parameter before reading the next
+            self._last = (name, self.produce(name))
+        data = self._last[1]
+        if path is not None:
+            factory = copy.copy(entry)
+            factory.data = data
+            built = factory.build()
+            for step in path:
+                built = built[step]
+            data = built.data
+        self.chunks += 1
+        return data
+
+
+def streaming_save_strategy(producer: ChunkProducer):
+    """A megatron-core torch_dist save strategy whose tensor data comes from ``producer`` while
+    torch DCP writes (see the comment above)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict)
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class StreamingPlanner(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            if write_item.type == WriteItemType.BYTE_IO:  # ShardedObjects (common state, ...)
+                return super().resolve_data(write_item)
+            data = producer(write_item.index.fqn, write_item.index.offset)
+            # DCP's chunk of a layer-stacked key has the stacking axes as leading 1s
+            return data.reshape(write_item.tensor_data.chunk.sizes).contiguous()
+
+    class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            pyt_state_dict = mcore_to_pyt_state_dict(flat, False)  # meta tensors: metadata only
+            writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True,
+                                          sync_files=True, thread_count=1)
+            planner = StreamingPlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                       flatten_state_dict=False)
+            dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)
+
+    return StreamingSaveStrategy("torch_dist", 1)

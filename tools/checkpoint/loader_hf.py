@@ -1,9 +1,10 @@
 """Loader: a Hugging Face checkpoint directory (config.json + safetensors shards).
 
-Shards are read one at a time, one tensor at a time (safetensors ``safe_open``); a megatron-core
-tensor is emitted as soon as every HF tensor it is made of has been read (q/k/v, gate/up may sit in
-different shards) and the HF tensors are dropped. What is held is one tensor plus the parts of
-groups still incomplete, never a whole shard, let alone the model.
+Nothing is read up front but the shards' headers (names, to check that every tensor has its
+place and none is missing). The tensors it returns give each megatron-core parameter on demand
+(``read(name)``: its HF tensors read with safetensors' ``safe_open``, one tensor at a time, and
+merged), in any order: the Megatron saver asks for them while its checkpoint is being written
+(streaming import, docs/hf.md). Iterating yields (name, tensor) in the model's order.
 """
 
 from __future__ import annotations
@@ -41,11 +42,63 @@ def _shards(load_dir):
     return files
 
 
+class HFTensors:
+    """megatron-core parameters made from the HF shards on demand (see the module doc)."""
+
+    def __init__(self, load_dir, files, rules, source, initialised):
+        self.rules = {rule.meg: rule for rule in rules}
+        self.source = source            # HF name in a rule -> HF tensor on disk (upcycling)
+        self.initialised = initialised  # rule.meg -> tensor made here (upcycled routers)
+        self.where = {}                 # HF tensor on disk -> shard path
+        self.load_dir = load_dir
+        self.bytes_read = 0
+        from safetensors import safe_open
+
+        from megatron_moe.hf.families import IGNORED_HF_SUFFIXES
+
+        wanted = {source(n) for rule in rules for n in rule.hf} - {None}
+        for shard in files:
+            path = os.path.join(load_dir, shard)
+            with safe_open(path, framework="pt") as f:  # the header only
+                for key in f.keys():
+                    if key.endswith(IGNORED_HF_SUFFIXES):
+                        continue
+                    if key not in wanted:
+                        raise SystemExit(f"{path}: tensor {key} has no place in this model "
+                                         f"({len(wanted)} tensors expected from config.json)")
+                    self.where[key] = path
+        missing = sorted(wanted - set(self.where))
+        if missing:
+            raise SystemExit(f"--load-dir {load_dir}: {len(missing)} tensor(s) missing, "
+                             f"e.g. {missing[:3]}")
+
+    def _get(self, name):
+        from safetensors import safe_open
+
+        # opened per tensor: a shard's mapping is released as soon as its tensor is read
+        with safe_open(self.where[name], framework="pt") as f:
+            tensor = f.get_tensor(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read(self, meg_name):
+        if meg_name in self.initialised:
+            return self.initialised[meg_name]
+        rule = self.rules[meg_name]
+        return rule.merge([self._get(self.source(n)) for n in rule.hf])
+
+    def __len__(self):
+        return len(self.rules)
+
+    def __iter__(self):
+        for name in self.rules:
+            yield name, self.read(name)
+
+
 def load_checkpoint(args):
-    """Returns (metadata, iterator of (megatron name, tensor))."""
-    from megatron_moe.hf.families import (IGNORED_HF_SUFFIXES, ConversionError,
-                                          family_for_config, rules_for, upcycle_config,
-                                          upcycle_source)
+    """Returns (metadata, HFTensors: random access by megatron name, iterable in model order)."""
+    from megatron_moe.hf.families import (ConversionError, family_for_config, rules_for,
+                                          upcycle_config, upcycle_source)
 
     config_path = args.hf_config or os.path.join(args.load_dir, "config.json")
     if not os.path.isfile(config_path):
@@ -66,46 +119,12 @@ def load_checkpoint(args):
     files = _shards(args.load_dir)
     metadata = dict(family=family.name, spec=spec, hf_config=cfg, megatron_flags=flags,
                     megatron_args=None, source=os.path.abspath(args.load_dir))
+    import torch
 
-    def tensors():
-        import torch
-        from safetensors import safe_open
-        from tqdm import tqdm
-
-        by_source = {}  # HF tensor on disk -> [(rule, name in the rule)]; upcycling: one feeds many
-        for rule in rules:
-            for name in rule.hf:
-                by_source.setdefault(source(name), []).append((rule, name))
-        initialised = by_source.pop(None, [])  # upcycled routers: nothing to read
-        gen = torch.Generator().manual_seed(args.seed)
-        std = cfg.get("initializer_range", 0.02)
-        for rule, _ in initialised:
-            shape = (spec.num_experts, spec.hidden)
-            yield rule.meg, torch.empty(shape).normal_(0.0, std, generator=gen)
-        pending = {}  # rule.meg -> {hf name: tensor}
-        done = {rule.meg for rule, _ in initialised}
-        for shard in tqdm(files, desc="reading HF shards", unit="shard"):
-            path = os.path.join(args.load_dir, shard)
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    if key.endswith(IGNORED_HF_SUFFIXES):
-                        continue
-                    users = by_source.get(key)
-                    if users is None:
-                        raise SystemExit(f"{path}: tensor {key} has no place in a "
-                                         f"{family.architecture} with this config.json")
-                    tensor = f.get_tensor(key)
-                    for rule, name in users:
-                        parts = pending.setdefault(rule.meg, {})
-                        parts[name] = tensor
-                        if len(parts) == len(rule.hf):
-                            del pending[rule.meg]
-                            done.add(rule.meg)
-                            yield rule.meg, rule.merge([parts[n] for n in rule.hf])
-        missing = [source(n) for rule in rules if rule.meg not in done for n in rule.hf
-                   if n not in pending.get(rule.meg, {})]
-        if missing:
-            raise SystemExit(f"--load-dir {args.load_dir}: {len(missing)} tensor(s) missing, "
-                             f"e.g. {sorted(set(missing))[:3]}")
-
-    return metadata, tensors()
+    # upcycled routers: drawn now, in model order (small: experts x hidden per layer)
+    gen = torch.Generator().manual_seed(args.seed)
+    std = cfg.get("initializer_range", 0.02)
+    initialised = {rule.meg: torch.empty(spec.num_experts, spec.hidden).normal_(0.0, std,
+                                                                             generator=gen)
+                   for rule in rules if any(source(n) is None for n in rule.hf)}
+    return metadata, HFTensors(args.load_dir, files, rules, source, initialised)

@@ -5,6 +5,10 @@ The weights are written once, as global tensors, through megatron_moe.checkpoint
 save_checkpoint (megatron_moe/hf/megatron_side.py says why no per-rank copies are needed). The
 stored args are what pretrain_gpt_moe.py parses from the model flags plus the target layout; the
 HF config travels in the checkpoint (extra_state['hf']) so an export reproduces it.
+
+Streaming: the model is built on the meta device and each checkpoint chunk is read from the HF
+shards (the loader's ``read``) only when torch DCP writes it (megatron_side.streaming_save_strategy),
+so peak memory is about one parameter, not the model (docs/hf.md, bench/hf_convert.py).
 """
 
 from __future__ import annotations
@@ -100,38 +104,52 @@ def save_checkpoint(metadata, tensors, args):
     from megatron_moe.checkpointing import save_checkpoint as save
     from megatron_moe.hf import megatron_side
 
-    if metadata.get("hf_config") is None:
+    if metadata.get("hf_config") is None or not hasattr(tensors, "read"):
         raise SystemExit("--saver megatron needs an HF source (--loader hf); a torch_dist "
                          "checkpoint already loads at any TP/EP/PP, no conversion needed")
     stored = _stored_args(metadata, args)
     megatron_side.init_single_process()
-    model = megatron_side.build_model(megatron_side.conversion_args(stored))
+    with torch.device("meta"):  # names, shapes, dtypes and sharding; no weights
+        model = megatron_side.build_model(megatron_side.conversion_args(stored))
     params = megatron_side.parameters(model)
-    filled = set()
-    with torch.no_grad():
-        for name, tensor in tensors:  # the loader shows the progress bar
-            if name not in params:
-                raise SystemExit(f"converted tensor {name} has no parameter in the megatron-core model")
-            param = params[name]
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight") \
-                    and tensor.shape[0] < param.shape[0]:
-                # Megatron's padding (saver_mcore): repeat the last row up to the padded size
-                pad = tensor[-1:].expand(param.shape[0] - tensor.shape[0], -1)
-                tensor = torch.cat([tensor, pad])
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise SystemExit(f"{name}: converted shape {tuple(tensor.shape)} != model shape "
-                                 f"{tuple(param.shape)}")
-            param.copy_(tensor)
-            filled.add(name)
-            del tensor
-    missing = sorted(set(params) - filled)
+    missing = sorted(set(params) - set(tensors.rules))
     if missing:
-        raise SystemExit(f"{len(missing)} megatron-core parameter(s) got no weights, e.g. {missing[:3]}")
-    extra = {"hf": {"family": metadata["family"], "config": metadata["hf_config"],
-                    "source": metadata.get("source")}}
-    save(args.iteration, [model], None, None, stored, consumed_train_samples=0, extra_state=extra)
+        raise SystemExit(f"{len(missing)} megatron-core parameter(s) get no weights, e.g. {missing[:3]}")
+    extra = sorted(set(tensors.rules) - set(params))
+    if extra:
+        raise SystemExit(f"converted tensor(s) {extra[:3]} have no parameter in the megatron-core model")
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(params), desc="writing torch_dist", unit="t")
+
+    def produce(name):
+        """One parameter from the HF shards, in the model's dtype and padded vocabulary."""
+        param = params[name]
+        tensor = tensors.read(name)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight") \
+                and tensor.shape[0] < param.shape[0]:
+            # Megatron's padding (saver_mcore): repeat the last row up to the padded size
+            pad = tensor[-1:].expand(param.shape[0] - tensor.shape[0], -1)
+            tensor = torch.cat([tensor, pad])
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise SystemExit(f"{name}: converted shape {tuple(tensor.shape)} != model shape "
+                             f"{tuple(param.shape)}")
+        bar.update(1)
+        return tensor.to(param.dtype)
+
+    producer = megatron_side.ChunkProducer(megatron_side.chunk_index(model.sharded_state_dict()),
+                                           produce)
+    extra_state = {"hf": {"family": metadata["family"], "config": metadata["hf_config"],
+                          "source": metadata.get("source")}}
+    save(args.iteration, [model], None, None, stored, consumed_train_samples=0,
+         extra_state=extra_state, sharded_strategy=megatron_side.streaming_save_strategy(producer))
+    bar.close()
     megatron_side.finish()
+    if producer.chunks != len(producer.index):
+        raise SystemExit(f"torch_dist save wrote {producer.chunks} of {len(producer.index)} chunks")
     print("model flags for pretrain_gpt_moe.py: " + shlex.join(metadata["megatron_flags"]))
-    print(f"saved {len(params)} tensors to {os.path.join(args.save_dir, f'iter_{args.iteration:07d}')} "
+    print(f"saved {len(params)} tensors ({producer.chunks} chunks streamed from "
+          f"{tensors.bytes_read / 2**20:.1f} MiB of HF tensors) to "
+          f"{os.path.join(args.save_dir, f'iter_{args.iteration:07d}')} "
           f"(layout TP={stored.tensor_model_parallel_size} PP={stored.pipeline_model_parallel_size} "
           f"EP={stored.expert_model_parallel_size}; padded vocab {stored.padded_vocab_size})")
