@@ -1,16 +1,20 @@
 #!/usr/bin/env python
 """Peak memory and time of tools/checkpoint/convert.py on a random Mixtral, both directions.
 
-    python bench/hf_convert.py [--layers 4] [--hidden 512] [--experts 8] [--shard-mb 20] [--work-dir DIR]
+    python bench/hf_convert.py [--layers 8] [--hidden 512] [--experts 8] [--shard-mb 20] [--work-dir DIR]
 
-Every measured step runs in its own process (peak RSS = ru_maxrss of that one child):
+Every measured step runs in its own process (peak RSS = ru_maxrss of that one child: the
+kernel's high-water mark of resident pages, file-backed mappings included):
 * ``imports``: a process that only imports what the converter imports (torch, megatron-core,
   our checkpointing, safetensors) and starts its one-rank gloo group: the floor.
 * ``hf->megatron`` / ``megatron->hf``: the converter.
 * peer ``transformers``: ``AutoModelForCausalLM.from_pretrained`` of the same HF directory (what a
   converter built on transformers must at least do: hold the model), for scale.
-Printed: peak RSS, the part above ``imports``, that part in model sizes and in shard sizes, and
-the ratio to the transformers peer.
+Printed: the model size, its shard count, the largest shard and the largest layer; per step the
+peak RSS, the part above ``imports``, that part in model sizes and in shard sizes, the ratio to
+the transformers peer; and the streaming import's bound, floor + largest input shard + one
+layer, with whether its peak is within it (exit status 1 if not). The model must have at least
+8 shards.
 """
 
 from __future__ import annotations
@@ -53,12 +57,12 @@ def measure(cmd):
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd[:6])} ...: {out.stderr}")
     kb, seconds = out.stdout.split()
-    return int(kb) / 1024, float(seconds)
+    return int(kb) / 1024, float(seconds)  # ru_maxrss is in KiB on Linux: MiB
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--shard-mb", type=int, default=20)
@@ -76,8 +80,14 @@ def main(argv=None):
                         max_position_embeddings=256)
     model = MixtralForCausalLM(cfg)
     model_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    layer_mb = max(sum(t.numel() * t.element_size() for k, t in model.state_dict().items()
+                       if k.startswith(f"model.layers.{i}.")) for i in range(args.layers)) / 2**20
     model.save_pretrained(hf, max_shard_size=f"{args.shard_mb}MB")
     del model
+    shards = [os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors")]
+    if len(shards) < 8:
+        raise SystemExit(f"{len(shards)} shards: use a larger model or a smaller --shard-mb (>= 8)")
+    shard_mb = max(os.path.getsize(f) for f in shards) / 2**20
     convert = [sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT"]
     rows = [("imports", measure([sys.executable, "-c", _IMPORTS])),
             ("transformers (peer)", measure([sys.executable, "-c", _PEER, hf])),
@@ -89,16 +99,27 @@ def main(argv=None):
                                                 "--max-shard-size", f"{args.shard_mb}MB"]))]
     floor = rows[0][1][0]
     peer = rows[1][1][0] - floor
-    print(f"model {model_mb:.0f} MB fp32, shards {args.shard_mb} MB, work dir {work}")
-    print(f"{'step':22s} {'peak MB':>8s} {'above imports':>14s} {'x model':>8s} {'x shard':>8s} "
+    print(f"model {model_mb:.0f} MiB fp32 in {len(shards)} shards (largest {shard_mb:.1f} MiB, "
+          f"--shard-mb {args.shard_mb}), largest layer {layer_mb:.1f} MiB, work dir {work}")
+    print(f"{'step':22s} {'peak MiB':>8s} {'above imports':>14s} {'x model':>8s} {'x shard':>8s} "
           f"{'vs peer':>8s} {'seconds':>8s}")
     results = {}
     for name, (peak, seconds) in rows:
         above = peak - floor
         print(f"{name:22s} {peak:8.0f} {above:14.0f} {above / model_mb:8.2f} "
-              f"{above / args.shard_mb:8.1f} {above / peer:8.2f} {seconds:8.1f}")
+              f"{above / shard_mb:8.1f} {above / peer:8.2f} {seconds:8.1f}")
         results[name] = dict(peak_mb=peak, above_imports_mb=above, seconds=seconds)
-    print(json.dumps(dict(model_mb=model_mb, shard_mb=args.shard_mb, results=results)))
+    bound = floor + shard_mb + layer_mb
+    peak = results["hf->megatron"]["peak_mb"]
+    within = peak <= bound
+    print(f"streaming import: peak {peak:.0f} MiB for a {model_mb:.0f} MiB model; bound = imports "
+          f"{floor:.0f} + largest shard {shard_mb:.1f} + one layer {layer_mb:.1f} = {bound:.0f} MiB: "
+          f"{'within' if within else 'EXCEEDED'}")
+    print(json.dumps(dict(model_mb=model_mb, shards=len(shards), largest_shard_mb=shard_mb,
+                          layer_mb=layer_mb, bound_mb=bound, within_bound=within,
+                          results=results)))
+    if not within:
+        raise SystemExit(1)
     return results
 
 
