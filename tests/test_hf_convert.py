@@ -162,6 +162,9 @@ def test_roundtrip_bit_exact(converted, kind):
     d = converted[kind]
     original, back = hf_state(d["hf"]), hf_state(d["back"])
     assert sorted(original) == sorted(back)
+    # the streaming import read every HF tensor exactly once (gate/up: one read for two chunks)
+    size = sum(t.numel() * t.element_size() for t in original.values())
+    assert f"chunks streamed from {size} bytes of HF tensors" in converted["log"]
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     assert json.load(open(os.path.join(d["back"], "config.json"))) == \

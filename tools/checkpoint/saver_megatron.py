@@ -149,7 +149,7 @@ def save_checkpoint(metadata, tensors, args):
         raise SystemExit(f"torch_dist save wrote {producer.chunks} of {len(producer.index)} chunks")
     print("model flags for pretrain_gpt_moe.py: " + shlex.join(metadata["megatron_flags"]))
     print(f"saved {len(params)} tensors ({producer.chunks} chunks streamed from "
-          f"{tensors.bytes_read / 2**20:.1f} MiB of HF tensors) to "
+          f"{tensors.bytes_read} bytes of HF tensors) to "
           f"{os.path.join(args.save_dir, f'iter_{args.iteration:07d}')} "
           f"(layout TP={stored.tensor_model_parallel_size} PP={stored.pipeline_model_parallel_size} "
           f"EP={stored.expert_model_parallel_size}; padded vocab {stored.padded_vocab_size})")
