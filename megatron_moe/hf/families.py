@@ -51,6 +51,7 @@ class Spec:
     shared_gate: bool = False
     qkv_bias: bool = False
     tied: bool = False
+    qk_norm: bool = False            # RMSNorm of each q/k head (Qwen3: q_norm/k_norm)
 
 
 @dataclasses.dataclass
@@ -111,6 +112,7 @@ class Family:
     name = ""
     architecture = ""
     rope_default = 10000
+    qk_norm = False  # q_norm/k_norm per head = megatron-core's --qk-layernorm
 
     # -- HF names (per layer i, prefix model.layers.{i}.) ----------------------------------------
     def router(self, i):
@@ -203,8 +205,9 @@ class Family:
                 problems.append(f"--{flag.replace('_', '-')}")
         if getattr(args, "moe_router_enable_expert_bias", False):
             problems.append("--moe-router-enable-expert-bias")
-        if getattr(args, "qk_layernorm", False):
-            problems.append("--qk-layernorm")
+        if bool(getattr(args, "qk_layernorm", False)) != self.qk_norm:
+            problems.append("no --qk-layernorm (HF: q_norm/k_norm)" if self.qk_norm
+                            else "--qk-layernorm")
         if problems:
             raise ConversionError(f"the checkpoint cannot be written as {self.architecture}: "
                                   + "; ".join(problems))
@@ -324,7 +327,60 @@ class Qwen2Moe(Family):
                                   + "; ".join(problems))
 
 
-FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe())}
+class Qwen3Moe(Qwen2Moe):
+    """Qwen2-MoE's MLP names; no shared expert, no QKV bias, RMSNorm of every q and k head
+    (q_norm/k_norm, before RoPE as megatron-core's --qk-layernorm), head_dim independent of
+    hidden_size / heads (--kv-channels)."""
+
+    name = "qwen3_moe"
+    architecture = "Qwen3MoeForCausalLM"
+    qk_norm = True
+
+    def spec_from_config(self, cfg) -> Spec:
+        if cfg.get("use_sliding_window"):
+            raise ConversionError("config.json: use_sliding_window=true is not supported")
+        if cfg.get("attention_bias"):
+            raise ConversionError("config.json: attention_bias=true (o_proj has a bias there; "
+                                  "megatron-core's --add-qkv-bias covers q/k/v only)")
+        n = cfg["num_hidden_layers"]
+        step = cfg.get("decoder_sparse_step", 1)
+        only_mlp = set(cfg.get("mlp_only_layers") or [])
+        # Qwen's configs say num_experts; transformers >= 5 writes num_local_experts
+        experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+        moe = [experts > 0 and i not in only_mlp and (i + 1) % step == 0 for i in range(n)]
+        return Spec(**self._common(cfg), num_experts=experts, moe_layers=moe,
+                    ffn=cfg["intermediate_size"], moe_ffn=cfg["moe_intermediate_size"],
+                    qk_norm=True)
+
+    def flags_from_config(self, cfg):
+        flags = Family.flags_from_config(self, cfg) + ["--qk-layernorm"]
+        if not cfg.get("norm_topk_prob", False):  # transformers' default: no renormalisation
+            flags.append("--moe-router-pre-softmax")
+        return flags
+
+    def config_from_args(self, args, spec, dtype):
+        cfg = Family.config_from_args(self, args, spec, dtype)
+        n = spec.num_layers
+        cfg.update(intermediate_size=spec.ffn, moe_intermediate_size=spec.moe_ffn,
+                   num_experts=spec.num_experts, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(n) if not spec.moe_layers[i]],
+                   norm_topk_prob=not args.moe_router_pre_softmax, attention_bias=False,
+                   use_sliding_window=False, sliding_window=None, max_window_layers=n)
+        return cfg
+
+    def check_args(self, args):
+        Family.check_args(self, args)
+        problems = []
+        if args.add_qkv_bias:
+            problems.append("--add-qkv-bias (Qwen3-MoE has no attention biases)")
+        if args.moe_shared_expert_intermediate_size:
+            problems.append("shared experts (Qwen3-MoE has none)")
+        if problems:
+            raise ConversionError(f"the checkpoint cannot be written as {self.architecture}: "
+                                  + "; ".join(problems))
+
+
+FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe(), Qwen3Moe())}
 
 # Dense architectures with Mixtral's layer apart from the MLP (same attention, norm and names).
 UPCYCLABLE = {"mistral": 10000, "llama": 10000}  # model_type -> its config's default rope_theta
@@ -392,10 +448,13 @@ def spec_from_args(args, family: str, vocab: int) -> Spec:
         moe_ffn=args.moe_ffn_hidden_size, shared_ffn=args.moe_shared_expert_intermediate_size,
         shared_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
-        tied=not args.untie_embeddings_and_output_weights)
+        tied=not args.untie_embeddings_and_output_weights,
+        qk_norm=bool(getattr(args, "qk_layernorm", False)))
 
 
 def guess_family(args) -> str:
+    if getattr(args, "qk_layernorm", False):
+        return "qwen3_moe"
     if args.moe_shared_expert_intermediate_size or getattr(args, "add_qkv_bias", False) \
             or args.moe_router_pre_softmax or not all(moe_layer_list(args)):
         return "qwen2_moe"
@@ -417,6 +476,11 @@ def rules_for(spec: Spec) -> list:
         if spec.qkv_bias:
             R.append(Rule(m + "self_attention.linear_qkv.bias",
                           (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), *qkv))
+        if spec.qk_norm:
+            R.append(Rule(m + "self_attention.q_layernorm.weight", (a + "q_norm.weight",),
+                          *_copy()))
+            R.append(Rule(m + "self_attention.k_layernorm.weight", (a + "k_norm.weight",),
+                          *_copy()))
         R.append(Rule(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), *_copy()))
         R.append(Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",),
                       *_copy()))
