@@ -313,11 +313,13 @@ def section_environment(rec, mode, work):
         except (OSError, subprocess.SubprocessError) as exc:
             fig["driver"] = f"unknown ({exc})"
     else:
-        skipped.append("GPU name, SM count, memory, driver, NCCL: no CUDA device (CPU mode)")
+        skipped.append("GPU name, SM count, memory, driver, NCCL: no CUDA device here")
     from packaging.version import Version
 
     ok_mc = Version("0.16.1") <= Version(mc.__version__) < Version("0.20")
-    ok = ok_mc and (torch.cuda.is_available() or not _gpu(mode))
+    wheel_error = os.environ.get("GPU_CHECK_WHEELS_ERROR")
+    fig["wheels"] = os.environ.get("GPU_CHECK_WHEELS", "").split() or None  # scripts/gpu_check.sh
+    ok = ok_mc and (torch.cuda.is_available() or not _gpu(mode)) and not wheel_error
     rec.info(**fig)
     summary = (f"{fig.get('gpu', 'no GPU')} sm={fig.get('sm_count', '-')} "
                f"mem={fig.get('memory_gib', '-')}GiB driver={fig.get('driver', '-')} "
@@ -325,6 +327,8 @@ def section_environment(rec, mode, work):
                f"megatron-core={fig['megatron_core']}")
     if not ok_mc:
         summary += " (megatron-core outside the tested range >=0.16.1,<0.20)"
+    if wheel_error:
+        summary += f" ({wheel_error})"
     if _gpu(mode) and not torch.cuda.is_available():
         summary += " (GPU mode but torch sees no CUDA device)"
     rec.record("environment", ok, summary, fig, skipped)
@@ -533,7 +537,8 @@ class ArenaProbe:
             self.calls += 1
             for p in module.parameters():
                 ptr = p.data_ptr()
-                if not any(lo <= ptr < hi for lo, hi in spans) or p.device != arena.device:
+                if not any(lo <= ptr < hi for lo, hi in spans) or \
+                        p.device.type != arena.device.type:
                     self.violations += 1
         for layer in mgr.layers:   # the manager's bind is the MoE layer's pre-hook, so this
             self._hooks.append(layer.mlp.experts.register_forward_pre_hook(hook))  # runs after it
