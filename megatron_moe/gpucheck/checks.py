@@ -391,9 +391,12 @@ def section_kernels(rec, mode, work):
                                                              routing_map=rmap)}, reps, dev)
         r_perm = perm_t["mcore"][0] / perm_t["ours"][0]
         r_unperm = unperm_t["mcore"][0] / unperm_t["ours"][0]
-        this = (perm_exact and unperm_ok and grad_ok and hier_exact and backend == want_backend)
+        syncs = _host_syncs(kernels, tokens, rmap, probs, N) if _gpu(mode) else None
+        this = (perm_exact and unperm_ok and grad_ok and hier_exact and backend == want_backend
+                and not syncs)
         ok &= this
-        fig[tag] = dict(backend=backend, permute_exact=perm_exact, unpermute_max_abs_err=unperm_err,
+        fig[tag] = dict(backend=backend, host_syncs=syncs,
+                        permute_exact=perm_exact, unpermute_max_abs_err=unperm_err,
                         unpermute_close=unperm_ok, roundtrip_grads_close=grad_ok,
                         hierarchical_exact=hier_exact,
                         permute_ms=perm_t["ours"][0] * 1e3, mcore_permute_ms=perm_t["mcore"][0] * 1e3,
@@ -405,12 +408,38 @@ def section_kernels(rec, mode, work):
                      f"grads {'close' if grad_ok else 'DIFFER'}, hierarchical "
                      f"{'exact' if hier_exact else 'DIFFERS'}, vs mcore permute x{r_perm:.2f} "
                      f"unpermute x{r_unperm:.2f}"
+                     + ("" if syncs is None else f", host syncs: {syncs or 'none'}")
                      + ("" if backend == want_backend else f" (backend {backend}, "
                                                            f"expected {want_backend})"))
         del tokens, rmap, probs, y, g, xp
     skipped = [] if _gpu(mode) else ["the Triton kernels on CUDA (CPU mode runs the torch backend; "
-                                     "the interpreter tests cover the Triton code)"]
+                                     "the interpreter tests cover the Triton code)",
+                                     "host syncs by torch.cuda.set_sync_debug_mode (needs CUDA; "
+                                     "tests/test_kernels_sync.py emulates it)"]
     rec.record("kernels", ok, "; ".join(parts), fig, skipped)
+
+
+def _host_syncs(kernels, tokens, rmap, probs, N):
+    """The calls megatron-core's dispatcher makes (permute with num_out_tokens, unpermute with and
+    without probs, backward) under torch.cuda.set_sync_debug_mode("error"): None when nothing
+    blocked the host, else the error (tests/test_kernels_sync.py's claim, on a real device)."""
+    import torch
+
+    a = tokens.detach().requires_grad_()
+    b = probs.detach().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y, _, idx = kernels.permute(a, rmap, num_out_tokens=N)
+        o1 = kernels.unpermute(y, idx, a.shape, routing_map=rmap)
+        o2 = kernels.unpermute(y, idx, a.shape, probs=b, routing_map=rmap)
+        (o1.float().sum() + o2.float().square().sum()).backward()
+        return None
+    except RuntimeError as exc:
+        return _last(str(exc), 1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
 
 
 def _dispatch_outputs(impl, tokens, rmap, probs, y, g, N, sizes):
