@@ -178,23 +178,79 @@ class IndexedDatasetWriter:
 
 # ------------------------------------------------------------------------------------ workers
 class Encoder:
-    """Per-process state: the tokenizer and the sentence splitter (built once per worker)."""
+    """Per-process state: the tokenizer and the sentence splitter (built once per worker).
+
+    Also Megatron-LM's Python interface (tools/preprocess_data.py at core_v0.19.0), for code that
+    imports this tool as a library: ``Encoder(args)``, ``initializer()`` (builds the tokenizer
+    and splitter; like Megatron it also stores them on the class, so ``Encoder.tokenizer`` works
+    after it), ``encode(json_line)`` -> ``(ids by key, sentence lengths by key, bytes read)`` and
+    ``split(json_line)`` -> ``(JSON line of sentences by key, bytes read)``. As in Megatron,
+    ``encode`` does not split sentences (``split`` does that; a list value is taken as the
+    sentences). The tool's own pipeline batches lines (``encode_batch``) and writes the same ids.
+    """
+
+    tokenizer = None
+    splitter = None
 
     def __init__(self, args):
         self.args = args
-        self.tokenizer = None
-        self.splitter = None
 
     def initialize(self):
         self.tokenizer = build_tokenizer(self.args)
         self.dtype = optimal_dtype(self.tokenizer.vocab_size)
+        self.splitter = None
         if self.args.split_sentences:
             self.splitter = _punkt_splitter(self.args.lang, self.args.keep_newlines)
 
-    def split(self, text: str):
+    def initializer(self):
+        """Megatron-LM's name (a Pool initializer): build the tokenizer and the splitter."""
+        self.initialize()
+        Encoder.tokenizer, Encoder.splitter = self.tokenizer, self.splitter
+
+    def split_text(self, text: str):
+        if not self.args.split_sentences:
+            return [text]
         if self.splitter is not None:
             return self.splitter.tokenize(text)
         return regex_split_sentences(text, self.args.keep_newlines)
+
+    def _json_values(self, json_line):
+        data = json.loads(json_line)
+        for key in self.args.json_keys:
+            if key not in data:
+                raise PreprocessError(f"missing key {key!r} (--json-keys)")
+        return data
+
+    def split(self, json_line):
+        """Megatron-LM's ``split``: the sentences of each key, as one JSON line, and its length."""
+        if self.tokenizer is None:
+            self.initializer()
+        data = self._json_values(json_line)
+        out = {k: (data[k] if isinstance(data[k], list) else self.split_text(data[k]))
+               for k in self.args.json_keys}
+        return json.dumps(out), len(json_line)
+
+    def encode(self, json_line):
+        """Megatron-LM's ``encode``: ``({key: token ids}, {key: sentence lengths}, len(json_line))``
+        for one JSON line. A string value is one sentence, a list value its sentences; empty
+        sentences are dropped; --append-eod adds the eod to a non-empty document."""
+        if self.tokenizer is None:
+            self.initializer()
+        data = self._json_values(json_line)
+        ids, lens = {}, {}
+        for key in self.args.json_keys:
+            text = data[key]
+            sentences = text if isinstance(text, list) else [text]
+            doc, lengths = [], []
+            for sentence_ids in self.tokenizer.tokenize_batch(sentences):
+                if len(sentence_ids) > 0:
+                    doc.extend(sentence_ids)
+                    lengths.append(len(sentence_ids))
+            if doc and self.args.append_eod:
+                doc.append(self.tokenizer.eod)
+                lengths[-1] += 1
+            ids[key], lens[key] = doc, lengths
+        return ids, lens, len(json_line)
 
     def parse(self, lineno, raw):
         """(lineno, raw line bytes) -> ({key: [sentence, ...]} | None for a blank line, error)."""
@@ -216,7 +272,7 @@ class Encoder:
                 return None, f"missing key {key!r} (--json-keys)"
             text = data[key]
             if isinstance(text, str):
-                out[key] = self.split(text) if self.args.split_sentences else [text]
+                out[key] = self.split_text(text)
             elif isinstance(text, list) and all(isinstance(t, str) for t in text):
                 out[key] = text
             else:
@@ -358,13 +414,39 @@ def get_args(argv=None):
     g.add_argument("--chunksize", type=int, default=64,
                    help="lines per worker task (at most 16 tasks per worker are in flight)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    args = p.parse_args(argv)
+    g.add_argument("--find-optimal-num-workers", action="store_true",
+                   help="Megatron-LM's worker search: preprocess the first --max-documents "
+                        "lines with each of --workers-to-check workers, print the docs/s of "
+                        "each and the fastest (the output holds those documents)")
+    g.add_argument("--workers-to-check", nargs="+", type=int, default=None,
+                   help="worker counts to try with --find-optimal-num-workers (default: 16 32 64)")
+    g.add_argument("--max-documents", type=int, default=None,
+                   help="documents (input lines) per try of --find-optimal-num-workers "
+                        "(default: 100000)")
+    args = p.parse_args(argv)  # argv None: sys.argv, as Megatron-LM's get_args()
     if args.workers < 1:
         p.error(f"--workers must be >= 1 (got {args.workers})")
     if args.partitions < 1:
         p.error(f"--partitions must be >= 1 (got {args.partitions})")
     if args.chunksize < 1:
         p.error(f"--chunksize must be >= 1 (got {args.chunksize})")
+    if not args.find_optimal_num_workers:
+        for flag in ("workers_to_check", "max_documents"):
+            if getattr(args, flag) is not None:
+                p.error(f"--{flag.replace('_', '-')} applies only with --find-optimal-num-workers")
+    if args.workers_to_check is None:
+        args.workers_to_check = [16, 32, 64]  # Megatron-LM's defaults
+    if args.max_documents is None:
+        args.max_documents = 100_000
+    if min(args.workers_to_check) < 1:
+        p.error(f"--workers-to-check: every count must be >= 1 (got {args.workers_to_check})")
+    if args.max_documents < 1:
+        p.error(f"--max-documents must be >= 1 (got {args.max_documents})")
+    # the attributes Megatron-LM's get_args() adds, for code that passes these args on
+    for name, value in (("keep_empty", False), ("rank", 1), ("make_vocab_size_divisible_by", 128),
+                        ("tensor_model_parallel_size", 1), ("vocab_extra_ids", 0)):
+        if not hasattr(args, name):
+            setattr(args, name, value)
     return args
 
 
@@ -377,11 +459,14 @@ class _InFlight:
         self._sem = threading.Semaphore(limit)
         self._stopped = False
 
-    def lines(self, f, batch_lines: int = 1):
-        """(first_lineno, [lines]) batches of f; one unit of the limit per batch."""
+    def lines(self, f, batch_lines: int = 1, max_lines: int | None = None):
+        """(first_lineno, [lines]) batches of f (its first max_lines lines); one unit of the
+        limit per batch."""
         lineno = 1
         while True:
-            batch = list(itertools.islice(f, batch_lines))
+            if max_lines is not None:
+                batch_lines = min(batch_lines, max_lines - lineno + 1)
+            batch = list(itertools.islice(f, batch_lines)) if batch_lines > 0 else []
             if not batch:
                 return
             while not self._sem.acquire(timeout=0.2):
@@ -399,8 +484,9 @@ class _InFlight:
         self._stopped = True
 
 
-def preprocess(args) -> dict:
-    """Run preprocessing for parsed ``args``; returns stats. Raises PreprocessError."""
+def preprocess(args, max_lines: int | None = None) -> dict:
+    """Run preprocessing for parsed ``args`` (the first ``max_lines`` lines of the input, or all);
+    returns stats. Raises PreprocessError."""
     if not os.path.isfile(args.input):
         raise PreprocessError(f"--input: {args.input} does not exist")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
@@ -442,7 +528,7 @@ def preprocess(args) -> dict:
                 encoder = Encoder(args)
                 encoder.initialize()
                 in_flight = _InFlight(1)
-                results = map(encoder.encode_batch, in_flight.lines(f, args.chunksize))
+                results = map(encoder.encode_batch, in_flight.lines(f, args.chunksize, max_lines))
             else:
                 # deep enough that the workers keep busy while this process waits for a CPU
                 # (shared machines), small enough to bound memory (~16 x chunksize lines each)
@@ -457,7 +543,7 @@ def preprocess(args) -> dict:
                 ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
                 pool = ctx.Pool(args.workers, initializer=_worker_init, initargs=(args,))
                 gc.unfreeze()
-                results = pool.imap(_worker_encode, in_flight.lines(f, args.chunksize))
+                results = pool.imap(_worker_encode, in_flight.lines(f, args.chunksize, max_lines))
             for lineno, nbytes, out, docs, empty, skipped, fatal in results:
                 in_flight.release()
                 stats["lines"] = lineno
@@ -515,10 +601,38 @@ def preprocess(args) -> dict:
     return stats
 
 
+def find_optimal_num_workers(args) -> dict:
+    """Megatron-LM's --find-optimal-num-workers: the first --max-documents lines preprocessed
+    once per --workers-to-check count (each run writes the output anew); prints the docs/s of
+    each, fastest first, and the best count. Returns {workers: docs/s}."""
+    import copy
+
+    performance = {}
+    for workers in dict.fromkeys(args.workers_to_check):
+        print(f"Processing data with {workers} workers.")
+        run = copy.copy(args)
+        run.workers = workers
+        stats = preprocess(run, max_lines=args.max_documents)
+        performance[workers] = stats["documents"] / max(stats["seconds"], 1e-9)
+    ranked = sorted(performance.items(), key=lambda kv: kv[1], reverse=True)
+    print("\n-----------------------------------")
+    print("Performance results (fastest → slowest):")
+    for i, (workers, rate) in enumerate(ranked, 1):
+        print(f"{i}. {workers} workers → avg. docs/s: {rate:.4f}")
+    print("\n-----------------------------------")
+    print(f"The most optimal num of workers is {ranked[0][0]} with avg. preprocessed docs/s: "
+          f"{ranked[0][1]:.4f}.")
+    print("-----------------------------------")
+    return performance
+
+
 def main(argv=None) -> dict:
-    """Command-line entry; errors exit with a one-line message (no traceback)."""
+    """Command-line entry (``argv`` None: ``sys.argv``, as Megatron-LM's ``main()``); errors exit
+    with a one-line message (no traceback)."""
     args = get_args(argv)
     try:
+        if args.find_optimal_num_workers:
+            return {"performance": find_optimal_num_workers(args)}
         stats = preprocess(args)
     except PreprocessError as exc:
         raise SystemExit(f"preprocess_data.py: error: {exc}") from None
