@@ -117,10 +117,12 @@ def test_server_answers_put_and_rejects_bad_requests(ep1):
     assert answer["text"] == [ep1["resident"][0]["text"]]
     assert answer["tokens"][0][-len(ep1["resident"][0]["tokens"]):] == ep1["resident"][0]["tokens"]
     assert len(answer["logprobs"][0]) == len(answer["tokens"][0]) - 1
-    status, message = server["malformed"]
-    assert status == 400 and "malformed JSON" in message
-    status, message = server["no_prompts"]
-    assert status == 400 and message == "prompts argument required"
+    status, answer = server["malformed"]
+    assert status == 400 and "malformed JSON" in answer["message"]
+    status, answer = server["no_prompts"]
+    assert status == 400 and answer["message"] == "prompts argument required"
+    assert answer["error"] == {"message": "prompts argument required", "param": "prompts",
+                               "type": "invalid_request_error", "code": None}
 
 
 def test_evaluate_reproduces_the_training_validation_line_and_serves_at_ep2(ckpt, ep1):

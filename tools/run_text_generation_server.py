@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serve a GPT-MoE checkpoint over Megatron-LM's REST interface (PUT /api).
+"""Serve a GPT-MoE checkpoint over Megatron-LM's REST interface (PUT /api, POST /completions).
 
     python tools/run_text_generation_server.py --load CKPT --use-checkpoint-args --port 5000
     torchrun --nproc_per_node 2 tools/run_text_generation_server.py --load CKPT \
@@ -7,6 +7,8 @@
     curl -X PUT http://127.0.0.1:5000/api -H 'Content-Type: application/json' \
         -d '{"prompts": ["Hello"], "tokens_to_generate": 16}'
     python tools/text_generation_cli.py 127.0.0.1:5000
+    lm_eval --model local-completions --tasks lambada_openai \
+        --model_args base_url=http://127.0.0.1:5000/v1/completions,model=megatron-moe
 
 Binds to 127.0.0.1 unless --host says otherwise (Megatron-LM binds every interface; this server
 has no authentication, so exposing it is an explicit choice). Request fields and answers:
@@ -16,6 +18,7 @@ megatron_moe/inference/server.py and docs/inference.md.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 if __package__ in (None, ""):
@@ -72,17 +75,37 @@ def main(argv=None):
     model, tokenizer, _ = setup_model(args)
     ring = attach_ring_memory(model, args)
     server = GenerationServer(TextGenerator(model, tokenizer, args), host=args.host, port=args.port)
+    received = _stop_on_signals(server)
     if server.httpd is not None:
         host, port = server.address[:2]
         print(f" * serving {args.load} on http://{host}:{port}/api (PUT)", flush=True)
+        print(f" * OpenAI completions on http://{host}:{port}/v1/completions (POST; also "
+              f"/completions)", flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     finally:
         if ring is not None:
             ring.close()
+    if server.httpd is not None:
+        why = signal.Signals(received[0]).name if received else "stopped"
+        print(f" * server shut down ({why})", flush=True)
     return 0
+
+
+def _stop_on_signals(server):
+    """SIGTERM/SIGINT end the serving loop after the request in progress (rank 0 broadcasts the
+    stop; the other ranks wait for it), so the server exits 0 with one line, no stack dump."""
+    received = []
+
+    def handler(signum, frame):
+        if not received:
+            received.append(signum)
+            if server.httpd is not None:
+                server.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return received
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ def put(url: str, payload, timeout: float = 300.0) -> tuple[int, object]:
             return err.code, text
 
 
+def _message(answer):
+    """The server's error message: Megatron-LM's ``message`` field of the error object."""
+    return answer.get("message", answer) if isinstance(answer, dict) else answer
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="text_generation_cli.py", description=__doc__.split("\n\n")[0])
     p.add_argument("url", help="host:port of the server (e.g. 127.0.0.1:5000)")
@@ -46,7 +51,7 @@ def main(argv=None):
         status, answer = put(args.url, {"prompts": [args.prompt],
                                         "tokens_to_generate": args.tokens_to_generate})
         if status != 200:
-            print(f"error {status}: {answer}", file=sys.stderr)
+            print(f"error {status}: {_message(answer)}", file=sys.stderr)
             return 1
         print(answer["text"][0])
         return 0
@@ -61,7 +66,7 @@ def main(argv=None):
             continue
         status, answer = put(args.url, {"prompts": [sentence], "tokens_to_generate": tokens})
         if status != 200:
-            print(f"Error {status}: {answer}")
+            print(f"Error {status}: {_message(answer)}")
         else:
             print(f"Megatron Response: {answer['text'][0]}")
 

@@ -77,6 +77,8 @@ class Generation:
     tokens: list                 # generated token ids (an EOD that ended generation included)
     log_probs: list | None = None  # of the generated tokens, when asked for
     prompt_log_probs: list | None = None  # of prompt tokens 2..n, when asked for
+    top_n: list | None = None    # per generated token {token text: log prob}, when asked for
+    prompt_top_n: list | None = None  # per prompt token 2..n, when asked for
 
 
 class TextGenerator:
@@ -124,7 +126,7 @@ class TextGenerator:
     def generate(self, prompts, tokens_to_generate: int = 30, temperature: float = 1.0,
                  top_k: int = 1, top_p: float = 0.0, return_log_probs: bool = False,
                  seed: int | None = None, add_bos: bool = False,
-                 prompt_tokens: list | None = None) -> list[Generation]:
+                 prompt_tokens: list | None = None, top_n_logprobs: int = 0) -> list[Generation]:
         from megatron.core.inference.inference_request import InferenceRequest
 
         from megatron_moe.compat.inference import sampling_params
@@ -135,7 +137,8 @@ class TextGenerator:
             prompts = [self.tokenizer.detokenize(list(t)) for t in prompt_tokens]
         params = sampling_params(temperature=temperature, top_k=top_k, top_p=top_p,
                                  return_log_probs=return_log_probs,
-                                 num_tokens_to_generate=tokens_to_generate)
+                                 num_tokens_to_generate=tokens_to_generate,
+                                 **({"top_n_logprobs": top_n_logprobs} if top_n_logprobs else {}))
         controller = self.engine.controller
         controller.sampling_rng.manual_seed(self.args.seed if seed is None else seed)
         requests = [InferenceRequest(request_id=self.engine.get_new_request_id(), prompt=p,
@@ -152,7 +155,9 @@ class TextGenerator:
                 prompt=prompt, text=prompt + completion, completion=completion,
                 prompt_tokens=list(req.prompt_tokens), tokens=tokens,
                 log_probs=list(req.generated_log_probs) if return_log_probs else None,
-                prompt_log_probs=list(req.prompt_log_probs) if return_log_probs else None))
+                prompt_log_probs=list(req.prompt_log_probs) if return_log_probs else None,
+                top_n=list(req.generated_top_n_logprobs or []) if top_n_logprobs else None,
+                prompt_top_n=list(req.prompt_top_n_logprobs or []) if top_n_logprobs else None))
         return out
 
     def _completion(self, prompt_tokens, tokens) -> str:
