@@ -21,6 +21,7 @@ _EXTENSION_MODULES = (
     "megatron_moe.moe.dispatcher",
     "megatron_moe.offload",
     "megatron_moe.dist_signal_handler",   # --exit-signal, --exit-duration-in-mins
+    "megatron_moe.wandb_writer",          # --wandb-project, --wandb-exp-name, ...
 )
 
 
@@ -271,7 +272,6 @@ def _add_logging_args(p):
     g.add_argument("--log-expert-load", action="store_true", default=True,
                    help="Per-MoE-layer expert-load imbalance lines (default on).")
     g.add_argument("--no-log-expert-load", action="store_false", dest="log_expert_load")
-    g.add_argument("--wandb-project", default=None, help="Accepted for compatibility; ignored.")
 
 
 def _layer_freq(text):

@@ -227,10 +227,14 @@ class TrainingHooks:
             if optimizer is not None:
                 self.balance.set_optimizer(optimizer)
         self.writer = None
-        if args.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
-            from torch.utils.tensorboard import SummaryWriter
+        if dist.get_rank() == dist.get_world_size() - 1:  # the rank with the loss (Megatron's)
+            from megatron_moe.wandb_writer import build_writer
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+            if args.tensorboard_dir:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+            self.writer = build_writer(args, self.writer)  # + W&B with --wandb-project
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         from megatron_moe import offload  # --moe-expert-offload: hooks on the MoE layers
 

@@ -35,6 +35,8 @@ fi
 # Pin torch first: an unpinned torch would pull whatever is newest (and untested).
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+# lm-evaluation-harness without its metric-only dependencies (pyproject's `eval` extra has the rest)
+"$VENV/bin/python" -m pip install -q --no-deps "lm-eval==0.4.13"
 "$VENV/bin/python" -W ignore -c 'import sys, torch, megatron.core as m
 print(f"{sys.argv[1]}: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")' "$VENV"
 touch "$STAMP"
