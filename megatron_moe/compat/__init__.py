@@ -15,6 +15,36 @@ def quiet_known_warnings():
         warnings.filterwarnings("ignore", message=pattern)
 
 
+class _NoWandbForMegatronCore:
+    """A meta-path finder that answers ImportError to ``import wandb`` run by a megatron.core
+    module. megatron-core's timers.py (and its dynamic inference engine) import wandb at module
+    import, each guarded by ``except ImportError`` (their W&B writers, unused here), which costs
+    seconds of start-up in every process once wandb is installed. Our own W&B writer
+    (megatron_moe/wandb_writer.py, --wandb-project) imports it as usual."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "wandb":
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__", "").startswith("importlib"):
+            frame = frame.f_back
+        importer = frame.f_globals.get("__name__", "") if frame is not None else ""
+        if importer.startswith("megatron.core"):
+            raise ImportError("wandb is loaded by megatron_moe.wandb_writer only")
+        return None
+
+
+def defer_wandb_import():
+    """Keep megatron-core's import-time ``import wandb`` from loading wandb (see the finder)."""
+    if not any(isinstance(f, _NoWandbForMegatronCore) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NoWandbForMegatronCore())
+
+
+def wandb_loaded() -> bool:
+    """Whether wandb has been imported in this process."""
+    return "wandb" in sys.modules
+
+
 def install_megatron_core_stubs():
     """megatron-core >= 0.19 imports triton unguarded in one MoE op module (paged stash).
 

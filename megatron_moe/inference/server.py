@@ -229,21 +229,21 @@ def parse_completions(body: bytes, vocab_size: int) -> dict:
                 n=n, model=req.get("model") if isinstance(req.get("model"), str) else None)
 
 
-def _pieces(tokenizer, ids):
-    """Per-token text and character offsets such that the texts concatenate to the detokenized
-    sequence (decoded in context: sentencepiece/BPE spacing depends on the previous piece). A
-    token whose decoding is not a continuation (e.g. part of a UTF-8 character) gets its own
-    decoding and the next offset stays where the text really is."""
-    texts, offsets, prev = [], [], ""
+def _pieces(tokenizer, ids, window: int = 16):
+    """Per-token text and character offsets such that the texts concatenate to the sequence's
+    text. Each token is decoded in context (sentencepiece/BPE spacing depends on the previous
+    pieces): the decoding of the last ``window`` tokens up to it minus that of the same tokens
+    without it, so the cost stays linear in the length. A token whose decoding is not such a
+    continuation (part of a UTF-8 character) gets its own decoding."""
+    texts, offsets, pos = [], [], 0
     for i in range(len(ids)):
-        cur = tokenizer.detokenize(list(ids[:i + 1]))
-        offsets.append(len(prev))
-        if cur.startswith(prev):
-            texts.append(cur[len(prev):])
-            prev = cur
-        else:
-            texts.append(tokenizer.detokenize([ids[i]]))
-            prev = cur
+        context = list(ids[max(0, i - window):i])
+        before = tokenizer.detokenize(context) if context else ""
+        cur = tokenizer.detokenize(context + [ids[i]])
+        text = cur[len(before):] if cur.startswith(before) else tokenizer.detokenize([ids[i]])
+        texts.append(text)
+        offsets.append(pos)
+        pos += len(text)
     return texts, offsets
 
 
