@@ -153,7 +153,8 @@ def test_refusal_on_the_cli_before_any_process_group():
     ("--transformer-impl inference_optimized", "--transformer-impl inference_optimized is refused"),
     ("--rotary-percent 1.5", "--rotary-percent (1.5) must be in (0, 1]"),
     ("--hidden-size 30", "--hidden-size (30) must be divisible by --num-attention-heads (4)"),
-], ids=["flash-local", "no-pos-emb", "inference-impl", "rotary-percent", "heads"])
+    ("--overlap-param-gather", "--overlap-param-gather needs --use-distributed-optimizer"),
+], ids=["flash-local", "no-pos-emb", "inference-impl", "rotary-percent", "heads", "param-gather"])
 def test_bad_model_flags_fail_at_parse_time(extra, message, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(BASE + extra.split(), world_size=1)

@@ -80,6 +80,8 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
                             "--load; flags given here override them.")
         return parser
 
+    from megatron_moe import flags
+
     parser = margs.build_parser(extra_args_provider=tool_args, prog=prog)
     required = {a.dest: a.option_strings[0] for a in parser._actions if a.required}
     for action in parser._actions:
@@ -87,6 +89,10 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     parser.set_defaults(train_iters=1, lr=0.0)  # training-only values a model build never reads
     explicit = vars(_explicit(parser, argv))
     args = parser.parse_args(argv)
+    try:
+        flags.check_refused(args)  # a refused Megatron flag: one line saying why
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.load is None:
         parser.error("--load is required (a checkpoint directory written by pretrain_gpt_moe.py)")
     try:
