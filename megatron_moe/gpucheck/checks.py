@@ -276,9 +276,8 @@ def bf16_peak_tflops(name):
 def _estimate(argv):
     """tools/report_theoretical_memory.py's estimate and the FLOP count for these flags."""
     from megatron_moe.flops import num_floating_point_operations
-    from tools import report_theoretical_memory as rtm
-
     from megatron_moe.model import have_transformer_engine
+    from tools import report_theoretical_memory as rtm
 
     # without Transformer Engine megatron-core builds its local layers: unfused attention
     local = [] if have_transformer_engine() else ["--attention-backend", "local"]
@@ -506,7 +505,7 @@ def section_training(rec, mode, work):
         ok = fused_ms is not None and _falls(run["history"]["lm_loss"])
         on_tok = est["tokens_per_iter"] / (fused_ms / 1e3) if fused_ms else float("nan")
         off_tok = est["tokens_per_iter"] / (off_ms / 1e3)
-        rec.record("training-fusion", ok and fused_ms is not None,
+        rec.record("training-fusion", ok,
                    f"tokens/s fusion on {on_tok:.0f} vs off {off_tok:.0f}: x{on_tok / off_tok:.2f}",
                    dict(on_tokens_per_s=on_tok, off_tokens_per_s=off_tok,
                         ratio=on_tok / off_tok, off_losses=run["history"]["lm_loss"]))
