@@ -7,7 +7,8 @@
 Accepts the flags a launch script passes to pretrain_gpt_moe.py (the same parser); Megatron-LM
 flags this project does not parse are listed and ignored; recomputation / attention-backend /
 virtual-pipeline flags are Megatron's. Prints, for the most loaded pipeline stage, the bytes of
-parameters, gradients, optimizer state and activations, then Megatron's summary line
+parameters, gradients, optimizer state and activations, the model FLOPs of one iteration (the
+count --log-throughput uses, megatron_moe/flops.py), then Megatron's summary line
 ``Theoretical memory footprints: weight and optimizer=... MB, activation=... MB, total=... MB``.
 The arithmetic (docs/memory.md) is our own; it differs from Megatron-LM's
 ``theoretical_memory_usage.py`` in that experts are sharded by EP x ETP (not TP) and their
