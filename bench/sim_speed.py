@@ -4,8 +4,9 @@
 Runs every policy on a synthetic trace for several (layers, iterations) sizes, fits
 ``seconds = a + b * layers * iterations`` per policy (least squares), prints the fit, its worst
 relative residual and the prediction for ``--target-layers`` x ``--target-iterations``; ``--full``
-also runs that size and prints measured vs predicted.  Wall times on a shared machine are noisy:
-the load average is printed with every result.
+also runs that size and prints measured vs predicted.  Times are CPU seconds of this process
+(``time.process_time``, single-threaded numpy): on the shared 2-core machine wall time mostly
+measures the other jobs (the load average is printed with every result, and the wall time too).
 
     python bench/sim_speed.py --gpus 8192 --experts 256 [--full]
 """
@@ -51,27 +52,28 @@ def main(argv=None):
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes]
     big_l = max([l for l, _ in sizes] + [args.target_layers if args.full else 0])
     big_i = max(i for _, i in sizes + [(0, args.target_iterations if args.full else 0)])
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     trace = synthetic_trace(args.gpus, args.experts, big_i, big_l, 8192, 1.0, 0.05)
     print(f"trace {args.gpus} x {args.experts} x {big_l} layers x {big_i} iterations: "
-          f"{time.perf_counter() - t0:.1f}s (load {os.getloadavg()[0]:.1f})")
+          f"{time.process_time() - t0:.1f}s CPU (load {os.getloadavg()[0]:.1f})")
     cl = load_cluster(args.gpus)
     target = args.target_layers * args.target_iterations
     for pol in args.policies:
-        secs = []
+        secs, wall = [], 0.0
         for l, i in sizes:
-            t = time.perf_counter()
+            t, w = time.process_time(), time.perf_counter()
             simulate(trace[:i, :l], cl, pol)
-            secs.append(time.perf_counter() - t)
+            secs.append(time.process_time() - t)
+            wall += time.perf_counter() - w
         a, b, worst = linear_fit([l * i for l, i in sizes], secs)
         line = (f"{pol:19} " + " ".join(f"{l}x{i}:{s:.2f}s" for (l, i), s in zip(sizes, secs))
                 + f" | fit {a:.2f} + {b * 1e3:.1f} ms x layers x iterations (worst residual "
                   f"{100 * worst:.0f}%) -> {args.target_layers}x{args.target_iterations}: {a + b * target:.1f}s")
         if args.full:
-            t = time.perf_counter()
+            t, w = time.process_time(), time.perf_counter()
             simulate(trace[:args.target_iterations, :args.target_layers], cl, pol)
-            line += f", measured {time.perf_counter() - t:.1f}s"
-        print(line + f" (load {os.getloadavg()[0]:.1f})", flush=True)
+            line += f", measured {time.process_time() - t:.1f}s CPU ({time.perf_counter() - w:.1f}s wall)"
+        print(line + f" (fit points {wall:.1f}s wall; load {os.getloadavg()[0]:.1f})", flush=True)
 
 
 if __name__ == "__main__":
