@@ -240,8 +240,22 @@ class _Priced:
         rows = np.nonzero((np.asarray(n) != self.n).any(axis=1))[0]
         if len(rows):
             self.n = np.array(n)
-            self.proc[rows], self.terms[rows] = _expert_parts(self.o_t[rows], self.n[rows], self.cost)
-            self.base = self.terms.sum(axis=0)
+            self._reprice(rows)
+
+    def apply(self, plan) -> None:
+        """Follow a policy-maker plan (shrink / expand ops) without recounting the slot table."""
+        rows = set()
+        for op in plan:
+            if op[0] == "shrink":
+                self.n[op[1], op[2]] -= 1
+            elif op[0] == "expand":
+                self.n[op[1], op[3]] += 1
+            rows.add(op[1])
+        self._reprice(sorted(rows))
+
+    def _reprice(self, rows) -> None:
+        self.proc[rows], self.terms[rows] = _expert_parts(self.o_t[rows], self.n[rows], self.cost)
+        self.base = self.terms.sum(axis=0)
 
 
 @register_policy
@@ -309,9 +323,9 @@ class FlexMoEPolicy(BalancePolicy):
         """One (Shrink, Expand) pair or a lone Expand; ``priced`` (the scheduler loop's running
         pricing of this ``origin`` and the current table) avoids pricing every expert again."""
         slots = self.table.slots
-        n = self.table.counts()
         if priced is None:
-            priced = _Priced(origin, n, self.cost)
+            priced = _Priced(origin, self.table.counts(), self.cost)
+        n = priced.n
         t0 = priced.time()
         tot = np.asarray(origin, dtype=np.float64).sum(axis=0)
         ne = n.sum(axis=1)
@@ -365,8 +379,9 @@ class FlexMoEPolicy(BalancePolicy):
                 _, e, _src, g, s = op
                 assert self.table.slots[g, s] == FREE
                 self.table.slots[g, s] = e
-        n = self.table.counts()
-        assert (n.sum(axis=1) >= 1).all(), "flexmoe: an expert lost its last vExpert"
+        for op in plan:                      # only a shrunk expert can have lost its last vExpert
+            if op[0] == "shrink":
+                assert (self.table.slots == op[1]).any(), "flexmoe: an expert lost its last vExpert"
 
     # -- Migrate (the paper gives no algorithm; greedy swaps, see module doc) ---------------------
     def migrate(self, origin: np.ndarray, experts: Optional[List[int]] = None,
@@ -444,7 +459,7 @@ class FlexMoEPolicy(BalancePolicy):
             self._apply(plan)
             ops.extend(plan)
             steps += 1
-            priced.update(self.table.counts())
+            priced.apply(plan)
             r = balance_ratio(priced.loads())
         if self.migrate_enabled and ops:
             ops.extend(self.migrate(origin, sorted({op[1] for op in ops if op[0] == "expand"}), priced))
