@@ -311,14 +311,22 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
         flags.check_refused(args)  # a refused Megatron flag: one line saying why (flags/status.txt)
     except ValueError as exc:
         parser.error(str(exc))
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args.world_size = world_size
-    args.rank = int(os.environ.get("RANK", "0"))
+    from megatron_moe.launcher import launcher_env   # torchrun's variables, else srun's
+
+    try:
+        env = launcher_env()
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.world_size = env.world_size if world_size is None else world_size
+    args.rank = env.rank
+    # the error for a world size that the parallel sizes do not divide names where it came from
+    args.world_size_source = env.source if world_size is None else None
     try:
         validate_args(args, check_data_paths=check_data_paths)
     except ValueError as exc:
         parser.error(str(exc))
+    finally:
+        del args.world_size_source
     try:
         validate_extension_args(args)
     except ValueError as exc:
@@ -347,13 +355,16 @@ def validate_args(args, check_data_paths=True):
                                                                   args.micro_batch_size)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1 (got {value})")
+    # srun with one task per rank: the world size is Slurm's task count (--ntasks)
+    named = (f"{world} (SLURM_NTASKS, srun's --ntasks)"
+             if getattr(args, "world_size_source", None) == "SLURM_NTASKS" else f"{world}")
     if world % (tp * pp * cp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"world size {named} is not divisible by --tensor-model-parallel-size ({tp}) x "
             f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
     if world % (etp * ep * pp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by --expert-tensor-parallel-size ({etp}) x "
+            f"world size {named} is not divisible by --expert-tensor-parallel-size ({etp}) x "
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
     args.data_parallel_size = world // (tp * pp * cp)
     if args.global_batch_size is None:

@@ -10,16 +10,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_moe import launcher as _launcher
+
 
 def launcher_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's variables, else Slurm's, else a single process."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                int(os.environ.get("LOCAL_RANK", "0")))
-    if "SLURM_PROCID" in os.environ:  # srun without torchrun
-        return (int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
-                int(os.environ.get("SLURM_LOCALID", "0")))
-    return 0, 1, 0
+    """(rank, world_size, local_rank) from torchrun's variables, else Slurm's, else a single process
+    (megatron_moe/launcher.py: the parser reads the same)."""
+    env = _launcher.launcher_env()
+    return env.rank, env.world_size, env.local_rank
 
 
 def initialize_distributed(args):
@@ -30,8 +28,7 @@ def initialize_distributed(args):
     if not dist.is_initialized():
         if args.distributed_backend == "nccl":
             torch.cuda.set_device(local_rank)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "6000")
+        _launcher.set_rendezvous_env()   # srun alone: first host of the job, port from its id
         dist.init_process_group(
             backend=args.distributed_backend, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))

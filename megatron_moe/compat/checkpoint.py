@@ -13,7 +13,8 @@ The writer (issue 13, megatron_moe/checkpointing.py):
   ``multiprocessing.get_context("spawn").Manager()``: a fresh interpreter that re-imports the
   launch script (torch, megatron-core) before the first shard is written. That one-time start
   was most of the first save's cost (2-15 s against 0.3-0.5 s for later saves). It is started
-  at setup instead, with ``__main__``'s file hidden so the child imports nothing heavy.
+  at setup instead, with ``__main__``'s file hidden so the child imports nothing heavy, and with
+  its server shielded from the scheduler's step-wide SIGTERM (issue 26, docs/checkpoints.md).
 * ``async_save_kwargs`` / ``quiet_mcore_async_notice``: 0.19's async strategy argument.
 * ``install_test_write_delay``: tests only (``MEGATRON_MOE_TEST_SAVE_DELAY``): the writer sleeps
   before writing every shard file except rank 0's first, so a kill can land while some shards
@@ -63,10 +64,11 @@ def prestart_writer():
     unless ``__main__`` names no file or module; the Manager's server needs none of it. With the
     name hidden for that one start it takes ~0.1 s instead of 6.4 s (measured, same machine)."""
     module = _filesystem_async()
-    # 0.16: _get_write_results_queue(); 0.19: get_write_results_queue(mp_mode="spawn")
+    # 0.16: _get_write_results_queue(); 0.19: get_write_results_queue(mp_mode="spawn"); both
+    # return the module's cached _results_queue, which is set here first
     create = (getattr(module, "get_write_results_queue", None)
               or getattr(module, "_get_write_results_queue", None)) if module is not None else None
-    if create is None or getattr(module, "_results_queue", None) is not None:
+    if create is None or getattr(module, "_results_queue", "absent") is not None:
         return
     main = sys.modules.get("__main__")
     saved = {}
@@ -78,7 +80,7 @@ def prestart_writer():
         if "__spec__" in saved:
             main.__spec__ = None
     try:
-        queue = create()
+        queue = _start_results_queue(module)
     finally:
         if main is not None:
             main.__dict__.update(saved)
@@ -102,6 +104,22 @@ def prestart_writer():
 
 
 _warmup_thread = None
+
+
+def _start_results_queue(module):
+    """What megatron-core's ``get_write_results_queue`` does (``ctx.Manager().Queue()``, spawn
+    context, cached in the module), with the Manager's server shielded: it ignores the step-wide
+    SIGTERM a preemption sends to every process, which killed it before the save that signal
+    asked for, and dies with this rank (megatron_moe/helper_processes.py)."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron_moe.helper_processes import shield
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=shield, initargs=(os.getpid(),))
+    module._results_queue = manager.Queue()   # the proxy keeps the manager (and its server) alive
+    return module._results_queue
 
 
 def wait_writer_ready():
@@ -148,9 +166,10 @@ def install_test_write_delay(seconds: float) -> bool:
     if writer is None or getattr(writer, "_test_delay_installed", False):
         return False
     original = writer.write_preloaded_data  # staticmethod, looked up on the class per save
+    from megatron_moe.launcher import launcher_env   # torchrun's RANK or srun's SLURM_PROCID
 
     def delayed(*args, **kwargs):
-        first = kwargs.get("local_proc_idx", 0) == 0 and os.environ.get("RANK", "0") == "0"
+        first = kwargs.get("local_proc_idx", 0) == 0 and launcher_env().rank == 0
         if not first:
             time.sleep(seconds)
         return original(*args, **kwargs)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_moe.helper_processes import shield_data_worker
+
 
 class PretrainingSampler:
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
@@ -46,5 +48,8 @@ def build_data_iterator(dataset, consumed_samples, micro_batch_size, dp_rank, dp
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          generator=torch.Generator().manual_seed(0),
                                          pin_memory=torch.cuda.is_available(),
-                                         persistent_workers=num_workers > 0)
+                                         persistent_workers=num_workers > 0,
+                                         # workers outlast a scheduler's step-wide SIGTERM
+                                         # until the rank stops (helper_processes.py)
+                                         worker_init_fn=shield_data_worker if num_workers else None)
     return iter(loader)

@@ -1,0 +1,259 @@
+"""Preemption under a real Slurm (issue 26): scancel, a time limit, requeue, SIGKILL mid-save.
+
+A one-node Slurm 22.05 (tests/_slurm.py) runs examples/train_gpt_moe_slurm_cpu.sbatch, the CPU
+copy of examples/train_gpt_moe_slurm.sbatch, in both launch forms at once:
+
+* ``torchrun``: srun starts one torchrun per node, torchrun the 2 ranks (c10d rendezvous);
+* ``srun``: srun starts the 2 ranks itself (``--ntasks-per-node=2``; the parser and
+  initialize.py take the world size and ranks from SLURM_NTASKS / SLURM_PROCID).
+
+Each form runs one chain of jobs on its own ``--save`` = ``--load`` directory, signalled the way
+Slurm signals a job (every process of the step, helpers included):
+
+1. a ``--requeue`` job with ``--time=2`` and the script's ``#SBATCH --signal=TERM@60``:
+   ``scontrol requeue`` at iteration >= 3 (SIGTERM to all, KillWait, requeue): the ranks save,
+   the job restarts on its own, resumes, and the time limit's lead signal stops it again: it saves
+   and ends COMPLETED with exit 0;
+2. a resubmitted job: ``scancel`` (SIGTERM to all): it saves the iteration every rank stopped at;
+3. a resubmitted job whose save is slowed past KillWait (MEGATRON_MOE_TEST_SAVE_DELAY): ``scancel``,
+   SIGKILL lands mid-save: the tracker keeps naming the previous checkpoint;
+4. a resubmitted job resumes from it and stops at ``--exit-interval``.
+
+Every iteration any job logged (lm loss, grad norm) equals an uninterrupted run's (a reference
+job, same script), so each resume continued exactly. No job output holds a traceback, and no
+process of a job (helpers: the writer's results-queue Manager, DataLoader workers with
+``--num-workers 1``, the ``--async-save`` writer of the srun form) outlives it. A job with 3 tasks,
+which EP=2 does not divide, fails at parse time on every rank with one line naming SLURM_NTASKS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests._slurm import SlurmCluster, SlurmUnavailable, _missing, job_pids, process_line
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_gpt_moe_slurm_cpu.sbatch")
+KILL_WAIT = 10          # s between a job's SIGTERM and SIGKILL (a CPU save takes 0.2-1.5 s here)
+SLOW_SAVE_S = 40        # MEGATRON_MOE_TEST_SAVE_DELAY for the save that SIGKILL must cut
+COMMON = ["--num-workers", "1"]
+FORMS = {
+    "torchrun": dict(options=[], env={}, extra=[]),
+    "srun": dict(options=["--ntasks-per-node=2"], env={"LAUNCHER": "srun"},
+                 extra=["--async-save"]),
+}
+JOB_TIMEOUT_S = 240     # bound of every wait on one job
+
+ITER_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?\| grad norm: (\S+) \|")
+START_RE = re.compile(r"> training from iteration (\d+) to")
+STOP_RE = re.compile(r"exiting program after receiving SIGTERM \(iteration (\d+)\)")
+SAVED_RE = re.compile(r"(?:saved checkpoint|scheduled async save) at iteration\s+(\d+)")
+
+
+def _tracker(ckpt):
+    path = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
+    return int(open(path).read()) if os.path.exists(path) else None
+
+
+def segments(output: str) -> list:
+    """One dict per run (start) in a job's output: start, {iteration: (loss, grad norm)}, stop,
+    saved."""
+    out = []
+    parts = START_RE.split(output)
+    for i in range(1, len(parts), 2):
+        text = parts[i + 1]
+        stop = STOP_RE.search(text)
+        out.append(dict(start=int(parts[i]),
+                        iters={int(m[0]): (m[1], m[2]) for m in ITER_RE.findall(text)},
+                        stop=int(stop.group(1)) if stop else None,
+                        saved=[int(v) for v in SAVED_RE.findall(text)]))
+    return out
+
+
+class Chain:
+    """One launch form's jobs on one checkpoint directory."""
+
+    def __init__(self, cluster, form, root):
+        self.cluster, self.form = cluster, form
+        self.ckpt = os.path.join(root, f"ckpt-{form}")
+        self.facts = {}
+
+    def submit(self, options=(), env=None, extra=()):
+        spec = FORMS[self.form]
+        job_env = dict(PYTHON=sys.executable, PYTHONPATH=ROOT, **spec["env"], **(env or {}))
+        return self.cluster.sbatch(SCRIPT, self.ckpt, *COMMON, *spec["extra"], *extra,
+                                   options=[*spec["options"], *options], env=job_env, cwd=ROOT)
+
+    def wait_iteration(self, job, at_least, run=1):
+        """Until the job's ``run``-th start has logged iteration >= at_least."""
+        def reached(_, output):
+            segs = segments(output)
+            return len(segs) >= run and max(segs[run - 1]["iters"], default=-1) >= at_least
+        self.cluster.wait_job(job, reached, JOB_TIMEOUT_S, f"run {run} at iteration {at_least}")
+
+    def wait_gone(self, job):
+        """The job ended and none of its processes is left (helpers included)."""
+        fields = self.cluster.wait_done(job, JOB_TIMEOUT_S)
+        deadline = time.monotonic() + KILL_WAIT + 30
+        while job_pids(job) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        left = {pid: process_line(pid) for pid in job_pids(job)}
+        self.facts.setdefault("leftover", {})[job] = left
+        return fields
+
+    def run(self):
+        c, f = self.cluster, self.facts
+        # 1. requeue, then the time limit's lead signal
+        j = self.submit(options=["--time=2"])
+        self.wait_iteration(j, 3)
+        c.run("scontrol", "requeue", str(j))
+        c.wait_job(j, lambda fields, out: len(segments(out)) >= 2 and fields.get("JobState") in
+                   ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), JOB_TIMEOUT_S,
+                   "the requeued run to end")
+        f["requeue"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
+                            tracker=_tracker(self.ckpt))
+        # 2. scancel
+        j = self.submit()
+        self.wait_iteration(j, f["requeue"]["tracker"] + 2)
+        c.run("scancel", str(j))
+        f["scancel"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
+                            tracker=_tracker(self.ckpt))
+        # 3. scancel with a save slower than KillWait: SIGKILL mid-save
+        j = self.submit(env={"MEGATRON_MOE_TEST_SAVE_DELAY": str(SLOW_SAVE_S)})
+        self.wait_iteration(j, f["scancel"]["tracker"] + 2)
+        c.run("scancel", str(j))
+        f["killed"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
+                           tracker=_tracker(self.ckpt), listing=sorted(os.listdir(self.ckpt)))
+        # 4. resume from the tracker's checkpoint and stop at --exit-interval
+        last = f["killed"]["tracker"]
+        j = self.submit(extra=["--exit-interval", str(last + 3)])
+        f["resume"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
+                           tracker=_tracker(self.ckpt))
+        return f
+
+
+@pytest.fixture(scope="module")
+def slurm_runs(tmp_path_factory):
+    if os.geteuid() != 0:
+        missing = _missing()
+        pytest.skip("a Slurm of its own needs root (slurmctld/slurmd as root"
+                    + (f"; not installed: {', '.join(missing)}" if missing else "") + ")")
+    root = str(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster = SlurmCluster.start(root, kill_wait=KILL_WAIT, cred_expire=10)
+    except SlurmUnavailable as exc:   # CI's machine has apt: a missing Slurm is a failure
+        pytest.fail(f"cannot run a Slurm here: {exc}")
+    try:
+        chains = {form: Chain(cluster, form, root) for form in FORMS}
+        # the bad-input job and the reference run beside the chains
+        bad = cluster.sbatch(SCRIPT, os.path.join(root, "ckpt-bad"), *COMMON,
+                             options=["--ntasks-per-node=3"], cwd=ROOT,
+                             env=dict(PYTHON=sys.executable, PYTHONPATH=ROOT, LAUNCHER="srun"))
+        ref_chain = Chain(cluster, "srun", root)
+        ref_chain.ckpt = os.path.join(root, "ckpt-reference")
+        ref = ref_chain.submit()
+        with ThreadPoolExecutor(len(chains)) as pool:
+            futures = {form: pool.submit(chain.run) for form, chain in chains.items()}
+            facts = {form: fut.result() for form, fut in futures.items()}
+        needed = max(max(seg["iters"]) for fs in facts.values() for key in fs if key != "leftover"
+                     for seg in segments(fs[key]["output"]) if seg["iters"])
+        ref_chain.wait_iteration(ref, needed)
+        cluster.run("scancel", str(ref))
+        ref_out = cluster.output(ref)
+        bad_fields = ref_chain.wait_gone(bad)
+        yield dict(facts=facts, reference=segments(ref_out)[0]["iters"],
+                   bad=dict(fields=bad_fields, output=cluster.output(bad)), cluster=cluster)
+    finally:
+        cluster.stop()
+
+
+def _no_traceback(output):
+    assert "Traceback" not in output and "Exited with exit code" not in output, output[-4000:]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_requeue_resumes_and_time_limit_lead_signal_saves(slurm_runs, form):
+    r = slurm_runs["facts"][form]["requeue"]
+    runs = segments(r["output"])
+    assert len(runs) == 2 and r["fields"]["Restarts"] == "1", r["output"][-4000:]
+    first, second = runs
+    # scontrol requeue: every rank stopped after the same iteration and saved it
+    assert first["stop"] is not None and first["saved"] == [first["stop"]], r["output"][-4000:]
+    # the requeued run started on its own from that checkpoint ...
+    assert second["start"] == first["stop"] and min(second["iters"]) == first["stop"] + 1
+    # ... and the time limit's lead signal (#SBATCH --signal=TERM@60) stopped it with a save,
+    # before the limit: the job COMPLETED with exit 0
+    assert second["stop"] is not None and second["saved"] == [second["stop"]]
+    assert (r["fields"]["JobState"], r["fields"]["ExitCode"]) == ("COMPLETED", "0:0"), r["fields"]
+    assert r["tracker"] == second["stop"]
+    _no_traceback(r["output"])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_scancel_saves_the_iteration_every_rank_stopped_at(slurm_runs, form):
+    facts = slurm_runs["facts"][form]
+    r = facts["scancel"]
+    (run,) = segments(r["output"])
+    assert run["start"] == facts["requeue"]["tracker"]
+    assert run["stop"] is not None and run["saved"] == [run["stop"]], r["output"][-4000:]
+    assert r["tracker"] == run["stop"]
+    _no_traceback(r["output"])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(slurm_runs, form):
+    facts = slurm_runs["facts"][form]
+    r = facts["killed"]
+    (run,) = segments(r["output"])
+    assert run["start"] == facts["scancel"]["tracker"]
+    # the signal's save started (its .tmp is there) and SIGKILL cut it: no "saved" line (an
+    # --async-save logs when it is scheduled, before the writes)
+    assert run["stop"] is not None, r["output"][-4000:]
+    assert run["saved"] == ([run["stop"]] if "--async-save" in FORMS[form]["extra"] else [])
+    assert f"iter_{run['stop']:07d}.tmp" in r["listing"], r["listing"]
+    assert f"iter_{run['stop']:07d}" not in r["listing"], r["listing"]
+    assert r["tracker"] == facts["scancel"]["tracker"]
+    # ... and the next job loads the tracker's checkpoint
+    resumed = facts["resume"]
+    (run4,) = segments(resumed["output"])
+    assert run4["start"] == r["tracker"] and max(run4["iters"]) == r["tracker"] + 3
+    assert resumed["tracker"] == r["tracker"] + 3
+    assert (resumed["fields"]["JobState"], resumed["fields"]["ExitCode"]) == ("COMPLETED", "0:0")
+    _no_traceback(resumed["output"])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_logged_iteration_equals_the_uninterrupted_run(slurm_runs, form):
+    reference = slurm_runs["reference"]
+    facts = slurm_runs["facts"][form]
+    compared = 0
+    for key in ("requeue", "scancel", "killed", "resume"):
+        for run in segments(facts[key]["output"]):
+            for it, values in run["iters"].items():
+                assert values == reference[it], (key, it, values, reference[it])
+                compared += 1
+    # the chain covered iteration 1 to its end, with each resume's first iterations in it
+    assert compared >= max(segments(facts["resume"]["output"])[0]["iters"])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_no_process_outlives_its_job(slurm_runs, form):
+    leftover = slurm_runs["facts"][form]["leftover"]
+    assert len(leftover) == 4 and not any(leftover.values()), leftover
+
+
+def test_ntasks_not_divisible_fails_at_parse_time_on_every_rank(slurm_runs):
+    bad = slurm_runs["bad"]
+    errors = [line for line in bad["output"].splitlines() if "error:" in line
+              and "pretrain_gpt_moe.py" in line]
+    expected = ("world size 3 (SLURM_NTASKS, srun's --ntasks) is not divisible by "
+                "--expert-tensor-parallel-size (1) x --expert-model-parallel-size (2)")
+    assert len(errors) == 3 and all(expected in line for line in errors), bad["output"][-3000:]
+    assert "Traceback" not in bad["output"]
+    assert bad["fields"]["JobState"] == "FAILED"
