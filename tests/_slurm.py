@@ -8,9 +8,10 @@ stops them. Clients (sbatch, squeue, scontrol, scancel) get ``SLURM_CONF`` from 
 Choices, each for a reason this machine shows:
 * ``ProctrackType=proctrack/linuxproc``: Slurm tracks a step's processes through the process
   tree. The usual ``proctrack/cgroup`` (the configurator's default; Debian ships no slurm.conf)
-  needs a writable cgroup hierarchy that a container does not give, and ``proctrack/pgid`` loses
-  torchrun's workers (torch elastic starts each in its own session). Signals still reach every
-  process of the step, the way they do on a cluster.
+  starts here, but a scancel'ed step's tasks never ran their SIGTERM handlers (gVisor, cgroup v1:
+  a task that traps SIGTERM printed nothing and ended at once); with linuxproc the task and a
+  child in its own session got SIGTERM and ran on, as on a cluster. ``proctrack/pgid`` would lose
+  torchrun's workers (torch elastic starts each in its own session).
 * ``TaskPlugin=task/none``: no cgroup/affinity confinement (same reason).
 * ``SlurmdParameters=config_overrides`` with more CPUs than the machine has, so a 2-4 task job fits
   on a 2-core CI machine (the tests are CPU-light; oversubscription only slows them).
@@ -115,7 +116,7 @@ class SlurmCluster:
         with open(self.conf, "w") as f:
             f.write(f"""\
 ClusterName=megatronmoe
-SlurmctldHost={self.host}
+SlurmctldHost={self.host}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root

@@ -10,7 +10,7 @@ copy of examples/train_gpt_moe_slurm.sbatch, in both launch forms at once:
 Each form runs one chain of jobs on its own ``--save`` = ``--load`` directory, signalled the way
 Slurm signals a job (every process of the step, helpers included):
 
-1. a ``--requeue`` job with ``--time=2`` and the script's ``#SBATCH --signal=TERM@60``:
+1. a ``--requeue`` job with ``--time=3`` and the script's ``#SBATCH --signal=TERM@60``:
    ``scontrol requeue`` at iteration >= 3 (SIGTERM to all, KillWait, requeue): the ranks save,
    the job restarts on its own, resumes, and the time limit's lead signal stops it again: it saves
    and ends COMPLETED with exit 0;
@@ -40,15 +40,18 @@ from tests._slurm import SlurmCluster, SlurmUnavailable, _missing, job_pids, pro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_moe_slurm_cpu.sbatch")
-KILL_WAIT = 10          # s between a job's SIGTERM and SIGKILL (a CPU save takes 0.2-1.5 s here)
-SLOW_SAVE_S = 40        # MEGATRON_MOE_TEST_SAVE_DELAY for the save that SIGKILL must cut
+KILL_WAIT = 20          # s between a job's SIGTERM and SIGKILL: a CPU save and exit take 1-8 s
+TIME_LIMIT_MIN = 3      # --time of the time-limit job: the script's lead (60 s, plus up to 30 s of
+                        # slurmctld's check period) must land after start-up (10-60 s here)
+SLOW_SAVE_S = 60        # MEGATRON_MOE_TEST_SAVE_DELAY for the save that SIGKILL must cut
 COMMON = ["--num-workers", "1"]
 FORMS = {
     "torchrun": dict(options=[], env={}, extra=[]),
-    "srun": dict(options=["--ntasks-per-node=2"], env={"LAUNCHER": "srun"},
+    "srun": dict(options=["--ntasks-per-node=2", "--cpus-per-task=1"], env={"LAUNCHER": "srun"},
                  extra=["--async-save"]),
 }
-JOB_TIMEOUT_S = 240     # bound of every wait on one job
+JOB_TIMEOUT_S = 300     # bound of every wait on one job
+REF_MARGIN = 60         # reference iterations past the time-limit stops (later jobs add 2-10 each)
 
 ITER_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?\| grad norm: (\S+) \|")
 START_RE = re.compile(r"> training from iteration (\d+) to")
@@ -107,10 +110,9 @@ class Chain:
         self.facts.setdefault("leftover", {})[job] = left
         return fields
 
-    def run(self):
+    def requeue_then_time_limit(self):
         c, f = self.cluster, self.facts
-        # 1. requeue, then the time limit's lead signal
-        j = self.submit(options=["--time=2"])
+        j = self.submit(options=[f"--time={TIME_LIMIT_MIN}"])
         self.wait_iteration(j, 3)
         c.run("scontrol", "requeue", str(j))
         c.wait_job(j, lambda fields, out: len(segments(out)) >= 2 and fields.get("JobState") in
@@ -118,24 +120,32 @@ class Chain:
                    "the requeued run to end")
         f["requeue"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
                             tracker=_tracker(self.ckpt))
-        # 2. scancel
+
+    def scancels_then_resume(self):
+        c, f = self.cluster, self.facts
+        # scancel
         j = self.submit()
         self.wait_iteration(j, f["requeue"]["tracker"] + 2)
         c.run("scancel", str(j))
         f["scancel"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
                             tracker=_tracker(self.ckpt))
-        # 3. scancel with a save slower than KillWait: SIGKILL mid-save
+        # scancel with a save slower than KillWait: SIGKILL mid-save
         j = self.submit(env={"MEGATRON_MOE_TEST_SAVE_DELAY": str(SLOW_SAVE_S)})
         self.wait_iteration(j, f["scancel"]["tracker"] + 2)
         c.run("scancel", str(j))
         f["killed"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
                            tracker=_tracker(self.ckpt), listing=sorted(os.listdir(self.ckpt)))
-        # 4. resume from the tracker's checkpoint and stop at --exit-interval
+        # resume from the tracker's checkpoint and stop at --exit-interval
         last = f["killed"]["tracker"]
         j = self.submit(extra=["--exit-interval", str(last + 3)])
         f["resume"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
                            tracker=_tracker(self.ckpt))
-        return f
+
+
+def _in_parallel(calls):
+    with ThreadPoolExecutor(len(calls)) as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
 
 
 @pytest.fixture(scope="module")
@@ -146,29 +156,26 @@ def slurm_runs(tmp_path_factory):
                     + (f"; not installed: {', '.join(missing)}" if missing else "") + ")")
     root = str(tmp_path_factory.mktemp("slurm"))
     try:
-        cluster = SlurmCluster.start(root, kill_wait=KILL_WAIT, cred_expire=10)
+        cluster = SlurmCluster.start(root, kill_wait=KILL_WAIT, cred_expire=10, cpus=16)
     except SlurmUnavailable as exc:   # CI's machine has apt: a missing Slurm is a failure
         pytest.fail(f"cannot run a Slurm here: {exc}")
     try:
         chains = {form: Chain(cluster, form, root) for form in FORMS}
-        # the bad-input job and the reference run beside the chains
-        bad = cluster.sbatch(SCRIPT, os.path.join(root, "ckpt-bad"), *COMMON,
-                             options=["--ntasks-per-node=3"], cwd=ROOT,
-                             env=dict(PYTHON=sys.executable, PYTHONPATH=ROOT, LAUNCHER="srun"))
-        ref_chain = Chain(cluster, "srun", root)
-        ref_chain.ckpt = os.path.join(root, "ckpt-reference")
-        ref = ref_chain.submit()
-        with ThreadPoolExecutor(len(chains)) as pool:
-            futures = {form: pool.submit(chain.run) for form, chain in chains.items()}
-            facts = {form: fut.result() for form, fut in futures.items()}
-        needed = max(max(seg["iters"]) for fs in facts.values() for key in fs if key != "leftover"
-                     for seg in segments(fs[key]["output"]) if seg["iters"])
-        ref_chain.wait_iteration(ref, needed)
-        cluster.run("scancel", str(ref))
-        ref_out = cluster.output(ref)
-        bad_fields = ref_chain.wait_gone(bad)
-        yield dict(facts=facts, reference=segments(ref_out)[0]["iters"],
-                   bad=dict(fields=bad_fields, output=cluster.output(bad)), cluster=cluster)
+        bad = Chain(cluster, "srun", root)   # 3 tasks: EP=2 does not divide them
+        bad.ckpt = os.path.join(root, "ckpt-bad")
+        bad_job = bad.submit(options=["--ntasks-per-node=3"])
+        _in_parallel([chain.requeue_then_time_limit for chain in chains.values()])
+        # the uninterrupted reference, beside the rest of the chains: the time-limit runs were
+        # the long ones, the rest adds a few iterations each
+        ref = Chain(cluster, "srun", root)
+        ref.ckpt = os.path.join(root, "ckpt-reference")
+        ref_end = max(ch.facts["requeue"]["tracker"] or 0 for ch in chains.values()) + REF_MARGIN
+        ref_job = ref.submit(extra=["--exit-interval", str(ref_end)])
+        _in_parallel([chain.scancels_then_resume for chain in chains.values()])
+        ref.wait_gone(ref_job)
+        yield dict(facts={form: chain.facts for form, chain in chains.items()},
+                   reference=segments(cluster.output(ref_job))[0]["iters"],
+                   bad=dict(fields=bad.wait_gone(bad_job), output=cluster.output(bad_job)))
     finally:
         cluster.stop()
 
@@ -189,35 +196,40 @@ def test_requeue_resumes_and_time_limit_lead_signal_saves(slurm_runs, form):
     assert second["start"] == first["stop"] and min(second["iters"]) == first["stop"] + 1
     # ... and the time limit's lead signal (#SBATCH --signal=TERM@60) stopped it with a save,
     # before the limit: the job COMPLETED with exit 0
-    assert second["stop"] is not None and second["saved"] == [second["stop"]]
+    assert second["stop"] is not None and second["saved"][-1] == second["stop"]
     assert (r["fields"]["JobState"], r["fields"]["ExitCode"]) == ("COMPLETED", "0:0"), r["fields"]
     assert r["tracker"] == second["stop"]
     _no_traceback(r["output"])
 
 
+def _resumed_job(slurm_runs, form, key, after):
+    """The form's facts, job ``key``'s facts and its one run, which started from ``after``'s
+    checkpoint."""
+    facts = slurm_runs["facts"][form]
+    (run,) = segments(facts[key]["output"])
+    assert run["start"] == facts[after]["tracker"], facts[key]["output"][-4000:]
+    return facts, facts[key], run
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_scancel_saves_the_iteration_every_rank_stopped_at(slurm_runs, form):
-    facts = slurm_runs["facts"][form]
-    r = facts["scancel"]
-    (run,) = segments(r["output"])
-    assert run["start"] == facts["requeue"]["tracker"]
-    assert run["stop"] is not None and run["saved"] == [run["stop"]], r["output"][-4000:]
+    facts, r, run = _resumed_job(slurm_runs, form, "scancel", after="requeue")
+    assert run["stop"] is not None and run["saved"][-1:] == [run["stop"]], r["output"][-4000:]
     assert r["tracker"] == run["stop"]
     _no_traceback(r["output"])
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(slurm_runs, form):
-    facts = slurm_runs["facts"][form]
-    r = facts["killed"]
-    (run,) = segments(r["output"])
-    assert run["start"] == facts["scancel"]["tracker"]
-    # the signal's save started (its .tmp is there) and SIGKILL cut it: no "saved" line (an
-    # --async-save logs when it is scheduled, before the writes)
-    assert run["stop"] is not None, r["output"][-4000:]
-    assert run["saved"] == ([run["stop"]] if "--async-save" in FORMS[form]["extra"] else [])
-    assert f"iter_{run['stop']:07d}.tmp" in r["listing"], r["listing"]
-    assert f"iter_{run['stop']:07d}" not in r["listing"], r["listing"]
+    facts, r, run = _resumed_job(slurm_runs, form, "killed", after="scancel")
+    # the ranks stopped after their last logged iteration, and its save started (its .tmp is
+    # there); SIGKILL cut it: no "saved" line (an --async-save logs when it is scheduled, before
+    # the writes, and the rank then waits for them in the line that logs "exiting")
+    stop = max(run["iters"])
+    assert f"iter_{stop:07d}.tmp" in r["listing"], (r["listing"], r["output"][-4000:])
+    assert f"iter_{stop:07d}" not in r["listing"], r["listing"]
+    assert (stop in run["saved"]) == ("--async-save" in FORMS[form]["extra"])
+    assert run["stop"] in (None, stop)
     assert r["tracker"] == facts["scancel"]["tracker"]
     # ... and the next job loads the tracker's checkpoint
     resumed = facts["resume"]
@@ -236,6 +248,7 @@ def test_every_logged_iteration_equals_the_uninterrupted_run(slurm_runs, form):
     for key in ("requeue", "scancel", "killed", "resume"):
         for run in segments(facts[key]["output"]):
             for it, values in run["iters"].items():
+                assert it in reference, f"the reference stopped at {max(reference)} < {it}"
                 assert values == reference[it], (key, it, values, reference[it])
                 compared += 1
     # the chain covered iteration 1 to its end, with each resume's first iterations in it
