@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import random
 
 import numpy as np

@@ -40,7 +40,8 @@ from tests._slurm import SlurmCluster, SlurmUnavailable, _missing, job_pids, pro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_moe_slurm_cpu.sbatch")
-KILL_WAIT = 20          # s between a job's SIGTERM and SIGKILL: a CPU save and exit take 1-8 s
+KILL_WAIT = 30          # s from a job's SIGTERM to its SIGKILL (Slurm's default); a CPU save and exit
+                        # take 1-20 s on a loaded 2-core machine
 TIME_LIMIT_MIN = 3      # --time of the time-limit job: the script's lead (60 s, plus up to 30 s of
                         # slurmctld's check period) must land after start-up (10-60 s here)
 SLOW_SAVE_S = 60        # MEGATRON_MOE_TEST_SAVE_DELAY for the save that SIGKILL must cut
