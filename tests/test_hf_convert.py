@@ -43,6 +43,16 @@ def make_hf(kind, path, dtype=torch.float32):
                                          num_local_experts=4, num_experts_per_tok=2,
                                          rope_theta=10000.0, **common)
         model = transformers.MixtralForCausalLM(cfg)
+    elif kind == "qwen3_moe":  # q_norm/k_norm, head_dim 24 != 64 / 4, a dense middle layer
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=80, moe_intermediate_size=32,
+                                          num_hidden_layers=3, head_dim=24, num_experts=4,
+                                          num_experts_per_tok=2, mlp_only_layers=[1],
+                                          norm_topk_prob=True, rope_theta=10000.0, **common)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():  # not all ones, so that a q/k norm mix-up shows
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
     elif kind == "mistral":  # dense, to upcycle
         cfg = transformers.MistralConfig(intermediate_size=96, num_hidden_layers=2,
                                          sliding_window=None, **common)
@@ -114,7 +124,8 @@ def converted(tmp_path_factory):
     out = {}
     runs = []
     for kind, target in (("mixtral", "--target-expert-parallel-size 2"),
-                         ("qwen2_moe", "--target-tensor-parallel-size 2")):
+                         ("qwen2_moe", "--target-tensor-parallel-size 2"),
+                         ("qwen3_moe", "--target-expert-parallel-size 2")):
         d = {name: str(root / f"{kind}_{name}") for name in ("hf", "meg", "back")}
         make_hf(kind, d["hf"])
         runs += [["--loader", "hf", "--saver", "megatron", "--load-dir", d["hf"],
@@ -148,16 +159,18 @@ def converted(tmp_path_factory):
               TRAIN + ["--train-iters", "2", "--load", t["back"]],
               TRAIN + ["--train-iters", "2", "--load", t["back"], "--expert-model-parallel-size",
                        "1", "--pipeline-model-parallel-size", "2"]]
-    jobs = [(out[k]["hf"], out[k]["meg"], LAYOUTS, TOKENS) for k in ("mixtral", "qwen2_moe")]
+    jobs = [(out[k]["hf"], out[k]["meg"], LAYOUTS, TOKENS)
+            for k in ("mixtral", "qwen2_moe", "qwen3_moe")]
     jobs.append((t["hf"], t["meg"], ["--expert-model-parallel-size 2"], TOKENS))
     jobs.append((u["hf"], u["meg"], ["--expert-model-parallel-size 2"], TOKENS))
     histories, logits = run_distributed(pipeline_rank, 2, resume, jobs, timeout_s=500)[0]
-    out["mixtral"]["logits"], out["qwen2_moe"]["logits"], t["logits"], u["logits"] = logits
+    (out["mixtral"]["logits"], out["qwen2_moe"]["logits"], out["qwen3_moe"]["logits"],
+     t["logits"], u["logits"]) = logits
     t["finetuned"], t["resumed"], t["resumed_pp2"] = histories
     return out
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "mixtral_bf16"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "mixtral_bf16"])
 def test_roundtrip_bit_exact(converted, kind):
     d = converted[kind]
     original, back = hf_state(d["hf"]), hf_state(d["back"])
@@ -183,7 +196,7 @@ def test_roundtrip_bit_exact(converted, kind):
     assert open(os.path.join(d["meg"], "latest_checkpointed_iteration.txt")).read() == "0"
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_logits_match_transformers(converted, kind):
     d = converted[kind]
     reference = hf_logits(d["hf"])
@@ -198,6 +211,9 @@ def test_logits_match_transformers(converted, kind):
     assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
     if kind == "qwen2_moe":
         mutated = hf_logits(d["hf"], norm_topk_prob=True)
+        assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
+    if kind == "qwen3_moe":
+        mutated = hf_logits(d["hf"], norm_topk_prob=False)
         assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
 
 
