@@ -732,7 +732,7 @@ def load_tiktoken_ranks(path: str, max_vocab: int) -> "dict[bytes, int]":
     return ranks
 
 
-class TikTokenizer(_Tokenizer):
+class TikTokenizer(_DictVocabTokenizer):
     """Megatron's TikTokenizer on the ``tiktoken`` library, with the default tokenizer system's
     conventions (Megatron-LM 0.16, ``megatron.core.tokenizers`` TikTokenTokenizer):
 
@@ -792,12 +792,13 @@ class TikTokenizer(_Tokenizer):
                                  f"({inner})")
         shifted = {t: r + num_special_tokens for t, r in ranks.items()}
         self._special = {t: i for i, t in enumerate(special)}
-        self._size = vocab_size
+        self._eod = self._special["</s>"]
         self._model = tiktoken.Encoding(name=os.path.basename(os.path.dirname(
             os.path.abspath(path))), pat_str=TIKTOKEN_PATTERNS[pattern],
             mergeable_ranks=shifted, special_tokens=self._special)
+        # str keys for the specials, bytes for the BPE tokens: vocab_size entries, ids 0..N-1
         self._vocab = dict(shifted)
-        self._vocab.update(self._special)  # str keys for specials, bytes for the BPE tokens
+        self._vocab.update(self._special)
         self._inv = {i: t for t, i in self._vocab.items()}
 
     def __getstate__(self):  # tiktoken's Rust core is rebuilt from the file
@@ -806,19 +807,7 @@ class TikTokenizer(_Tokenizer):
     def __setstate__(self, state):
         self.__init__(*state["args"])
 
-    @property
-    def vocab_size(self) -> int:
-        return self._size
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv
-
-    encoder, decoder = vocab, inv_vocab
+    encoder, decoder = _DictVocabTokenizer.vocab, _DictVocabTokenizer.inv_vocab
 
     def tokenize(self, text: str) -> List[int]:
         return self._model.encode(text, allowed_special="all")
@@ -844,7 +833,6 @@ class TikTokenizer(_Tokenizer):
     def _id(self, name):
         return self._special[name]
 
-    eod = property(lambda self: self._id("</s>"))
     eos = property(lambda self: self._id("</s>"))
     bos = property(lambda self: self._id("<s>"))
     pad = property(lambda self: self._id("<pad>"))

@@ -284,11 +284,8 @@ class Qwen2Moe(Family):
             raise ConversionError("config.json: use_sliding_window=true is not supported")
         if cfg.get("qkv_bias") is False:
             raise ConversionError("config.json: qkv_bias=false (Qwen2-MoE has QKV biases)")
-        n = cfg["num_hidden_layers"]
-        step = cfg.get("decoder_sparse_step", 1)
-        only_mlp = set(cfg.get("mlp_only_layers") or [])
         experts = cfg["num_experts"]
-        moe = [experts > 0 and i not in only_mlp and (i + 1) % step == 0 for i in range(n)]
+        moe = self._moe_layers(cfg, experts)
         shared = cfg.get("shared_expert_intermediate_size") or None
         return Spec(**self._common(cfg), num_experts=experts, moe_layers=moe,
                     ffn=cfg["intermediate_size"], moe_ffn=cfg["moe_intermediate_size"],
@@ -304,15 +301,28 @@ class Qwen2Moe(Family):
             flags.append("--moe-router-pre-softmax")
         return flags
 
-    def config_from_args(self, args, spec, dtype):
-        cfg = super().config_from_args(args, spec, dtype)
+    @staticmethod
+    def _moe_layers(cfg, experts) -> list:
+        """Which layers are MoE: every decoder_sparse_step-th, except mlp_only_layers."""
+        step = cfg.get("decoder_sparse_step", 1)
+        only_mlp = set(cfg.get("mlp_only_layers") or [])
+        return [experts > 0 and i not in only_mlp and (i + 1) % step == 0
+                for i in range(cfg["num_hidden_layers"])]
+
+    def _qwen_config(self, args, spec, dtype) -> dict:
+        """The fields Qwen2-MoE and Qwen3-MoE configs share."""
+        cfg = Family.config_from_args(self, args, spec, dtype)
         n = spec.num_layers
         cfg.update(intermediate_size=spec.ffn, moe_intermediate_size=spec.moe_ffn,
-                   shared_expert_intermediate_size=spec.shared_ffn or 0,
                    num_experts=spec.num_experts, decoder_sparse_step=1,
                    mlp_only_layers=[i for i in range(n) if not spec.moe_layers[i]],
-                   norm_topk_prob=not args.moe_router_pre_softmax, qkv_bias=True,
+                   norm_topk_prob=not args.moe_router_pre_softmax,
                    use_sliding_window=False, sliding_window=None, max_window_layers=n)
+        return cfg
+
+    def config_from_args(self, args, spec, dtype):
+        cfg = self._qwen_config(args, spec, dtype)
+        cfg.update(shared_expert_intermediate_size=spec.shared_ffn or 0, qkv_bias=True)
         return cfg
 
     def check_args(self, args):
@@ -342,12 +352,9 @@ class Qwen3Moe(Qwen2Moe):
         if cfg.get("attention_bias"):
             raise ConversionError("config.json: attention_bias=true (o_proj has a bias there; "
                                   "megatron-core's --add-qkv-bias covers q/k/v only)")
-        n = cfg["num_hidden_layers"]
-        step = cfg.get("decoder_sparse_step", 1)
-        only_mlp = set(cfg.get("mlp_only_layers") or [])
         # Qwen's configs say num_experts; transformers >= 5 writes num_local_experts
         experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
-        moe = [experts > 0 and i not in only_mlp and (i + 1) % step == 0 for i in range(n)]
+        moe = self._moe_layers(cfg, experts)
         return Spec(**self._common(cfg), num_experts=experts, moe_layers=moe,
                     ffn=cfg["intermediate_size"], moe_ffn=cfg["moe_intermediate_size"],
                     qk_norm=True)
@@ -359,13 +366,8 @@ class Qwen3Moe(Qwen2Moe):
         return flags
 
     def config_from_args(self, args, spec, dtype):
-        cfg = Family.config_from_args(self, args, spec, dtype)
-        n = spec.num_layers
-        cfg.update(intermediate_size=spec.ffn, moe_intermediate_size=spec.moe_ffn,
-                   num_experts=spec.num_experts, decoder_sparse_step=1,
-                   mlp_only_layers=[i for i in range(n) if not spec.moe_layers[i]],
-                   norm_topk_prob=not args.moe_router_pre_softmax, attention_bias=False,
-                   use_sliding_window=False, sliding_window=None, max_window_layers=n)
+        cfg = self._qwen_config(args, spec, dtype)
+        cfg["attention_bias"] = False
         return cfg
 
     def check_args(self, args):

@@ -101,6 +101,8 @@ def _from_template(path, generated):
             have = _rope_theta(template, value)
         elif key == "head_dim":
             have = template.get("head_dim") or template["hidden_size"] // template["num_attention_heads"]
+        elif key == "num_experts" and key not in template:  # transformers >= 5 (Qwen3-MoE)
+            have = template.get("num_local_experts")
         else:
             have = template.get(key)
         if have != value and not (key == "mlp_only_layers" and not have and not value):
