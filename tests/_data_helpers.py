@@ -34,6 +34,20 @@ def train_sp(corpus: str, prefix: str, vocab_size: int = 600, extra=()) -> str:
                                  "--num-threads", "1", *extra])
 
 
+def sp_dataset(directory, max_docs: int, vocab_size: int):
+    """write_corpus + a sentencepiece model trained on it + its .bin/.idx (eod appended):
+    (the --data-path prefix, the --tokenizer-model path)."""
+    from tools import preprocess_data
+
+    corpus = os.path.join(directory, "corpus.jsonl")
+    write_corpus(corpus, max_docs=max_docs)
+    tok = train_sp(corpus, os.path.join(directory, "sp"), vocab_size=vocab_size)
+    prefix = os.path.join(directory, "corpus")
+    preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model", tok,
+                          "--no-progress", "--log-interval", "0", "--append-eod"])
+    return prefix + "_text_document", tok
+
+
 def write_gpt2_files(directory: str):
     """A small byte-level BPE vocab: all 256 byte symbols, a few merges, <|endoftext|>."""
     from megatron_moe.data.tokenizers import bytes_to_unicode

@@ -41,15 +41,8 @@ GEN_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from tools import preprocess_data
-
     d = tmp_path_factory.mktemp("server")
-    corpus = str(d / "corpus.jsonl")
-    H.write_corpus(corpus, max_docs=120)
-    tok = H.train_sp(corpus, str(d / "sp"), vocab_size=400)
-    prefix = str(d / "corpus")
-    preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model", tok,
-                          "--no-progress", "--log-interval", "0", "--append-eod"])
+    data, tok = H.sp_dataset(str(d), max_docs=120, vocab_size=400)
     save = str(d / "ckpt")
     argv = (f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length {SEQ} "
             f"--max-position-embeddings {SEQ} --micro-batch-size 4 --global-batch-size 4 "
@@ -57,7 +50,7 @@ def ckpt(tmp_path_factory):
             "--moe-router-topk 2 --moe-token-dispatcher-type alltoall --disable-bias-linear "
             "--hidden-dropout 0 --attention-dropout 0 --train-iters 20 --log-interval 20 "
             "--eval-iters 0").split()
-    argv += ["--data-path", prefix + "_text_document", "--tokenizer-model", tok, "--save", save]
+    argv += ["--data-path", data, "--tokenizer-model", tok, "--save", save]
     run_distributed(train_and_capture, 1, argv, timeout_s=300)
     return {"load": save, "dir": d}
 
@@ -320,34 +313,16 @@ def test_load_concurrent_oversized_malformed_and_disconnecting_clients(server):
     assert status == 200  # still serving
 
 
-def _write_tasks(directory):
-    paths = {}
-    for name, docs in (("mc", MC_DOCS), ("gen", GEN_DOCS)):
-        paths[name] = os.path.join(directory, f"{name}.jsonl")
-        with open(paths[name], "w") as f:
-            f.writelines(json.dumps(d) + "\n" for d in docs)
-    with open(os.path.join(directory, "mm_loglik.yaml"), "w") as f:
-        f.write(f"""task: mm_loglik
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {paths['mc']}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
+# the two tasks' own lines (lm-evaluation-harness task YAML; the data file is added per task)
+TASKS = {
+    "mm_loglik": (MC_DOCS, """output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
 doc_to_target: label
 metric_list:
   - metric: acc
-""")
-    with open(os.path.join(directory, "mm_gen.yaml"), "w") as f:
-        f.write(f"""task: mm_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {paths['gen']}
-test_split: test
-output_type: generate_until
+"""),
+    "mm_gen": (GEN_DOCS, f"""output_type: generate_until
 doc_to_text: "{{{{context}}}}"
 doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
@@ -357,7 +332,18 @@ generation_kwargs:
   temperature: 0
 metric_list:
   - metric: exact_match
-""")
+"""),
+}
+
+
+def _write_tasks(directory):
+    for task, (docs, lines) in TASKS.items():
+        data = os.path.join(directory, f"{task}.jsonl")
+        with open(data, "w") as f:
+            f.writelines(json.dumps(d) + "\n" for d in docs)
+        with open(os.path.join(directory, f"{task}.yaml"), "w") as f:
+            f.write(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                    f"    test: {data}\ntest_split: test\n" + lines)
 
 
 def test_lm_eval_local_completions_equals_the_checkpoint(server, reference, tmp_path):

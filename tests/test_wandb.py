@@ -66,21 +66,14 @@ def read_wandb_history(path):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from tools import preprocess_data
-
     d = tmp_path_factory.mktemp("wandb")
-    corpus = str(d / "corpus.jsonl")
-    H.write_corpus(corpus, max_docs=60)
-    tok = H.train_sp(corpus, str(d / "sp"), vocab_size=300)
-    prefix = str(d / "corpus")
-    preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model", tok,
-                          "--no-progress", "--log-interval", "0", "--append-eod"])
+    data, tok = H.sp_dataset(str(d), max_docs=60, vocab_size=300)
     argv = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 32 "
             "--micro-batch-size 2 --global-batch-size 2 --lr 3e-3 --split 80,20,0 "
             "--tokenizer-type SentencePieceTokenizer --num-experts 4 --moe-router-topk 2 "
             "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 --disable-bias-linear "
             "--train-iters 4 --log-interval 1 --eval-interval 2 --eval-iters 1").split()
-    return d, argv + ["--data-path", prefix + "_text_document", "--tokenizer-model", tok]
+    return d, argv + ["--data-path", data, "--tokenizer-model", tok]
 
 
 def test_offline_run_holds_the_tensorboard_scalars(data):
