@@ -194,7 +194,7 @@ def _region_planner(offsets):
 # SwiGLU's gate/up factory, the layer/expert stacking, the common state, metadata.json -- is
 # megatron-core's own code on the meta model, so the files are those megatron-core writes; one
 # writer thread keeps the plan's order and DCP's serial loader resolves one item at a time (the
-# overlapping loader used when CUDA is present reads ahead at most its 10 MB threshold).
+# overlapping loader DCP uses when CUDA is present resolves ahead until 10 MB are in flight).
 
 def chunk_index(sharded_state_dict) -> dict:
     """(checkpoint key, global offset) -> (parameter name, entry, path) for every tensor chunk a
