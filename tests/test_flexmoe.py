@@ -302,3 +302,18 @@ def test_vexpert_placement_validation_and_round_trip():
         Placement([[0], [1]], 2, [[0, 0], [0, 1]]).validate()        # expert without a slot
     with pytest.raises(ValueError, match="vexperts"):
         Placement([[0], [1]], 2, [[1, 0]]).validate()
+
+
+def test_structured_pair_product_matches_matmul():
+    """The per-node form of spill @ pair equals the matmul on a two-rate cluster; a third rate
+    (NVLink pairs) breaks the structure and the matmul is used."""
+    from megatron_moe.balance.policies.flexmoe import _pair_product
+    from megatron_moe.sim.cluster import Cluster
+
+    rng = np.random.default_rng(0)
+    spill = rng.random((5, 16)) * 100
+    for pair_bw in (None, 80e9):
+        cost = Cluster(num_gpus=16, ranks_per_node=4, intra_bw=20e9, inter_bw=5e9,
+                       intra_pair_bw=pair_bw).planner_cost(np.arange(16))
+        np.testing.assert_allclose(_pair_product(spill, cost), spill @ cost.pair_s_per_input, rtol=1e-12)
+        assert (cost._pair_structure is False) == (pair_bw is not None)

@@ -209,9 +209,36 @@ def _expert_parts(origin_t: np.ndarray, n: np.ndarray, cost):
     proc = keep + spill.sum(axis=1, keepdims=True) * frac
     t = cost.compute_s(proc)
     if cost.pair_s_per_input is not None:
-        t = t + 4.0 * frac * (spill @ cost.pair_s_per_input)
+        t = t + 4.0 * frac * _pair_product(spill, cost)
     hosts = n > 0
     return proc, t + sync_s_vec(cost, hosts)[:, None] * hosts
+
+
+def _pair_product(spill: np.ndarray, cost) -> np.ndarray:
+    """``spill @ cost.pair_s_per_input``.  When the per-input link cost is one rate within a node
+    and one between nodes (a simulator cluster without NVLink pairs, or a CostModel's single rate)
+    it is computed from per-node sums, O(E x G x nodes) instead of the O(E x G^2) matmul that
+    dominated FlexMoE at 256-rank groups; the structure is checked once per cost object."""
+    pair = cost.pair_s_per_input
+    st = getattr(cost, "_pair_structure", None)
+    if st is None:
+        st = False
+        node = cost.node if cost.node is not None else np.zeros(pair.shape[0], dtype=np.int64)
+        _, inv = np.unique(node, return_inverse=True)
+        onehot = (inv[:, None] == np.arange(inv.max() + 1)[None, :]).astype(np.float64)   # [G, nodes]
+        same = (onehot @ onehot.T) > 0
+        off = ~np.eye(pair.shape[0], dtype=bool)
+        vin, vout = pair[same & off], pair[~same]
+        c_in = float(vin[0]) if len(vin) else 0.0
+        c_out = float(vout[0]) if len(vout) else 0.0
+        if np.all(vin == c_in) and np.all(vout == c_out) and np.all(pair.diagonal() == 0):
+            st = (c_in, c_out, onehot)
+        cost._pair_structure = st
+    if st is False:
+        return spill @ pair
+    c_in, c_out, onehot = st
+    node_sum = (spill @ onehot) @ onehot.T                      # [k, G] spill from g's node
+    return c_out * (spill.sum(axis=1, keepdims=True) - node_sum) + c_in * (node_sum - spill)
 
 
 class _Priced:
