@@ -25,6 +25,12 @@ _EXTENSION_MODULES = (
 )
 
 
+def extension_modules():
+    """The feature modules, imported. They are part of this package: one that fails to import is a
+    broken install, so its ImportError stops the launch here (never silently drops its flags)."""
+    return [importlib.import_module(name) for name in _EXTENSION_MODULES]
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         # one line naming the flag; the full usage is a wall of text on every rank
@@ -42,11 +48,7 @@ def build_parser(extra_args_provider=None, prog="pretrain_gpt_moe.py") -> argpar
     _add_data_args(p)
     _add_checkpoint_args(p)
     _add_logging_args(p)
-    for name in _EXTENSION_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for module in extension_modules():
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
     if extra_args_provider is not None:
@@ -290,11 +292,7 @@ def _layer_freq(text):
 # --- validation ------------------------------------------------------------------------------------
 def validate_extension_args(args):
     """The feature modules' own checks (ValueError names the flag)."""
-    for name in _EXTENSION_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for module in extension_modules():
         if hasattr(module, "validate_args"):
             module.validate_args(args)
 

@@ -113,11 +113,8 @@ def use_transformer_engine(args) -> bool:
 
 def gpt_layer_spec(args, config):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine(args))
-    for name in SPEC_HOOKS:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for name in SPEC_HOOKS:  # this package's own modules: an ImportError is a broken install
+        module = importlib.import_module(name)
         if hasattr(module, "customize_spec"):
             spec = module.customize_spec(args, spec)
     return spec

@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 
 __all__ = ["Topology", "configure", "current", "load_topology_file", "hierarchy_groups",
            "ranks_per_node_in",
-           "init_hierarchy_groups", "HierarchyGroups", "reset"]
+           "init_hierarchy_groups", "HierarchyGroups", "reset", "check_topology_flags"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,3 +271,19 @@ def hierarchy_groups(group=None, ranks_per_node: Optional[int] = None) -> Hierar
     hg = HierarchyGroups(parent, rpn, pg_intra, pg_inter, ch2)
     _GROUPS[key] = hg
     return hg
+
+
+def check_topology_flags(mode: str, *, num_groups=None, group_topk=None, fusion: bool = False,
+                         loss_coeff: float = 0.0) -> None:
+    """The --moe-router-topology checks that need only flag values (no node layout): run at parse
+    time by ``comm.validate_args`` and again by the routers (moe/topo_router.py), which can be built
+    directly. Here, below both, so that comm/ never imports moe/."""
+    if mode == "node_limited" and (group_topk or num_groups):
+        raise ValueError("--moe-router-topology node_limited sets the expert groups itself "
+                         "(groups = nodes, --moe-router-max-nodes per token); drop "
+                         "--moe-router-num-groups / --moe-router-group-topk")
+    if mode == "congestion" and fusion:
+        raise ValueError("--moe-router-topology congestion needs the unfused router: drop "
+                         "--moe-router-fusion")
+    if mode == "ta_loss" and loss_coeff < 0:
+        raise ValueError(f"--moe-topology-loss-coeff={loss_coeff} must be >= 0")

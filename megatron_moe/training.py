@@ -207,11 +207,9 @@ class TrainingHooks:
                                              args.expert_model_parallel_size)
             self.tracker.attach([unwrap(m) for m in model])
         self.balance = None
-        try:
-            from megatron_moe import balance
-        except ImportError:
-            balance = None
-        if balance is not None and hasattr(balance, "BalanceManager") and args.num_experts:
+        from megatron_moe import balance
+
+        if args.num_experts:
             self.balance = balance.BalanceManager(args, model, tracker=self.tracker)
             # Agg (replica grads -> owner) must precede megatron-core's grad finalisation
             config = unwrap(model[0]).config

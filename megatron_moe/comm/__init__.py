@@ -97,7 +97,7 @@ def _validate_router_topology(args):
         return
     if not getattr(args, "num_experts", None):
         raise ValueError(f"--moe-router-topology {mode} needs an MoE model: set --num-experts")
-    from megatron_moe.moe.topo_router import check_topology_flags
+    from megatron_moe.topology import check_topology_flags
     check_topology_flags(mode, num_groups=getattr(args, "moe_router_num_groups", None),
                          group_topk=getattr(args, "moe_router_group_topk", None),
                          fusion=getattr(args, "moe_router_fusion", False),

@@ -32,6 +32,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_moe.compat import replace_spec, spec_submodules
+from megatron_moe.topology import check_topology_flags
 
 __all__ = ["EPLayout", "ep_layout", "customize_spec", "NodeLimitedRouter", "CongestionRouter",
            "TopologyLossRouter", "congestion_cap", "congestion_topk", "link_costs", "ROUTERS"]
@@ -180,21 +181,6 @@ def _layout_for(pg_collection, layout):
     if layout is not None:
         return layout
     return ep_layout(getattr(pg_collection, "ep", None))
-
-
-def check_topology_flags(mode: str, *, num_groups=None, group_topk=None, fusion: bool = False,
-                         loss_coeff: float = 0.0) -> None:
-    """The --moe-router-topology checks that need only flag values (no node layout): run at parse
-    time by ``comm.validate_args`` and again by the routers, which can be built directly."""
-    if mode == "node_limited" and (group_topk or num_groups):
-        raise ValueError("--moe-router-topology node_limited sets the expert groups itself "
-                         "(groups = nodes, --moe-router-max-nodes per token); drop "
-                         "--moe-router-num-groups / --moe-router-group-topk")
-    if mode == "congestion" and fusion:
-        raise ValueError("--moe-router-topology congestion needs the unfused router: drop "
-                         "--moe-router-fusion")
-    if mode == "ta_loss" and loss_coeff < 0:
-        raise ValueError(f"--moe-topology-loss-coeff={loss_coeff} must be >= 0")
 
 
 class NodeLimitedRouter(TopKRouter):

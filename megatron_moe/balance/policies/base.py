@@ -8,7 +8,7 @@ always containing ``owner[e]``. Semantics (design note 2.3): an input from rank 
 computed on d if d is in S_e, otherwise it goes to owner(e) through the all-to-all.
 
 A placement may also carry FlexMoE vExpert counts (``vexperts[e][g]``): then the flexible token router
-(FlexMoE Alg. 3, ``flexmoe.route_tokens``) decides the split instead: each source keeps what fits its
+(FlexMoE Alg. 3, ``route_tokens`` below) decides the split instead: each source keeps what fits its
 local vExperts and spreads the overflow over the other replica ranks proportionally to their spare
 room. ``dispatch_matrix`` gives either rule as ``send[e, src, dst]``; the layer executes only that.
 """
@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Type
 import numpy as np
 
 __all__ = ["Placement", "BalancePolicy", "NoBalancePolicy", "default_owner", "loads", "dispatch_matrix",
-           "balance_degree", "register_policy", "make_policy", "POLICIES"]
+           "balance_degree", "route_tokens", "register_policy", "make_policy", "POLICIES"]
 
 
 def default_owner(num_experts: int, num_ranks: int) -> np.ndarray:
@@ -117,6 +117,47 @@ class Placement:
                    None if vx is None else [list(map(int, r)) for r in vx]).validate()
 
 
+def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split integer ``total`` proportionally to ``weights``; deterministic (ties -> lower index)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if total <= 0 or w.sum() <= 0:
+        return np.zeros(len(w), dtype=np.int64)
+    q = total * w / w.sum()
+    base = np.floor(q).astype(np.int64)
+    rem = int(total - base.sum())
+    if rem:
+        order = np.lexsort((np.arange(len(w)), -(q - base)))
+        base[order[:rem]] += 1
+    return base
+
+
+def route_tokens(origin: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Integer Alg. 3: ``send[e, src, dst]`` with exact row sums (nothing dropped).
+
+    Per-replica capacities are the largest-remainder split of I_e over vExperts; each source keeps
+    min(capacity, origin) locally and splits its overflow over the other replicas by largest
+    remainder on their spare room.  Identical on every rank (integer arithmetic, fixed order).
+    """
+    origin = np.asarray(origin, dtype=np.int64)
+    g_n, e_n = origin.shape
+    send = np.zeros((e_n, g_n, g_n), dtype=np.int64)
+    for e in range(e_n):
+        col = origin[:, e]
+        capacity = _largest_remainder(int(col.sum()), n[e])
+        keep = np.minimum(capacity, col)
+        spare = capacity - keep
+        for g in range(g_n):
+            send[e, g, g] = keep[g]
+            spill = int(col[g] - keep[g])
+            if spill:
+                w = spare.copy()
+                w[g] = 0
+                if w.sum() <= 0:
+                    raise AssertionError("flexmoe router: overflow with no spare capacity")
+                send[e, g] += _largest_remainder(spill, w)
+    return send
+
+
 def dispatch_matrix(counts, placement: Placement) -> np.ndarray:
     """``send[e, src, dst]``: how many of rank src's inputs for expert e rank dst computes.
 
@@ -133,8 +174,6 @@ def dispatch_matrix(counts, placement: Placement) -> np.ndarray:
         raise ValueError(f"dispatch_matrix: counts {C.shape} vs placement ({placement.num_ranks}, "
                          f"{placement.num_experts})")
     if placement.vexperts is not None:
-        from megatron_moe.balance.policies.flexmoe import route_tokens
-
         return route_tokens(C, np.asarray(placement.vexperts, dtype=np.int64))
     send = np.zeros((E, D, D), dtype=np.int64)
     m = placement.mask()
@@ -200,10 +239,6 @@ def register_policy(cls: Type[BalancePolicy]) -> Type[BalancePolicy]:
 
 
 def make_policy(name: str, num_experts: int, num_ranks: int, **kwargs) -> BalancePolicy:
-    if name in ("proprophet", "fastermoe", "flexmoe"):  # each module registers itself
-        import importlib
-
-        importlib.import_module(f"megatron_moe.balance.policies.{name}")
     if name not in POLICIES:
         raise ValueError(f"--moe-balance-policy {name!r}: unknown; choose from {sorted(POLICIES)}")
     return POLICIES[name](num_experts=num_experts, num_ranks=num_ranks, **kwargs)

@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_moe.balance.policies.base import BalancePolicy, Placement, default_owner, register_policy
+from megatron_moe.balance.policies.base import (BalancePolicy, Placement, default_owner,  # noqa: F401
+                                                register_policy, route_tokens)
 from megatron_moe.balance.cost_model import as_planner_cost
 
 __all__ = ["SlotTable", "FlexMoEPolicy", "route_real", "route_tokens", "flex_cost", "balance_ratio",
@@ -127,47 +128,6 @@ def route_real(origin: np.ndarray, n: np.ndarray):
     s = spare.sum(axis=1, keepdims=True)
     frac = np.divide(spare, s, out=np.zeros_like(spare), where=s > 0)
     return keep, spill, frac
-
-
-def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
-    """Split integer ``total`` proportionally to ``weights``; deterministic (ties -> lower index)."""
-    w = np.asarray(weights, dtype=np.float64)
-    if total <= 0 or w.sum() <= 0:
-        return np.zeros(len(w), dtype=np.int64)
-    q = total * w / w.sum()
-    base = np.floor(q).astype(np.int64)
-    rem = int(total - base.sum())
-    if rem:
-        order = np.lexsort((np.arange(len(w)), -(q - base)))
-        base[order[:rem]] += 1
-    return base
-
-
-def route_tokens(origin: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Integer Alg. 3: ``send[e, src, dst]`` with exact row sums (nothing dropped).
-
-    Per-replica capacities are the largest-remainder split of I_e over vExperts; each source keeps
-    min(capacity, origin) locally and splits its overflow over the other replicas by largest
-    remainder on their spare room.  Identical on every rank (integer arithmetic, fixed order).
-    """
-    origin = np.asarray(origin, dtype=np.int64)
-    g_n, e_n = origin.shape
-    send = np.zeros((e_n, g_n, g_n), dtype=np.int64)
-    for e in range(e_n):
-        col = origin[:, e]
-        capacity = _largest_remainder(int(col.sum()), n[e])
-        keep = np.minimum(capacity, col)
-        spare = capacity - keep
-        for g in range(g_n):
-            send[e, g, g] = keep[g]
-            spill = int(col[g] - keep[g])
-            if spill:
-                w = spare.copy()
-                w[g] = 0
-                if w.sum() <= 0:
-                    raise AssertionError("flexmoe router: overflow with no spare capacity")
-                send[e, g] += _largest_remainder(spill, w)
-    return send
 
 
 def balance_ratio(loads: np.ndarray) -> float:
