@@ -52,20 +52,25 @@ def run(rank, world, argv):
     return {"history": result["history"], "lines": lines, "stats": stats, "iter_ms": iter_ms}
 
 
-def run_many(rank, world, argvs, skip_waits_last=False):
-    """Several pretrain() runs in one process pair (imports paid once). With ``skip_waits_last``
-    the last run is a mutation: the link's waits return at once, so compute reads slots whose copy
-    has not landed (NaN-filled in debug mode); its SystemExit (NaN loss) is returned, not raised."""
-    from megatron_moe.offload import link
+def run_many(rank, world, argvs, mutations=None):
+    """Several pretrain() runs in one process pair (imports paid once). ``mutations[k]`` (a name
+    of megatron_moe/offload/link.py MUTATIONS) makes run k a mutation: the offload tiers leave
+    that step out, and the run's SystemExit (e.g. a NaN loss) or error is returned, not raised."""
+    import os
 
     out = []
     for k, argv in enumerate(argvs):
-        if skip_waits_last and k == len(argvs) - 1:
-            link.CopyHandle.wait = lambda self: None
-            try:
-                out.append(run(rank, world, argv))
-            except SystemExit as exc:
-                out.append({"exit": exc.code})
-        else:
+        mutation = (mutations or {}).get(k)
+        if mutation is None:
             out.append(run(rank, world, argv))
+            continue
+        os.environ["MEGATRON_MOE_TEST_MUTATE"] = mutation
+        try:
+            out.append(run(rank, world, argv))
+        except SystemExit as exc:
+            out.append({"exit": exc.code})
+        except Exception as exc:  # e.g. a zero-element placeholder reached a matmul
+            out.append({"error": f"{type(exc).__name__}: {exc}"[:300]})
+        finally:
+            del os.environ["MEGATRON_MOE_TEST_MUTATE"]
     return out

@@ -1,8 +1,11 @@
 """--moe-expert-offload host|ssd in the real pretrain() loop (2 gloo ranks, EP=2, 4 MoE layers,
 K=2 device slots, NaN fill on): losses and grad norms bit-identical to resident training, across
-resumes in every direction (resident -> host, host -> ssd, ssd -> resident); the [offload] line
-shows the device expert peak at most half the resident one; a skipped wait breaks the run (so the
-equality is not luck). Plus parse-time refusals and the SSD host cache (LFU vs LRU, write-back)."""
+resumes in every direction (resident -> host, host -> ssd, ssd -> resident) and with K = every
+layer; the [offload] line's device peak, read from the arena's storage, is K/L of the resident
+weights' storage (and K = L breaks the K = 2 bound); leaving out one forward bind, one copy wait,
+one backward re-bind or one host-cache write-back (MEGATRON_MOE_TEST_MUTATE) breaks the run, so
+the equality is not luck. Plus parse-time refusals and the SSD host cache (LFU vs LRU,
+write-back)."""
 
 import re
 
@@ -34,19 +37,33 @@ def _off(mode, tmp_path, *extra):
     return out
 
 
-def test_offload_bit_identical_over_resumes(tmp_path):
+def _nan_stop(run):
+    """The run stopped on a NaN loss (pretrain exits 1) or logged one."""
+    return run.get("exit") == 1 or any(x != x for x in run.get("history", {}).get("lm_loss", []))
+
+
+def test_offload_bit_identical_over_resumes_and_each_mutation_fails(tmp_path):
     d = {k: str(tmp_path / k) for k in ("res", "host", "ssd")}
+    host, ssd = _off("host", tmp_path), _off("ssd", tmp_path)
     runs = [
         _argv(4, "--save", d["res"], "--exit-interval", "2"),                      # 0 resident 1-2
         _argv(4, "--load", d["res"]),                                              # 1 resident 3-4
-        _argv(4, *_off("host", tmp_path), "--save", d["host"], "--exit-interval", "2"),  # 2 host 1-2
-        _argv(4, *_off("ssd", tmp_path), "--load", d["host"], "--save", d["ssd"],
-              "--exit-interval", "3"),                                             # 3 host->ssd 3
+        _argv(4, *host, "--save", d["host"], "--exit-interval", "2"),              # 2 host 1-2
+        _argv(4, *ssd, "--load", d["host"], "--save", d["ssd"], "--exit-interval", "3"),  # 3 host->ssd
         _argv(4, "--load", d["ssd"]),                                              # 4 ssd->resident 4
-        _argv(4, *_off("host", tmp_path), "--load", d["res"]),                     # 5 resident->host 3-4
-        _argv(2, *_off("host", tmp_path), "--moe-offload-link-gbps", "0.001"),     # 6 mutation
+        _argv(4, *host, "--load", d["res"]),                                       # 5 resident->host 3-4
+        # 6: K >= layers (every layer cached; a layer still bound at the step is updated in the
+        # host copy, not lost in its slot)
+        _argv(4, *_off("host", tmp_path, "--moe-offload-cache-layers", "4")),  # (last flag wins)
+        _argv(2, *host),                                                           # 7 skip_bind
+        _argv(2, *host, "--moe-offload-link-gbps", "0.001"),                       # 8 skip_wait
+        _argv(2, *host),                                                           # 9 skip_rebind
+        _argv(3, *ssd),                                                            # 10 skip_writeback
+        _argv(2, "--moe-expert-offload", "host"),                                  # 11 skip_bind, no NaN fill
     ]
-    out = run_distributed(C.run_many, 2, runs, skip_waits_last=True, timeout_s=400)
+    mutations = {7: "skip_bind", 8: "skip_wait", 9: "skip_rebind", 10: "skip_writeback",
+                 11: "skip_bind"}
+    out = run_distributed(C.run_many, 2, runs, mutations, timeout_s=500)
     r = out[-1]  # the last rank prints the log lines
     ref = {k: v[0:2] + v2 for (k, v), v2 in zip(r[0]["history"].items(), r[1]["history"].values())}
     loss = lambda k: r[k]["history"]["lm_loss"]
@@ -56,26 +73,41 @@ def test_offload_bit_identical_over_resumes(tmp_path):
     assert loss(3) == ref["lm_loss"][2:3] and norm(3) == ref["grad_norm"][2:3]
     assert loss(4) == ref["lm_loss"][3:] and norm(4) == ref["grad_norm"][3:]
     assert loss(5) == ref["lm_loss"][2:] and norm(5) == ref["grad_norm"][2:]
-    # the feature ran: every offloaded run copied experts over the link into a 2-slot arena
-    for k in (2, 3, 5):
+    assert loss(6) == ref["lm_loss"] and norm(6) == ref["grad_norm"]
+    # the feature ran: every offloaded run stepped and copied experts over the link
+    for k in (2, 3, 5, 6):
         for rank_out in out:
             s = rank_out[k]["stats"]
-            assert s["steps"] >= 1 and s["slots"] == 2 and s["layers"] == 4
-            # K=2 of 4 layers: the arena holds exactly half of the expert parameters
-            assert 2 * s["arena_peak"] == s["expert_param_bytes"]
+            assert s["steps"] >= 1 and s["layers"] == 4 and s["link_bytes"] > 0
     s = out[0][3]["stats"]
     assert s["ssd_read"] > 0 and s["ssd_written"] > 0 and s["cache_peak"] > 0
-    # the log line, one per iteration; device peak <= half of what resident training holds
+    # the log line, one per iteration. Its device figure is the arena's storage, M the experts'
+    # weight storage when resident (both read from storages): K cached layers of L hold K/L of it
     lines = r[2]["lines"]
     assert len(lines) == 2
-    for line in lines + r[3]["lines"]:
-        m = _LINE.search(line)
-        assert m, line
-        peak, resident = int(m.group(1)), int(m.group(2))
-        assert 0 < peak <= resident / 2
+    peaks = {}
+    for k, slots in ((2, 2), (3, 2), (5, 2), (6, 4)):
+        for line in r[k]["lines"]:
+            m = _LINE.search(line)
+            assert m, line
+            peak, resident = int(m.group(1)), int(m.group(2))
+            assert peak * 4 == slots * resident and resident == r[k]["stats"]["expert_param_bytes"]
+            peaks[k] = peak, resident
+    bound = lambda peak, resident: 0 < peak <= resident * 2 / 4  # K = 2 of L = 4 layers
+    assert all(bound(*peaks[k]) for k in (2, 3, 5))
+    assert not bound(*peaks[6])  # the bound is not vacuous: K = all layers breaks it
     assert float(_LINE.search(r[3]["lines"][0]).group(6)) > 0  # ssd traffic per step
-    # mutation: waits skipped -> compute reads NaN-filled slots -> the run stops on a NaN loss
-    assert r[6] == {"exit": 1} or any(x != x for x in r[6]["history"]["lm_loss"])
+    # mutations, each must break the run:
+    # a forward bind, a copy wait or the backward re-bind left out -> NaN placeholders or
+    # NaN-filled slots are computed on -> the run stops on a NaN loss
+    for k in (7, 8, 9):
+        assert _nan_stop(r[k]), (runs[k], mutations[k], r[k])
+    # a host-cache write-back left out -> an update is lost -> not resident's losses (the first
+    # step runs at warm-up LR 0, so iteration 3 is the first to see an update)
+    assert "history" in r[10] and r[10]["history"]["lm_loss"][:2] == ref["lm_loss"][:2]
+    assert r[10]["history"]["lm_loss"][2] != ref["lm_loss"][2]
+    # without NaN fill the placeholder is a zero-element tensor: a missed bind fails at once
+    assert "error" in r[11] or r[11].get("exit") not in (None, 0), r[11]
 
 
 @pytest.mark.parametrize("argv, message", [

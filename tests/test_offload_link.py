@@ -72,8 +72,8 @@ def test_arena_slots_peak_and_nan_fill():
         arena.acquire()
     assert arena.peak_bytes() == 3 * 56
     arena.release(b)
-    arena.reset_peak()
-    assert arena.peak_bytes() == 2 * 56
+    arena.acquire()
+    assert arena.peak_bytes() == 3 * 56  # bounded: a slot's storage is reused, never grown
 
 
 def test_missing_wait_reads_nan():

@@ -24,7 +24,7 @@ API (stable; other packages import it)::
     link.reset_stats(); link.close()
 
     arena = SlotArena(slot_numel, slots, device=None, nan_fill=False)
-        # slots fixed slots of {dtype: numel} flat tensors each, allocated once.
+        # at most `slots` fixed slots of {dtype: numel} flat tensors each, each allocated once.
         # nan_fill (or MEGATRON_MOE_OFFLOAD_NAN_FILL=1): a released slot is filled with NaN
         # (integer dtypes: -1) so that compute reading a slot whose copy it did not wait for
         # produces NaN instead of passing by luck.
@@ -33,8 +33,10 @@ API (stable; other packages import it)::
     arena.release(i, after=None) # back to the free list (NaN-filled in debug mode); on CUDA,
                                  # `after` is the event after which the slot may be refilled,
                                  # kept in arena.ready_event(i) for the next link.copy(after=)
-    arena.slot_bytes, arena.capacity_bytes, arena.in_use_bytes, arena.peak_bytes()
-    arena.free_slots(), arena.reset_peak()
+    arena.slot_bytes, arena.capacity_bytes, arena.in_use_bytes, arena.free_slots()
+    arena.peak_bytes()           # device bytes the arena holds: its slots' storages, read from
+                                 # the storages (a slot is allocated at its first acquire, kept)
+    storage_bytes(tensors)       # bytes of the distinct storages behind tensors
 
 Why hand-written: megatron-core's HybridDeviceOptimizer and GPUTensorPool are CUDA-only or
 select by parameter order; nothing upstream offers a throttled CPU link for measuring overlap.
@@ -50,11 +52,24 @@ import time
 
 import torch
 
-__all__ = ["CopyLink", "CopyHandle", "SlotArena", "nan_fill_from_env"]
+__all__ = ["CopyLink", "CopyHandle", "SlotArena", "nan_fill_from_env", "storage_bytes", "mutation_under_test"]
 
 
 def nan_fill_from_env() -> bool:
     return os.environ.get("MEGATRON_MOE_OFFLOAD_NAN_FILL", "0") not in ("", "0")
+
+
+MUTATIONS = ("skip_bind", "skip_wait", "skip_rebind", "skip_writeback")
+
+
+def mutation_under_test() -> str | None:
+    """Tests only: ``MEGATRON_MOE_TEST_MUTATE`` names one step the offload tiers then leave out
+    (a forward bind, a copy wait, the re-bind in backward, a host-cache write-back), so the tests
+    can show each one is load-bearing. Read here alone; unset in every real run."""
+    name = os.environ.get("MEGATRON_MOE_TEST_MUTATE") or None
+    if name is not None and name not in MUTATIONS:
+        raise ValueError(f"MEGATRON_MOE_TEST_MUTATE={name!r}: one of {', '.join(MUTATIONS)}")
+    return name
 
 
 class CopyHandle:
@@ -199,7 +214,11 @@ class CopyLink:
 
 
 class SlotArena:
-    """K fixed slots of ``{dtype: numel}`` flat tensors on the compute device, allocated once."""
+    """At most K fixed slots of ``{dtype: numel}`` flat tensors on the compute device.
+
+    A slot's storage is allocated the first time it is acquired and kept (no fragmentation, never
+    more than K), so the arena's high-water mark is read from the storages themselves
+    (``storage_bytes``), not from counters: what it reports is what it holds."""
 
     def __init__(self, slot_numel: dict, slots: int, device=None, nan_fill: bool | None = None):
         if slots < 1:
@@ -207,17 +226,12 @@ class SlotArena:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.nan_fill = nan_fill_from_env() if nan_fill is None else bool(nan_fill)
         self.slot_numel = {d: int(n) for d, n in slot_numel.items()}
-        self._slots = [{d: torch.empty(n, dtype=d, device=self.device)
-                        for d, n in self.slot_numel.items()} for _ in range(slots)]
+        self._slots = [None] * slots  # allocated on first use
         self.slot_bytes = sum(n * torch.empty((), dtype=d).element_size()
                               for d, n in self.slot_numel.items())
         self.capacity_bytes = self.slot_bytes * slots
         self._free = list(range(slots))
         self._events = [None] * slots
-        self._peak = 0
-        if self.nan_fill:
-            for i in range(slots):
-                self._fill(i)
 
     @property
     def slots(self) -> int:
@@ -234,10 +248,16 @@ class SlotArena:
         if not self._free:
             raise RuntimeError(f"arena: all {len(self._slots)} slots are in use")
         i = self._free.pop(0)
-        self._peak = max(self._peak, self.in_use_bytes)
+        if self._slots[i] is None:
+            self._slots[i] = {d: torch.empty(n, dtype=d, device=self.device)
+                              for d, n in self.slot_numel.items()}
+            if self.nan_fill:
+                self._fill(i)
         return i
 
     def slot(self, i: int) -> dict:
+        if self._slots[i] is None:
+            raise RuntimeError(f"arena: slot {i} was never acquired")
         return self._slots[i]
 
     def ready_event(self, i: int):
@@ -256,7 +276,14 @@ class SlotArena:
             t.fill_(float("nan") if t.is_floating_point() else -1)
 
     def peak_bytes(self) -> int:
-        return self._peak
+        """Bytes of device storage the arena has ever held (its slots are never freed)."""
+        return storage_bytes(t for s in self._slots if s is not None for t in s.values())
 
-    def reset_peak(self):
-        self._peak = self.in_use_bytes
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``, read from the storages themselves."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[(st.device.type, st.data_ptr())] = st.nbytes()
+    return sum(seen.values())

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from megatron_moe.offload.link import CopyLink, SlotArena
+from megatron_moe.offload.link import CopyLink, SlotArena, mutation_under_test, storage_bytes
 from megatron_moe.offload.store import HostCache, SsdFile
 
 
@@ -85,7 +85,8 @@ class _Layer:
         self.nbytes = self.numel * _itemsize(self.dtype)
         self.host = None          # host tier: flat host buffer
         self.host_views = None
-        self.placeholders = None  # ssd tier: zero-byte stand-ins between uses
+        self.poison = None        # what .data points at between uses (never the host copy)
+        self.stand_ins = None     # shape-true NaN views of 4 bytes: the ssd tier's step view
         self.slot = None
         self.slot_views = None
         self.handle = None
@@ -126,19 +127,28 @@ class ExpertOffload:
         self.version = 0
         self.clock = 0
         self.steps = 0
-        self.grad_peak = 0
         self.cache = None
+        self.mutate = mutation_under_test()  # tests only: leave one step out (link.py)
         self._param_layer = {}
         for layer in self.layers:
             for p in layer.params:
                 self._param_layer[p] = layer
+            # between uses: NaN (debug; a missed bind computes NaN) or a zero-element tensor (a
+            # missed bind fails on the shape); never the host copy, which would pass silently
+            layer.stand_ins = [torch.full((), float("nan"), dtype=p.dtype, device=self.device)
+                               .expand(p.shape) for p in layer.params]
+            layer.poison = layer.stand_ins if self.nan_fill else \
+                [torch.empty(0, dtype=p.dtype, device=self.device) for p in layer.params]
+        # what resident training holds on the device for these experts' weights, read from their
+        # storages before they move (the arena's figure is read the same way)
+        self.resident_bytes = storage_bytes(p.data for l in self.layers for p in l.params)
         if self.mode == "host":
             for layer in self.layers:
                 layer.host = torch.empty(layer.numel, dtype=layer.dtype, pin_memory=pin)
                 layer.host_views = layer.views(layer.host)
                 for p, v in zip(layer.params, layer.host_views):
                     v.copy_(p.data)
-                layer.bind(layer.host_views)  # the device copies are freed here
+                layer.bind(layer.poison)  # the device copies are freed here
         else:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             path = os.path.join(args.moe_offload_dir, f"experts_rank{rank:05d}.bin")
@@ -151,9 +161,7 @@ class ExpertOffload:
                 flat = torch.cat([p.data.reshape(-1).float().cpu() for p in layer.params])
                 self.cache.add((layer.index, "w"), flat)
                 self.cache.add((layer.index, "m"), torch.zeros(2 * layer.numel))
-                layer.placeholders = [torch.zeros((), dtype=p.dtype).expand(p.shape)
-                                      for p in layer.params]
-                layer.bind(layer.placeholders)
+                layer.bind(layer.poison)
         # mixed precision: megatron-core's fp32 master copies of offloaded params go to the host
         self._masters = set()
         for sub in _leaf_optimizers(optimizer):
@@ -180,13 +188,13 @@ class ExpertOffload:
             self._hooks.append(opt.register_step_pre_hook(self._grads_to_host(offloaded)))
             if self.mode == "ssd":
                 opt.step = self._layerwise_step(opt, opt.step)
-            else:
-                self._hooks.append(opt.register_step_pre_hook(lambda *a: self.link.drain()))
-                self._hooks.append(opt.register_step_post_hook(lambda *a: self._weights_changed()))
-        mp = 4 if (args.bf16 or args.fp16) else 0
-        # what resident training keeps on the device for these experts: param, fp32 main grad,
-        # Adam's two fp32 moments, and an fp32 master copy under mixed precision
-        self.resident_bytes = sum(l.numel * (_itemsize(l.dtype) + 4 + 8 + mp) for l in self.layers)
+        # megatron-core's whole step (grads -> .grad, clip, the torch step, under mixed precision
+        # the master -> model copy) sees the step view: the host copy (host tier; a layer still
+        # bound is updated there, not in its slot) or shape-true stand-ins (ssd tier, whose torch
+        # step binds each layer's states itself)
+        self._optimizer = optimizer
+        if optimizer is not None:
+            optimizer.step = self._whole_step(optimizer.step)
         self._interval = dict(steps=0, ssd_bytes=self._ssd_bytes())
         self._totals = dict(copy_s=0.0, wait_s=0.0, bytes=0)  # run-wide (the log resets the link's)
 
@@ -241,7 +249,7 @@ class ExpertOffload:
     def _valid(self, layer):
         return layer.slot is not None and layer.version == self.version
 
-    def _bind(self, layer, upcoming):
+    def _bind(self, layer, upcoming, phase="forward"):
         keep = {layer, *upcoming}
         if not self._valid(layer):
             if layer.slot is not None:
@@ -251,9 +259,12 @@ class ExpertOffload:
                 raise RuntimeError(f"expert offload: no free slot for MoE layer {layer.index} "
                                    f"(K={self.k}, bound: {busy})")
         if layer.handle is not None:
-            layer.handle.wait()  # exposed wait, counted by the link
+            if self.mutate != "skip_wait":
+                layer.handle.wait()  # exposed wait, counted by the link
             layer.handle = None
-        layer.bind(layer.slot_views)
+        if not (self.mutate == "skip_bind" and phase == "forward"
+                or self.mutate == "skip_rebind" and phase == "backward"):
+            layer.bind(layer.slot_views)
         layer.bound = True
         self.clock += 1
         layer.last_bound = self.clock
@@ -265,8 +276,15 @@ class ExpertOffload:
                     break
 
     def _unbind(self, layer):
-        layer.bind(layer.host_views if self.mode == "host" else layer.placeholders)
+        layer.bind(layer.poison)
         layer.bound = False
+
+    def _bind_step_views(self):
+        """Every layer's .data -> the host copy (host tier) or its stand-ins (ssd tier)."""
+        self.link.drain()  # no copy may read a master weight while the step writes it
+        for layer in self.layers:
+            layer.bind(layer.host_views if self.mode == "host" else layer.stand_ins)
+            layer.bound = False
 
     def _upcoming(self, layer, forward):
         n, i = len(self.layers), layer.index
@@ -296,17 +314,13 @@ class ExpertOffload:
 
     def _bwd_hook(self, layer):
         def hook(grad):
-            self._bind(layer, self._upcoming(layer, forward=False))
+            self._bind(layer, self._upcoming(layer, forward=False), phase="backward")
             layer.bwd_left = sum(1 for p in layer.params if p.requires_grad)
             return None
         return hook
 
     def _acc_hook(self, layer):
         def hook(param):
-            if param.grad is not None:
-                alive = sum(p.grad.numel() * p.grad.element_size()
-                            for p in layer.params if p.grad is not None)
-                self.grad_peak = max(self.grad_peak, alive)
             layer.bwd_left -= 1
             if layer.bwd_left == 0 and layer.bound:
                 self._unbind(layer)
@@ -322,14 +336,23 @@ class ExpertOffload:
                         p.grad = p.grad.to(p.device)
         return hook
 
+    def _whole_step(self, orig_step):
+        def step(*args, **kwargs):
+            self._bind_step_views()
+            try:
+                return orig_step(*args, **kwargs)
+            finally:
+                self._weights_changed()
+                self.steps += 1
+                self._interval["steps"] += 1
+        return step
+
     def _weights_changed(self):
-        """The step changed the master weights: every cached slot is stale."""
+        """The step (or a checkpoint load) changed the master weights: every cached slot is
+        stale, and every layer points at its poison until its next bind."""
         self.version += 1
-        self.steps += 1
-        self._interval["steps"] += 1
         for layer in self.layers:
-            if layer.bound:  # a layer whose backward never finished (e.g. an unused expert)
-                self._unbind(layer)
+            self._unbind(layer)
             if layer.slot is not None:
                 self._drop(layer)
 
@@ -337,7 +360,6 @@ class ExpertOffload:
         """SSD tier: step one layer at a time with its master weights and moments pinned in the
         host cache (torch's Adam updates each parameter independently: same result as one step)."""
         def step(closure=None):
-            self.link.drain()  # no copy may read a master weight while the step writes it
             groups = [list(g["params"]) for g in opt.param_groups]
             try:
                 for layer in self.layers:
@@ -363,7 +385,6 @@ class ExpertOffload:
             finally:
                 for g, ps in zip(opt.param_groups, groups):
                     g["params"] = ps
-            self._weights_changed()
         return step
 
     def _state_views(self, layer, m):
@@ -392,7 +413,7 @@ class ExpertOffload:
 
     def _unbind_states(self, opt, layer):
         self._unbind(layer)
-        for p, ph in zip(layer.params, layer.placeholders):
+        for p, ph in zip(layer.params, layer.poison):
             st = opt.state.get(p)
             if st and "exp_avg" in st:
                 st["exp_avg"] = st["exp_avg_sq"] = ph
@@ -401,8 +422,10 @@ class ExpertOffload:
     @contextlib.contextmanager
     def checkpoint_io(self, load: bool = False):
         if self.mode != "ssd":
-            yield
-            if load:
+            self._bind_step_views()  # the host copy is what is saved, or loaded into
+            try:
+                yield
+            finally:
                 self._weights_changed()
             return
         for layer in self.layers:
@@ -424,6 +447,7 @@ class ExpertOffload:
                     self.cache.unpin((layer.index, "m"), dirty=True)
                 for opt in self.torch_opts:
                     self._unbind_states(opt, layer)
+                self._unbind(layer)
             if load:
                 self._weights_changed()
 
@@ -453,19 +477,20 @@ class ExpertOffload:
         return self.cache.ssd.size if self.cache is not None else 0
 
     def device_peak_bytes(self) -> int:
-        """Arena slots in use at their high-water mark plus the largest layer's live gradients
-        (plus, on CUDA, DDP's device buffer of the experts' main grads)."""
-        main_grads = sum(p.main_grad.numel() * p.main_grad.element_size() for l in self.layers
-                         for p in l.params
-                         if getattr(p, "main_grad", None) is not None and p.main_grad.is_cuda)
-        return self.arena.peak_bytes() + self.grad_peak + main_grads
+        """The device storage the arena has held (read from its storages), plus on CUDA the
+        storage of DDP's device buffer of the experts' main grads."""
+        return self.arena.peak_bytes() + self._device_main_grad_bytes()
+
+    def _device_main_grad_bytes(self) -> int:
+        return storage_bytes(p.main_grad for l in self.layers for p in l.params
+                             if getattr(p, "main_grad", None) is not None and p.main_grad.is_cuda)
 
     def stats(self) -> dict:
         link = {k: v + self.link.stats()[k] for k, v in self._totals.items()}
         link["hidden_fraction"] = 1.0 - min(1.0, link["wait_s"] / link["copy_s"]) \
             if link["copy_s"] > 0 else 1.0
         out = dict(device_peak=self.device_peak_bytes(), arena_peak=self.arena.peak_bytes(),
-                   grad_peak=self.grad_peak, resident=self.resident_bytes,
+                   resident=self.resident_bytes + self._device_main_grad_bytes(),
                    expert_param_bytes=sum(l.nbytes for l in self.layers), slots=self.k,
                    layers=len(self.layers), host=self.host_bytes(), ssd=self.ssd_bytes(),
                    hidden=link["hidden_fraction"], copy_s=link["copy_s"], wait_s=link["wait_s"],
@@ -493,6 +518,8 @@ class ExpertOffload:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._optimizer is not None and "step" in vars(self._optimizer):
+            del self._optimizer.step  # back to the class's step
         self.link.close()
         if self.cache is not None:
             self.cache.ssd.close()

@@ -14,6 +14,8 @@ from collections import OrderedDict
 
 import torch
 
+from megatron_moe.offload.link import mutation_under_test
+
 
 class SsdFile:
     """One flat file; regions are (offset, numel) of fp32, allocated in order."""
@@ -95,6 +97,7 @@ class HostCache:
         self.accesses = self.hit_count = self.overflows = self.writebacks = 0
         self._calls = 0
         self.lock = threading.RLock()      # the copy thread and the optimizer step both use it
+        self._write_back = mutation_under_test() != "skip_writeback"  # tests: lose the updates
 
     def add(self, key, init: torch.Tensor):
         """Register ``key`` with its initial contents (written straight to the file)."""
@@ -163,7 +166,7 @@ class HostCache:
 
     def _evict(self, key):
         t = self.entries.pop(key)
-        if key in self.dirty:
+        if key in self.dirty and self._write_back:
             self.ssd.write_from(self.regions[key], t)
             self.dirty.discard(key)
             self.writebacks += 1
