@@ -342,15 +342,6 @@ def load_checkpoint(model, optimizer, scheduler, args):
                   f"optimizer(s), this layout has {_optimizer_count(optimizer)} (EP=1 <-> EP>1); "
                   f"Adam state is re-initialised; weights and the LR schedule are loaded",
                   flush=True)
-    if load_optim and args.use_distributed_optimizer:
-        from megatron_moe.compat.checkpoint import distributed_optimizer_state_loadable
-
-        if not distributed_optimizer_state_loadable():
-            raise CheckpointError(
-                f"{ckpt}: --use-distributed-optimizer: megatron-core loads its Adam state only "
-                f"with Transformer Engine or apex installed (its torch.optim.Adam fallback fails; "
-                f"docs/checkpoints.md); pass --no-load-optim to load the weights (Adam and the LR "
-                f"schedule start afresh, as with Megatron-LM's --no-load-optim)")
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
                              include_rng=load_rng, is_loading=True)
     try:

@@ -101,6 +101,10 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
                  f"DP={args.data_parallel_size} ({time.time() - start:.1f}s)")
 
     model = get_model(model_provider, args, model_type)
+    if args.use_distributed_optimizer:  # its torch-Adam fallback (no TE/apex) saves and resumes
+        from megatron_moe.compat.distrib_optimizer import install_torch_adam_bridge
+
+        install_torch_adam_bridge()
     optimizer = get_megatron_optimizer(_optimizer_config(args, OptimizerConfig), model)
     # Megatron-LM's train(): the schedule multiplies each micro-batch loss by the optimizer's
     # loss scale before backward (fp16 dynamic scaling; 1.0 for bf16/fp32), which the

@@ -8,10 +8,10 @@ also uses the loaded Adam state, so equal again means the optimizer carried over
 
 Covered: TP1->TP2 (the trained vocabulary padding is kept), PP1->PP2, EP2->EP4, EP4->EP2 (from
 the EP4 run's own checkpoint) and a DP change (DP4 -> DP2, world 4 -> 2), each with the chained
-optimizer (weights + Adam state) and with --use-distributed-optimizer (weights only:
-megatron-core cannot load its Adam state without Transformer Engine or apex, docs/checkpoints.md;
-the run must say so rather than fail later). Every save is also checked to be quiet (no
-"common state dict differs" warning) in each of these layouts.
+optimizer and with --use-distributed-optimizer (fully reshardable format; without Transformer
+Engine or apex its torch-Adam fallback is bridged by compat/distrib_optimizer.py), weights and
+Adam state both. Every save is also checked to be quiet (no "common state dict differs" warning)
+in each of these layouts.
 """
 
 import os
@@ -50,17 +50,16 @@ def sources(tmp_path_factory):
     return get
 
 
-def _check(history, ref, optimizer_carried):
+def _check(history, ref):
     assert history["iteration"] == [2, 3]
     assert history["lm_loss"][0] == pytest.approx(ref["lm_loss"][1], rel=REL)
-    if optimizer_carried:
-        assert history["lm_loss"][1] == pytest.approx(ref["lm_loss"][2], rel=REL)
+    assert history["lm_loss"][1] == pytest.approx(ref["lm_loss"][2], rel=REL)  # Adam carried
 
 
 @pytest.mark.parametrize("distopt", [False, True], ids=["chained-optimizer", "distributed-optimizer"])
 def test_reshard_tp_pp_ep(sources, tmp_path, distopt):
     src, ref = sources(distopt)
-    extra = ["--use-distributed-optimizer", "--no-load-optim"] if distopt else []
+    extra = ["--use-distributed-optimizer"] if distopt else []
     ep4 = str(tmp_path / "ep4")
     runs = [BASE + TARGETS[name].split() + extra + ["--load", src, "--ckpt-step", "1"]
             for name in TARGETS]
@@ -69,7 +68,7 @@ def test_reshard_tp_pp_ep(sources, tmp_path, distopt):
     runs.append(BASE + A + extra + ["--load", ep4, "--ckpt-step", "2"])
     histories = run_distributed(run_pretrain_sequence, 4, runs, timeout_s=600)[0]
     for name, history in zip(TARGETS, histories):
-        _check(history, ref, optimizer_carried=not distopt)
+        _check(history, ref)
     back = histories[-1]
     assert back["iteration"] == [3]
     assert back["lm_loss"][0] == pytest.approx(histories[2]["lm_loss"][1], rel=REL)
@@ -78,26 +77,7 @@ def test_reshard_tp_pp_ep(sources, tmp_path, distopt):
 @pytest.mark.parametrize("distopt", [False, True], ids=["chained-optimizer", "distributed-optimizer"])
 def test_reshard_dp4_to_dp2(sources, distopt):
     src, ref = sources(distopt)
-    extra = ["--use-distributed-optimizer", "--no-load-optim"] if distopt else []
+    extra = ["--use-distributed-optimizer"] if distopt else []
     out = run_distributed(run_pretrain_capture, 2, BASE + A + extra + [
         "--load", src, "--ckpt-step", "1"], timeout_s=400)
-    _check(out[0][0], ref, optimizer_carried=not distopt)
-
-
-def test_distributed_optimizer_state_refused_with_a_clear_error(sources, capfd):
-    """Without TE/apex, loading the distributed optimizer's Adam state stops with one line naming
-    the flag and the way out, not megatron-core's assert."""
-    from megatron_moe.compat.checkpoint import distributed_optimizer_state_loadable
-
-    if distributed_optimizer_state_loadable():
-        pytest.skip("Transformer Engine or apex present: the state loads")
-    src, _ = sources(True)
-    from megatron_moe.testing import DistributedRunError
-
-    with pytest.raises(DistributedRunError) as err:
-        run_distributed(run_pretrain_capture, 4, BASE + A + [
-            "--use-distributed-optimizer", "--load", src, "--ckpt-step", "1"], timeout_s=400)
-    assert "SystemExit: 1" in str(err.value)
-    out = capfd.readouterr().out
-    assert "error: --load: " in out and "--use-distributed-optimizer: megatron-core loads its " \
-        "Adam state only with Transformer Engine or apex" in out and "--no-load-optim" in out
+    _check(out[0][0], ref)

@@ -19,7 +19,6 @@ The writer (issue 13, megatron_moe/checkpointing.py):
 * ``install_test_write_delay``: tests only (``MEGATRON_MOE_TEST_SAVE_DELAY``): the writer sleeps
   before writing every shard file except rank 0's first, so a kill can land while some shards
   of a checkpoint are on disk and others are not.
-* ``distributed_optimizer_state_loadable``: whether the distributed optimizer's Adam state loads.
 """
 
 import os
@@ -177,18 +176,3 @@ def install_test_write_delay(seconds: float) -> bool:
     writer.write_preloaded_data = staticmethod(delayed)
     writer._test_delay_installed = True
     return True
-
-
-def distributed_optimizer_state_loadable() -> bool:
-    """Whether megatron-core can load the distributed optimizer's Adam state here.
-
-    Without Transformer Engine or apex it falls back to torch.optim.Adam, and its load path
-    fails on 0.16.1 and 0.19.x alike: ``DistributedOptimizer.state_dict()`` asserts a 'step'
-    that torch Adam lacks before its first step, and with that primed, the fully reshardable
-    load copies a 'step' key the checkpoint's tensors never hold (KeyError), and the chained
-    optimizers' steps then disagree. Weights and the LR schedule still load."""
-    try:
-        from megatron.core.optimizer import distrib_optimizer
-    except ImportError:
-        return False
-    return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True))
