@@ -125,8 +125,8 @@ def main(argv=None):
         if model.is_free() and name.startswith("host"):
             ok_target.append((name, ratio, peak_frac))
     print("columns: ratio = resident iteration time / offloaded (same run, paired); model = the "
-          "cost model's predicted ratio; dev peak = arena slots + live grads, /resident = over what "
-          "resident training holds for the experts on the device (param + grad + Adam, 16 B/param); "
+          "cost model's predicted ratio; dev peak = the arena's slot storage (read from the storages), "
+          "/resident = over the storage of the same expert weights when resident (K/L of them); "
           "RSS = whole process after the offloaded / its paired resident run (runs share one process, so "
           "it grows along the sweep); hidden = 1 - exposed wait / copy time; ssd MB per step")
     print(f"expert state (fp32 w+g+m+v) {expert_state / 1e6:.1f} MB of process RSS "
@@ -144,7 +144,8 @@ def main(argv=None):
                           timeout_s=600)[0][0]
     s, losses = run["stats"], run["history"]["lm_loss"]
     trained = all(x == x for x in losses) and s["steps"] == big.iters
-    print(f"budget run: {big.layers} MoE layers, resident expert bytes {s['resident'] / 1e6:.1f} MB > "
+    print(f"budget run: {big.layers} MoE layers, resident expert weights {s['resident'] / 1e6:.1f} MB, "
+          f"with gradients and Adam state {2 * expert_state / 1e6:.1f} MB > "
           f"device budget {budget / 1e6:.1f} MB; offloaded device peak {s['device_peak'] / 1e6:.2f} MB "
           f"-> {'trains' if trained and s['device_peak'] <= budget else 'FAILS'} "
           f"(losses {', '.join(f'{x:.4f}' for x in losses)})")

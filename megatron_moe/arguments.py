@@ -338,8 +338,9 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
     return args
 
 
-def validate_args(args, check_data_paths=True):
-    """Fill derived values and reject impossible combinations (ValueError names the flag)."""
+def validate_args(args, check_data_paths=True, training=True):
+    """Fill derived values and reject impossible combinations (ValueError names the flag).
+    ``training=False`` (the inference tools): refuse only what a forward pass cannot do."""
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
     ep = args.expert_model_parallel_size
@@ -418,9 +419,9 @@ def validate_args(args, check_data_paths=True):
         if etp > 1 and args.add_bias_linear:
             raise ValueError(f"--expert-tensor-parallel-size {etp} needs --disable-bias-linear "
                              f"(megatron-core supports expert biases only with ETP=1)")
-        if ep == 1 and args.add_bias_linear:
+        if ep == 1 and args.add_bias_linear and training:
             # megatron-core 0.16 adds the expert bias in place on a view (mlp.py) when experts are
-            # not expert-parallel; it fails at the first backward
+            # not expert-parallel; it fails at the first backward (generation never runs one)
             raise ValueError("MoE with --expert-model-parallel-size 1 needs --disable-bias-linear "
                              "(megatron-core's expert-bias path fails there)")
         if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:

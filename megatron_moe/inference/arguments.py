@@ -133,10 +133,10 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     try:
         if no_data:  # generation reads no dataset: validate as if data were mocked
             args.mock_data = True
-            margs.validate_args(args, check_data_paths=False)
+            margs.validate_args(args, check_data_paths=False, training=False)
             args.mock_data = False
         else:
-            margs.validate_args(args, check_data_paths=need_data)
+            margs.validate_args(args, check_data_paths=need_data, training=False)
         margs.validate_extension_args(args)
         _check_tokenizer_files(args)
         if validate_tool is not None:

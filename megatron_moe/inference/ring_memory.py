@@ -115,7 +115,8 @@ class RingMemory:
 
     def __init__(self, model, slots: int, link_gbps: float | None = None, debug: bool = False,
                  experts: str = "all", device=None):
-        from megatron_moe.offload.link import CopyLink, SlotArena, nan_fill_from_env
+        from megatron_moe.offload.link import (CopyLink, SlotArena, mutation_under_test,
+                                               nan_fill_from_env, storage_bytes)
 
         if experts not in ("all", "active"):
             raise ValueError(f"ring memory experts must be 'all' or 'active' (got {experts!r})")
@@ -126,7 +127,8 @@ class RingMemory:
         self.n, self.k = n, min(slots, n)
         self.debug = debug
         self.active_only = experts == "active"
-        self.skip_waits_for_testing = False  # mutation switch for tests: compute without waiting
+        self.mutate = mutation_under_test()  # tests only: leave a bind or a wait out
+        self.skip_waits_for_testing = self.mutate == "skip_wait"
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
@@ -148,22 +150,30 @@ class RingMemory:
                 view.copy_(p.detach())
             self.host.append(flat)
         self.host_views = [layout.views(flat) for layout, flat in zip(self.layouts, self.host)]
-        for layout, views in zip(self.layouts, self.host_views):
-            layout.bind(views)  # the device copies of the weights are freed here
+        # resident layer weights, read from their storages (as the arena's peak is) before they go
+        self.resident_bytes = storage_bytes(p.data for l in self.layouts for p, *_ in l.entries)
         debug = debug or nan_fill_from_env()  # the training offload's switch works here too
+        # Between uses a layer's parameters point at poison, never at the host copy (a missed
+        # bind would pass silently on CPU): NaN of the right shape in debug mode, else
+        # zero-element tensors (a missed bind fails on the shape)
+        self.poison = [[torch.full((), float("nan"), dtype=d, device=device).expand(shape) if debug
+                        else torch.empty(0, dtype=d, device=device) for _, d, _, shape in l.entries]
+                       for l in self.layouts]
+        for layout, poison in zip(self.layouts, self.poison):
+            layout.bind(poison)  # the device copies of the weights are freed here
         self.link = CopyLink(gbps=link_gbps, device=device, jitter_s=DEBUG_JITTER_S if debug else 0.0)
         self.arena = SlotArena(dict(slot_numel), self.k, device=device, nan_fill=debug)
         self.slot_bytes = self.arena.slot_bytes
-        # parameter views into each slot, made once (not inside the engine's inference mode)
-        self._views = {(i, s): layout.views(self.arena.slot(s))
-                       for i, layout in enumerate(self.layouts) for s in range(self.k)}
         self.slot_of = {}  # layer -> slot holding (or receiving) it
         self.pending = {}  # layer -> the link's handle of its copy
         self.loaded_experts = {}  # layer -> experts copied into its slot (None: all)
         self.last_active = {}  # layer -> experts that received tokens at its last forward
         self.counters = dict(copies=0, bytes_copied=0, expert_misses=0, miss_bytes=0)
-        for i in range(self.k):
+        for i in range(self.k):  # the first K layers fill the K slots (allocated here)
             self._load(i, self.arena.acquire())
+        # parameter views into each slot, made once (not inside the engine's inference mode)
+        self._views = {(i, s): layout.views(self.arena.slot(s))
+                       for i, layout in enumerate(self.layouts) for s in range(self.k)}
         self._hooks = []
         if self.k < self.n:
             for i, layer in enumerate(self.layers):
@@ -209,7 +219,8 @@ class RingMemory:
         handle = self.pending.pop(layer, None)
         if handle is not None and not self.skip_waits_for_testing:
             self._wait(handle)
-        self.layouts[layer].bind(self._views[(layer, self.slot_of[layer])])
+        if self.mutate != "skip_bind":
+            self.layouts[layer].bind(self._views[(layer, self.slot_of[layer])])
 
     def _pre_hook(self, i):
         def hook(module, args):
@@ -218,7 +229,7 @@ class RingMemory:
 
     def _post_hook(self, i):
         def hook(module, args, output):
-            self.layouts[i].bind(self.host_views[i])  # nothing may read the slot from now on
+            self.layouts[i].bind(self.poison[i])  # nothing may read the slot from now on
             self.arena.release(self.slot_of.pop(i))  # NaN-filled in debug mode
             # on CUDA the refill waits for the layer's kernels and the NaN fill (compute stream)
             self._load((i + self.k) % self.n, self.arena.acquire(), after=_compute_done(self.device))
@@ -247,7 +258,7 @@ class RingMemory:
         link = self.link.stats()
         return dict(
             slots=self.k, layers=self.n, slot_bytes=self.slot_bytes,
-            streamed_bytes=sum(l.nbytes for l in self.layouts),
+            streamed_bytes=sum(l.nbytes for l in self.layouts), resident_bytes=self.resident_bytes,
             min_layer_bytes=min(l.nbytes for l in self.layouts),
             peak_device_bytes=self.arena.peak_bytes(), copy_s=link["copy_s"],
             wait_s=link["wait_s"], waits=link["waits"], blocked_waits=link["blocked_waits"],
@@ -256,8 +267,8 @@ class RingMemory:
     def summary(self) -> str:
         s = self.stats()
         line = (f" [ring memory] K={s['slots']} of N={s['layers']} layers | device layer bytes "
-                f"peak: {s['peak_device_bytes']} of {s['streamed_bytes']} "
-                f"({s['peak_device_bytes'] / max(1, s['streamed_bytes']):.2f}) | copies: "
+                f"peak: {s['peak_device_bytes']} of {s['resident_bytes']} "
+                f"({s['peak_device_bytes'] / max(1, s['resident_bytes']):.2f}) | copies: "
                 f"{s['copies']} ({s['bytes_copied'] / 2**20:.1f} MiB) | exposed wait: "
                 f"{s['wait_s'] * 1e3:.1f} ms of {s['copy_s'] * 1e3:.1f} ms copying | hidden: "
                 f"{100 * s['hidden_fraction']:.0f}% |")
