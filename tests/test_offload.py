@@ -1,7 +1,7 @@
 """--moe-expert-offload host|ssd in the real pretrain() loop (2 gloo ranks, EP=2, 4 MoE layers,
 K=2 device slots, NaN fill on): losses and grad norms bit-identical to resident training, across
 resumes in every direction (resident -> host, host -> ssd, ssd -> resident) and with K = every
-layer; the [offload] line's device peak, read from the arena's storage, is K/L of the resident
+layer, each left bound until the optimizer step; the [offload] line's device peak, read from the arena's storage, is K/L of the resident
 weights' storage (and K = L breaks the K = 2 bound); leaving out one forward bind, one copy wait,
 one backward re-bind or one host-cache write-back (MEGATRON_MOE_TEST_MUTATE) breaks the run, so
 the equality is not luck. Plus parse-time refusals and the SSD host cache (LFU vs LRU,
@@ -52,8 +52,8 @@ def test_offload_bit_identical_over_resumes_and_each_mutation_fails(tmp_path):
         _argv(4, *ssd, "--load", d["host"], "--save", d["ssd"], "--exit-interval", "3"),  # 3 host->ssd
         _argv(4, "--load", d["ssd"]),                                              # 4 ssd->resident 4
         _argv(4, *host, "--load", d["res"]),                                       # 5 resident->host 3-4
-        # 6: K >= layers (every layer cached; a layer still bound at the step is updated in the
-        # host copy, not lost in its slot)
+        # 6: K >= layers, every layer left bound from its backward until the step (skip_unbind):
+        # the step updates the host copy, not the slot it would lose
         _argv(4, *_off("host", tmp_path, "--moe-offload-cache-layers", "4")),  # (last flag wins)
         _argv(2, *host),                                                           # 7 skip_bind
         _argv(2, *host, "--moe-offload-link-gbps", "0.001"),                       # 8 skip_wait
@@ -61,8 +61,8 @@ def test_offload_bit_identical_over_resumes_and_each_mutation_fails(tmp_path):
         _argv(3, *ssd),                                                            # 10 skip_writeback
         _argv(2, "--moe-expert-offload", "host"),                                  # 11 skip_bind, no NaN fill
     ]
-    mutations = {7: "skip_bind", 8: "skip_wait", 9: "skip_rebind", 10: "skip_writeback",
-                 11: "skip_bind"}
+    mutations = {6: "skip_unbind", 7: "skip_bind", 8: "skip_wait", 9: "skip_rebind",
+                 10: "skip_writeback", 11: "skip_bind"}
     out = run_distributed(C.run_many, 2, runs, mutations, timeout_s=500)
     r = out[-1]  # the last rank prints the log lines
     ref = {k: v[0:2] + v2 for (k, v), v2 in zip(r[0]["history"].items(), r[1]["history"].values())}

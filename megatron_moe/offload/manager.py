@@ -322,7 +322,7 @@ class ExpertOffload:
     def _acc_hook(self, layer):
         def hook(param):
             layer.bwd_left -= 1
-            if layer.bwd_left == 0 and layer.bound:
+            if layer.bwd_left == 0 and layer.bound and self.mutate != "skip_unbind":
                 self._unbind(layer)
         return hook
 
