@@ -71,12 +71,14 @@ def tools_suite(rank, world_size, load, prompts, tokens, ring):
     common = ["--load", load, "--use-checkpoint-args", "--expert-model-parallel-size", "1"]
     gen = common + ["--num-tokens-to-generate", str(tokens), "--return-log-probs",
                     "--prompts", *prompts]
+    # evaluation first: megatron-core 0.19's engine leaves its process-wide InferenceMode flag set
+    # after generating, and GPTModel's loss path then refuses (each tool has its own process)
     return {
+        "evaluate": _main(evaluate.main, common),
+        "evaluate_ring": _main(evaluate.main, common + ring),
         "generate": _main(generate.main, gen),
         "generate_ring": _main(generate.main, gen + ring),
         "generate_ring_skip_bind": _main(generate.main, gen + ring, mutate="skip_bind"),
         "server": _serve(common, prompts[0], tokens),
         "server_ring": _serve(common + ring, prompts[0], tokens),
-        "evaluate": _main(evaluate.main, common),
-        "evaluate_ring": _main(evaluate.main, common + ring),
     }
