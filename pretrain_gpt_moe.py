@@ -48,7 +48,8 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    # loss_mask: megatron-core's Multi-Token Prediction masks its own losses with it
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
 
 

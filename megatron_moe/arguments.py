@@ -22,6 +22,7 @@ _EXTENSION_MODULES = (
     "megatron_moe.offload",
     "megatron_moe.dist_signal_handler",   # --exit-signal, --exit-duration-in-mins
     "megatron_moe.wandb_writer",          # --wandb-project, --wandb-exp-name, ...
+    "megatron_moe.mla",                   # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
 )
 
 
@@ -277,16 +278,37 @@ def _add_logging_args(p):
 
 
 def _layer_freq(text):
+    """Megatron's moe_freq_type: an int N, or a list expression such as '([0]+[1]*26)'."""
     text = text.strip()
-    if text.startswith("["):
+    if "[" in text:
         try:
-            values = [int(x) for x in text.strip("[]").split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid list {text!r}")
+            values = _list_expression(text)
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"invalid list expression {text!r}")
         if any(v not in (0, 1) for v in values):
             raise argparse.ArgumentTypeError("list entries must be 0 or 1")
         return values
     return int(text)
+
+
+def _list_expression(text):
+    """Evaluate list literals of ints joined by + and * (Megatron eval()s the string; no eval here)."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(text)
+
+    out = value(ast.parse(text, mode="eval").body)
+    if not isinstance(out, list) or not all(type(v) is int for v in out):
+        raise ValueError(text)
+    return out
 
 
 # --- validation ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 # Modules offering ``customize_spec(args, spec) -> spec``; applied in this order.
 SPEC_HOOKS = (
+    "megatron_moe.attention",          # MLA: core attention with unequal q/k and v head dims
     "megatron_moe.moe.dispatcher",
     "megatron_moe.moe.topo_router",
     "megatron_moe.balance",
@@ -49,6 +50,10 @@ def have_transformer_engine() -> bool:
 def transformer_config_from_args(args, config_class=TransformerConfig) -> TransformerConfig:
     """Copy every same-named (or renamed) arg into the config, as Megatron-LM does."""
     kwargs = {}
+    if getattr(args, "multi_latent_attention", False) and config_class is TransformerConfig:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
     names = {f.name for f in dataclasses.fields(config_class)}
     for key, value in vars(args).items():
         field = _RENAMED.get(key, key)
@@ -78,6 +83,8 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         from megatron.core.transformer.enums import AttnBackend
 
         kwargs["attention_backend"] = AttnBackend[args.attention_backend]
+    if getattr(args, "rope_type", None) is None:
+        kwargs.pop("rope_type", None)  # the config's default: yarn for MLA, rope otherwise
     if args.moe_router_load_balancing_type == "none":
         kwargs["moe_aux_loss_coeff"] = 0.0
     if args.num_experts is None:
@@ -120,6 +127,17 @@ def gpt_layer_spec(args, config):
     return spec
 
 
+def mtp_block_spec(args, config, spec, vp_stage=None):
+    """megatron-core's Multi-Token Prediction block (--mtp-num-layers) from the last layer's spec
+    (so it has the same attention and MoE customisations); None without MTP or off its stage."""
+    if not getattr(args, "mtp_num_layers", None):
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_transformer_engine(args),
+                                  vp_stage=vp_stage)
+
+
 def common_model_kwargs(args, config, pre_process, post_process, vp_stage) -> dict:
     """Constructor arguments megatron-core's GPTModel and BertModel both take from Megatron's flags."""
     return dict(
@@ -139,10 +157,12 @@ def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None)
     from megatron_moe.embedding import partition_word_embeddings
 
     config = transformer_config_from_args(args)
+    spec = gpt_layer_spec(args, config)
     model = GPTModel(
-        transformer_layer_spec=gpt_layer_spec(args, config),
+        transformer_layer_spec=spec,
         rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
+        mtp_block_spec=mtp_block_spec(args, config, spec, vp_stage),
         **common_model_kwargs(args, config, pre_process, post_process, vp_stage),
     )
     return partition_word_embeddings(model, args)  # --embedding-partition (vocab: unchanged)

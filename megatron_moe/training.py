@@ -208,7 +208,8 @@ class TrainingHooks:
         self.tracker = None
         if args.num_experts:
             self.tracker = ExpertLoadTracker(args.num_layers, args.num_experts,
-                                             args.expert_model_parallel_size)
+                                             args.expert_model_parallel_size,
+                                             mtp_num_layers=getattr(args, "mtp_num_layers", None))
             self.tracker.attach([unwrap(m) for m in model])
         self.balance = None
         from megatron_moe import balance
@@ -438,6 +439,16 @@ class Trainer:
                                moe_layer_freq=args.moe_layer_freq)
             for name, value in moe_losses.items():
                 losses[name] = float(value) / window.count
+        if getattr(args, "mtp_num_layers", None):
+            # megatron-core's MTP tracker summed each micro-batch's 'mtp_N loss' since the last
+            # line; Megatron-LM's training_log scales it by 1/num_microbatches, per iteration
+            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+            mtp_losses = {}
+            MTPLossLoggingHelper.track_mtp_metrics(1.0 / args.num_microbatches, iteration, None,
+                                                   None, mtp_losses)
+            for name, value in mtp_losses.items():
+                losses[name] = float(value) / window.count
         tokens_per_s = tokens_per_iter / elapsed_s if elapsed_s > 0 else 0.0
         line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
         line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
@@ -580,6 +591,8 @@ def moe_track_names(args):
     """The aux-loss names megatron-core records, as Megatron-LM's training_log lists them."""
     names = []
     balancing = args.moe_router_load_balancing_type
+    if isinstance(balancing, str):  # one type (not a substring test: "aux_loss" in "seq_aux_loss")
+        balancing = [balancing]
     if "aux_loss" in balancing:
         names.append("load_balancing_loss")
     if "seq_aux_loss" in balancing:

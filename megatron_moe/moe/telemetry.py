@@ -33,9 +33,13 @@ class LayerLoad:
 class ExpertLoadTracker:
     """Records tokens per expert per MoE layer; call ``attach(model)`` once after building."""
 
-    def __init__(self, num_layers: int, num_experts: int, ep_size: int, layout=None):
+    def __init__(self, num_layers: int, num_experts: int, ep_size: int, layout=None,
+                 mtp_num_layers: int = 0):
         """``layout``: a ``megatron_moe.moe.topo_router.EPLayout``; default (None) reads this rank's
-        EP group and the topology at ``attach()``."""
+        EP group and the topology at ``attach()``. Multi-Token Prediction layers
+        (``mtp_num_layers``) are recorded as layers ``num_layers + 1 ...``."""
+        self.decoder_layers = num_layers
+        num_layers += mtp_num_layers or 0
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.ep_size = ep_size
@@ -47,6 +51,7 @@ class ExpertLoadTracker:
         self.enabled = True  # off during evaluation
         self.listeners = []  # callables(layer_number, routing_map) for other consumers (balance stats)
         self._handles = []
+        self._mtp_layer = {}  # id(router) -> layer number, for routers inside the MTP block
 
     def attach(self, model_chunks) -> int:
         """Hook every router in the model chunks; returns the number of hooked routers."""
@@ -54,8 +59,12 @@ class ExpertLoadTracker:
 
         self._set_off_node()
         for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
-            for module in chunk.modules():
+            for name, module in chunk.named_modules():
                 if isinstance(module, Router):
+                    if "mtp.layers." in name:
+                        # MTP layers number their inner layer 1, 2, ... on megatron-core >= 0.17
+                        index = int(name.split("mtp.layers.")[1].split(".")[0])
+                        self._mtp_layer[id(module)] = self.decoder_layers + index + 1
                     self._handles.append(module.register_forward_hook(self._hook))
         return len(self._handles)
 
@@ -63,7 +72,8 @@ class ExpertLoadTracker:
         if not self.enabled:
             return
         routing_map = outputs[1]
-        layer = int(router.layer_number)  # set by megatron-core's TransformerLayer
+        # set by megatron-core's TransformerLayer; MTP routers by attach()
+        layer = self._mtp_layer.get(id(router)) or int(router.layer_number)
         counts = routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(dim=0)
         self.counts[layer - 1] += counts.to(device="cpu", dtype=torch.float64)
         if self._off_node is not None:

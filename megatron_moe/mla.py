@@ -1,0 +1,87 @@
+"""DeepSeek-V2/V3 flags: Multi-Latent Attention (MLA), YaRN RoPE, QK-norm, Multi-Token Prediction.
+
+Megatron-LM's names, defaults and meanings (megatron/training/arguments.py, ``_add_mla_args`` and
+the TransformerConfig-derived flags): the values go into megatron-core's ``MLATransformerConfig``
+by field name (model.transformer_config_from_args). On CPU, MLA's core attention is
+``megatron_moe.attention.UnequalHeadDotProductAttention``; MTP is megatron-core's
+``MultiTokenPredictionBlock`` (model.gpt_model_provider), its loss logged as Megatron prints it.
+
+The combinations megatron-core cannot build are refused here, before any process group starts.
+"""
+
+from __future__ import annotations
+
+
+def _add(group, parser, flag, **kwargs):
+    """Add a flag unless another module already defines it (flags shared with other families)."""
+    if flag not in parser._option_string_actions:
+        group.add_argument(flag, **kwargs)
+
+
+def add_arguments(parser):
+    g = parser.add_argument_group("multi-latent attention, rope, multi-token prediction")
+    a = lambda flag, **kw: _add(g, parser, flag, **kw)  # noqa: E731
+    a("--multi-latent-attention", action="store_true",
+      help="DeepSeek-V2/V3 Multi-Latent Attention (megatron-core's MLASelfAttention).")
+    a("--q-lora-rank", type=int, default=None,
+      help="Rank of the query's low-rank projection (None: a full-rank query projection).")
+    a("--kv-lora-rank", type=int, default=32, help="Rank of the key/value low-rank projection.")
+    a("--qk-head-dim", type=int, default=128,
+      help="Head dim of the QK projection without RoPE (q head dim = this + --qk-pos-emb-head-dim).")
+    a("--qk-pos-emb-head-dim", type=int, default=64, help="Head dim of the decoupled RoPE part.")
+    a("--v-head-dim", type=int, default=128, help="Head dim of the value projection.")
+    a("--rotary-scaling-factor", type=float, default=1.0, help="YaRN rotary scaling factor.")
+    a("--mscale", type=float, default=1.0, help="YaRN mscale of multi-latent attention.")
+    a("--mscale-all-dim", type=float, default=0.0, help="YaRN mscale_all_dim of multi-latent attention.")
+    a("--rope-type", default=None, choices=["rope", "yarn"],
+      help="MLA takes yarn by default, other attention rope.")
+    a("--rotary-percent", type=float, default=1.0, help="Fraction of the head dim RoPE rotates.")
+    a("--qk-layernorm", action="store_true", help="Normalise queries and keys (MLA: the latents).")
+    a("--attention-softmax-in-fp32", action="store_true",
+      help="Softmax of the attention scores in fp32 (bf16/fp16 runs).")
+    a("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+      help="Accepted: RoPE fusion is never used here (it needs Transformer Engine/apex kernels).")
+    a("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+      help="Accepted: the masked-softmax fusion is never used here (it needs CUDA kernels).")
+    a("--use-mcore-models", action="store_true",
+      help="Accepted: models are always megatron-core's here.")
+    a("--mtp-num-layers", type=int, default=None,
+      help="Multi-Token Prediction layers (DeepSeek-V3); their loss is logged as 'mtp_N loss'.")
+    a("--mtp-loss-scaling-factor", type=float, default=0.1,
+      help="Weight of the MTP loss (averaged over the MTP layers) in the training loss.")
+
+
+def validate_args(args):
+    """Combinations megatron-core cannot build: ValueError naming the flags (one line)."""
+    mla = getattr(args, "multi_latent_attention", False)
+    if mla:
+        if getattr(args, "group_query_attention", False) or args.num_query_groups is not None:
+            raise ValueError("--multi-latent-attention and --group-query-attention/"
+                             "--num-query-groups are mutually exclusive")
+        for flag in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1 with --multi-latent-attention")
+        if args.q_lora_rank is not None and args.q_lora_rank < 1:
+            raise ValueError("--q-lora-rank must be >= 1")
+        if args.context_parallel_size > 1 and not _have_te():
+            raise ValueError("--multi-latent-attention with --context-parallel-size > 1 needs "
+                             "Transformer Engine's attention (CUDA)")
+    elif args.rope_type == "yarn":
+        raise ValueError("--rope-type yarn needs --multi-latent-attention (megatron-core's other "
+                         "attention takes rope only)")
+    mtp = args.mtp_num_layers
+    if mtp is not None:
+        if mtp < 1:
+            raise ValueError(f"--mtp-num-layers must be >= 1 (got {mtp})")
+        if args.position_embedding_type not in ("rope", "none"):
+            raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope or none "
+                             f"(got {args.position_embedding_type})")
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError("--mtp-num-layers with --pipeline-model-parallel-size > 1 is not "
+                             "supported here (the MTP block needs the embedding on the last stage)")
+
+
+def _have_te() -> bool:
+    from megatron_moe.model import have_transformer_engine
+
+    return have_transformer_engine()
