@@ -76,9 +76,6 @@ def validate_args(args):
         if args.position_embedding_type not in ("rope", "none"):
             raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope or none "
                              f"(got {args.position_embedding_type})")
-        if args.pipeline_model_parallel_size > 1:
-            raise ValueError("--mtp-num-layers with --pipeline-model-parallel-size > 1 is not "
-                             "supported here (the MTP block needs the embedding on the last stage)")
 
 
 def _have_te() -> bool:

@@ -436,7 +436,8 @@ class Trainer:
                                writer=writer, total_loss_dict=moe_losses,
                                per_layer_logging=args.moe_per_layer_logging, force_initialize=True,
                                track_names=moe_track_names(args), num_layers=args.num_layers,
-                               moe_layer_freq=args.moe_layer_freq)
+                               moe_layer_freq=args.moe_layer_freq,
+                               mtp_num_layers=getattr(args, "mtp_num_layers", None))
             for name, value in moe_losses.items():
                 losses[name] = float(value) / window.count
         if getattr(args, "mtp_num_layers", None):

@@ -55,6 +55,21 @@ def report_moe_metrics(**kwargs):
             for name in ([names] if isinstance(names, str) else names or []):
                 tracker.ensure_initialized(name, size, device=device)
         return tracker.report(**kwargs)
-    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+    from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
+                                                         track_moe_metrics)
 
+    if kwargs.get("force_initialize") and kwargs.get("mtp_num_layers"):
+        # <= 0.17 pre-creates missing entries with num_layers values, while a router records
+        # num_layers + mtp_num_layers: a pipeline stage without MoE layers would then all-reduce
+        # a shorter tensor than the MTP stage (gloo hangs, NCCL corrupts). Create them full size.
+        import torch
+
+        size = kwargs["num_layers"] + kwargs["mtp_num_layers"]
+        tracker = get_moe_layer_wise_logging_tracker()
+        names = kwargs.get("track_names")
+        for name in ([names] if isinstance(names, str) else names or []):
+            if name not in tracker:
+                tracker[name] = {"values": torch.zeros(size, device=torch.cuda.current_device()),
+                                 "reduce_group": None, "avg_group": None,
+                                 "reduce_group_has_dp": False}
     return track_moe_metrics(**kwargs)

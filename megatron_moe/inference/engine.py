@@ -40,6 +40,10 @@ def setup_model(args):
     initialize_distributed(args)
     tokenizer = _build_tokenizer(args)
     _keep_checkpoint_vocab_padding(args)
+    # generation predicts the next token only: the Multi-Token Prediction block is not built
+    # (megatron-core's forward would compute its loss, without labels), and the checkpoint's
+    # MTP weights are simply not requested from it
+    args.mtp_num_layers = None
     model = gpt_model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
                                post_process=parallel_state.is_pipeline_last_stage())
     if torch.cuda.is_available():
