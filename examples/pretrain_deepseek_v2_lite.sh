@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DeepSeek-V2-Lite (15.7B total, 2.4B active parameters) on 1 node x 8 GPUs (NCCL), 80 GB each.
 # gpu-memory-gb: 80
+# vocab-size: 102400
 # The model flags are Megatron-LM's DeepSeek-V2-Lite configuration
 # (examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh, core_v0.16.1): MLA with
 # kv-lora-rank 512 and decoupled RoPE (YaRN, factor 40, mscale 0.707), 1 dense + 26 MoE layers of
@@ -8,8 +9,9 @@
 # is the same configuration with only the sizes overridden (the tests train it on 2 CPU ranks).
 # Mapping: TP=1, PP=1, EP=8 (DP=8, expert-DP=1), distributed optimizer: each GPU holds all
 # non-expert weights and 8 of the 64 experts of each MoE layer.
-# Per GPU (python tools/report_theoretical_memory.py <these flags> --world-size 8): see
-# docs/deepseek.md for the printed breakdown.
+# Per GPU (python tools/report_theoretical_memory.py <these flags> --world-size 8 --vocab-size
+# 102400; it counts 1.312B non-expert + 8 x 1.799B expert = 15.7B parameters): 6.2 GB bf16 weights
+# + 12.4 GB fp32 grads + 23.6 GB Adam/main params (sharded) + 4.1 GB activations = ~46 GB.
 #   bash examples/pretrain_deepseek_v2_lite.sh CHECKPOINT_PATH TOKENIZER_MODEL DATA_PATH [flags]
 # TOKENIZER_MODEL: a Hugging Face tokenizer directory or name (deepseek-ai/DeepSeek-V2-Lite).
 set -euo pipefail

@@ -28,6 +28,14 @@ CONFIGS = {
     # name: extra flags; the two cover EP vs TP sharding, 16-bit vs fp32, sharded vs full Adam state
     "ep2_bf16_distopt": "--expert-model-parallel-size 2 --bf16 --use-distributed-optimizer",
     "tp2_fp32": "--tensor-model-parallel-size 2 --sequence-parallel",
+    # DeepSeek: MLA (q LoRA, QK-norm on the latents), a dense first layer, one MTP layer
+    "mla_mtp_ep2": "--expert-model-parallel-size 2 --multi-latent-attention --q-lora-rank 48 "
+                   "--kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 24 "
+                   "--qk-layernorm --mtp-num-layers 1 --moe-layer-freq [0,1] "
+                   "--moe-shared-expert-intermediate-size 64",
+    "mla_tp2": "--tensor-model-parallel-size 2 --sequence-parallel --multi-latent-attention "
+               "--kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 24 "
+               "--qk-layernorm",
 }
 # Weights, grads and Adam state: exact up to megatron-core's buffer padding (the distributed
 # optimizer pads each bucket to a multiple of DP x 128 elements, large next to a tiny model).
@@ -179,6 +187,9 @@ def test_gpu_examples_are_found():
 def test_gpu_example_fits_its_gpu(path, tmp_path):
     gb = float(re.search(r"^# gpu-memory-gb: (\d+)", open(path).read(), re.M).group(1))
     argv, world = _launch_argv(path, tmp_path)
+    # a script whose tokenizer is a file states its vocabulary: "# vocab-size: N"
+    vocab = re.search(r"^# vocab-size: (\d+)", open(path).read(), re.M)
+    argv += ["--vocab-size", vocab.group(1)] if vocab else []
     t0 = time.perf_counter()
     args, ignored = rtm.parse(argv + ["--world-size", str(world)])
     lines = []

@@ -118,6 +118,50 @@ def _moe_pattern(args):
     return list(f) if isinstance(f, list) else [1 if i % f == 0 else 0 for i in range(L)]
 
 
+def _mla(args):
+    return getattr(args, "multi_latent_attention", False)
+
+
+def _norm_params(args, n):
+    return n if args.normalization == "RMSNorm" else 2 * n
+
+
+def attention_params(args):
+    """(attention params sharded over TP, replicated over TP) of one layer, without biases and
+    the layer's two norms. MLA (megatron-core's MLASelfAttention): q (LoRA or full), kv down
+    projection to kv_lora_rank + the RoPE part, kv up projection to heads x (qk + v), output from
+    heads x v; the down projections are TE's duplicated linears on GPU, column-parallel locally.
+    QK-norm: per-head q/k norms, or MLA's q/kv latent norms."""
+    h, a = args.hidden_size, args.num_attention_heads
+    qk_norm = getattr(args, "qk_layernorm", False)
+    if _mla(args):
+        qh = args.qk_head_dim + args.qk_pos_emb_head_dim
+        q_lora, kv_lora = args.q_lora_rank, args.kv_lora_rank
+        down = h * (kv_lora + args.qk_pos_emb_head_dim) + (h * q_lora if q_lora else 0)
+        shard = (q_lora * a * qh if q_lora else h * a * qh) \
+            + kv_lora * a * (args.qk_head_dim + args.v_head_dim) + a * args.v_head_dim * h
+        rep = 0
+        if _local(args):
+            shard += down
+        else:
+            rep += down
+        if qk_norm:
+            rep += _norm_params(args, kv_lora) + (_norm_params(args, q_lora) if q_lora else 0)
+        return shard, rep
+    kv = args.kv_channels or h // a
+    g = args.num_query_groups if (args.group_query_attention and args.num_query_groups) else a
+    return h * (a + 2 * g) * kv + a * kv * h, (2 * _norm_params(args, kv) if qk_norm else 0)
+
+
+def mtp_params(args):
+    """(sharded over TP, replicated) of the MTP layers without their transformer layer: the two
+    input norms, the 2h -> h projection (column-parallel), the final norm (megatron-core's
+    MultiTokenPredictionLayer)."""
+    n = getattr(args, "mtp_num_layers", None) or 0
+    h = args.hidden_size
+    return n * 2 * h * h, n * 3 * _norm_params(args, h)
+
+
 def layer_params(args):
     """(non-expert params of a dense layer, of an MoE layer, expert params of one MoE layer); each
     non-expert entry is (sharded over TP, replicated over TP)."""
@@ -127,9 +171,11 @@ def layer_params(args):
     bias = getattr(args, "add_bias_linear", True)
     gate = 2 if args.swiglu else 1
     norm = h if args.normalization == "RMSNorm" else 2 * h
-    attn = h * (a + 2 * g) * kv + a * kv * h
-    attn_b = ((a + 2 * g) * kv if (bias or getattr(args, "add_qkv_bias", False)) else 0)
-    attn_rep = 2 * norm + (h if bias else 0)            # the two norms, the proj bias
+    attn, attn_rep_extra = attention_params(args)
+    qkv_out = (a * (args.qk_head_dim + args.qk_pos_emb_head_dim) * 3 if _mla(args)
+               else (a + 2 * g) * kv)
+    attn_b = (qkv_out if (bias or getattr(args, "add_qkv_bias", False)) else 0)
+    attn_rep = 2 * norm + (h if bias else 0) + attn_rep_extra   # the two norms, the proj bias
     f = args.ffn_hidden_size
     mlp = h * f * gate + f * h + ((f * gate) if bias else 0)
     dense = (attn + attn_b + mlp, attn_rep + (h if bias else 0))
@@ -159,6 +205,17 @@ def stage_params(args, stage):
     n_dense = len(mine) - n_moe
     nonexp = (n_dense * (dense[0] / tp + dense[1]) + n_moe * (moe[0] / tp + moe[1]))
     h, V = args.hidden_size, args.padded_vocab_size
+    mtp = getattr(args, "mtp_num_layers", None) or 0
+    if mtp and stage == pp - 1:
+        # the MTP layers live on the last stage; each has a copy of the last decoder layer
+        last_moe = bool(pattern[-1])
+        sh, rep = mtp_params(args)
+        layer = moe if last_moe else dense
+        nonexp += sh / tp + rep + mtp * (layer[0] / tp + layer[1])
+        if last_moe:
+            n_moe += mtp                     # their experts, counted below
+        if pp > 1:
+            nonexp += V * h / tp             # the MTP stage keeps an embedding copy
     if stage == 0:
         nonexp += V * h / tp
         if args.position_embedding_type == "learned_absolute":
@@ -220,7 +277,18 @@ def layer_activation_bytes(args, moe: bool):
     mask_h = h if args.hidden_dropout > 0 else 0
     # per token: the part every TP rank holds without SP, and the part TP splits
     rep = 2 * _norm_bytes(args, h, ab) + h * ab + 2 * mask_h   # 2 norms, QKV input, 2 dropout masks
-    shard = (a + 2 * g) * kv * ab + a * kv * ab           # Q, K, V; projection input
+    if _mla(args):
+        # latents (down-projection outputs, their norms' inputs, up-projection inputs), the RoPE
+        # part of k, then Q, K (q/k head dim), V (v head dim) and the projection input (v head dim)
+        qh = args.qk_head_dim + args.qk_pos_emb_head_dim
+        q_lora, kv_lora = args.q_lora_rank or 0, args.kv_lora_rank
+        lat = (q_lora + kv_lora) * ab + args.qk_pos_emb_head_dim * ab
+        if getattr(args, "qk_layernorm", False):
+            lat += (_norm_bytes(args, q_lora, ab) if q_lora else 0) + _norm_bytes(args, kv_lora, ab)
+        rep += lat
+        shard = 2 * a * qh * ab + 2 * a * args.v_head_dim * ab
+    else:
+        shard = (a + 2 * g) * kv * ab + a * kv * ab       # Q, K, V; projection input
     if not _flash(args):                                  # unfused softmax(QK^T) [+ dropout] kept
         soft = (4 + ab) if _local(args) else ab           # local: fp32 softmax + its 16-bit copy
         shard += a * s * (soft + (ab + 1 if args.attention_dropout > 0 else 0))
@@ -265,6 +333,16 @@ def activation_bytes(args, stage, num_microbatches):
     else:
         peak = 0
     act = sum(keep)
+    mtp = getattr(args, "mtp_num_layers", None) or 0
+    if mtp and stage == pp - 1:
+        # per MTP layer: the embedding of the shifted tokens and the hidden state (normed: the
+        # norms' inputs), their concatenation (eh_proj input), a transformer layer, its final
+        # norm, and the MTP logits (fp32 for the loss) - megatron-core's MultiTokenPredictionLayer
+        last = layer_activation_bytes(args, bool(_moe_pattern(args)[-1]))
+        sp = args.sequence_parallel or tp == 1
+        per_token = (2 * _norm_bytes(args, h, ab) + 3 * h * ab) / (tp if sp else 1) \
+            + _norm_bytes(args, h, ab) / (tp if sp else 1) + args.padded_vocab_size / tp * 4
+        act += mtp * (last + s * b * per_token)
     if stage == 0:
         act += s * b * h * (ab + (1 if args.hidden_dropout > 0 else 0)) + 8 * s * b
     # 1F1B: stage i holds min(pp - i, m) micro-batches; interleaving adds (pp-1)/(pp*vp)
