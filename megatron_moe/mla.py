@@ -12,15 +12,9 @@ The combinations megatron-core cannot build are refused here, before any process
 from __future__ import annotations
 
 
-def _add(group, parser, flag, **kwargs):
-    """Add a flag unless another module already defines it (flags shared with other families)."""
-    if flag not in parser._option_string_actions:
-        group.add_argument(flag, **kwargs)
-
-
 def add_arguments(parser):
-    g = parser.add_argument_group("multi-latent attention, rope, multi-token prediction")
-    a = lambda flag, **kw: _add(g, parser, flag, **kw)  # noqa: E731
+    g = parser.add_argument_group("multi-latent attention, YaRN, multi-token prediction")
+    a = g.add_argument
     a("--multi-latent-attention", action="store_true",
       help="DeepSeek-V2/V3 Multi-Latent Attention (megatron-core's MLASelfAttention).")
     a("--q-lora-rank", type=int, default=None,
@@ -35,16 +29,6 @@ def add_arguments(parser):
     a("--mscale-all-dim", type=float, default=0.0, help="YaRN mscale_all_dim of multi-latent attention.")
     a("--rope-type", default=None, choices=["rope", "yarn"],
       help="MLA takes yarn by default, other attention rope.")
-    a("--rotary-percent", type=float, default=1.0, help="Fraction of the head dim RoPE rotates.")
-    a("--qk-layernorm", action="store_true", help="Normalise queries and keys (MLA: the latents).")
-    a("--attention-softmax-in-fp32", action="store_true",
-      help="Softmax of the attention scores in fp32 (bf16/fp16 runs).")
-    a("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
-      help="Accepted: RoPE fusion is never used here (it needs Transformer Engine/apex kernels).")
-    a("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
-      help="Accepted: the masked-softmax fusion is never used here (it needs CUDA kernels).")
-    a("--use-mcore-models", action="store_true",
-      help="Accepted: models are always megatron-core's here.")
     a("--mtp-num-layers", type=int, default=None,
       help="Multi-Token Prediction layers (DeepSeek-V3); their loss is logged as 'mtp_N loss'.")
     a("--mtp-loss-scaling-factor", type=float, default=0.1,

@@ -137,13 +137,13 @@ def test_refusal_on_the_cli_before_any_process_group():
     """pretrain_gpt_moe.py with a refused flag: exit 2, one error line, no rank started."""
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *BASE,
-         "--multi-latent-attention"],
+         "--cache-mla-latents"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="2", RANK="0"))
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert errors == ["pretrain_gpt_moe.py: error: --multi-latent-attention is refused: "
-                      + flags.status_table()["--multi-latent-attention"][1]]
+    assert errors == ["pretrain_gpt_moe.py: error: --cache-mla-latents is refused: "
+                      + flags.status_table()["--cache-mla-latents"][1]]
     assert "init_process_group" not in proc.stderr and "Traceback" not in proc.stderr
 
 
