@@ -46,10 +46,21 @@ def _train(world, extra, **kw):
     return out[-1]   # the last rank: the last pipeline stage prints the log line
 
 
-def test_v3_ep2_mtp_exact_resume_and_generation(tmp_path):
-    full_dir, resumed_dir = str(tmp_path / "full"), str(tmp_path / "resumed")
-    common = "--expert-model-parallel-size 2 --train-iters 4"
-    full, printed = _train(2, f"{common} --save {full_dir} --save-interval 2")
+EP2 = "--expert-model-parallel-size 2 --train-iters 4"
+
+
+@pytest.fixture(scope="module")
+def v3_ep2(tmp_path_factory):
+    """The tiny DeepSeek-V3 at EP=2, 4 iterations, saved at 2 and 4: (history, printed, save dir)."""
+    full_dir = str(tmp_path_factory.mktemp("v3") / "full")
+    history, printed = _train(2, f"{EP2} --save {full_dir} --save-interval 2")
+    return history, printed, full_dir
+
+
+def test_v3_ep2_mtp_exact_resume_and_generation(v3_ep2, tmp_path):
+    full, printed, full_dir = v3_ep2
+    resumed_dir = str(tmp_path / "resumed")
+    common = EP2
     # Megatron's log line: lm loss, the MoE aux loss, then 'mtp_1 loss' (MTPLossLoggingHelper)
     lines = [m.groups() for m in LOSS_LINE.finditer(printed)]
     assert [int(g[0]) for g in lines] == [1, 2, 3, 4], printed[-2000:]
@@ -73,6 +84,31 @@ def test_v3_ep2_mtp_exact_resume_and_generation(tmp_path):
     assert gen["log_probs"] == pytest.approx(gen["recomputed"], abs=1e-4)
     # the aux-loss-free expert bias moved during training and came back from the checkpoint
     assert gen["expert_bias_max"] > 0
+
+
+def test_v3_with_fused_permute_and_hierarchical_alltoall_is_bit_identical(v3_ep2):
+    """Our fused permute kernels and the hierarchical all-to-all (2 one-rank "nodes") are exact:
+    the DeepSeek-V3 run (MTP, shared expert, group-limited biased sigmoid routing) is bit-identical."""
+    full, _, _ = v3_ep2
+    fused, printed = _train(2, f"{EP2} --moe-permute-fusion --moe-a2a-algorithm hierarchical "
+                               "--ranks-per-node 1")
+    for key in ("lm_loss", "grad_norm"):
+        assert fused[key] == full[key], key
+
+
+def test_v3_with_balancing_and_topology_routing():
+    """FasterMoE-style balancing (shadowed experts) and the topology-loss router (2 one-rank nodes)
+    with MLA, the shared expert, the dense first layer and group-limited biased sigmoid routing
+    (the balancer refuses MTP, see test_bad_combinations_fail_at_parse_time)."""
+    no_mtp = [a for a in V3 if a not in ("--mtp-num-layers", "1")]
+    out = run_distributed(train_capture, 2, no_mtp + (
+        f"{EP2} --moe-balance-policy fastermoe --moe-router-topology ta_loss "
+        "--ranks-per-node 1").split(), timeout_s=300)
+    history, printed = out[-1]
+    losses = history["lm_loss"]
+    assert all(l == l for l in losses) and losses[-1] < losses[0] - 0.1, losses
+    # the topology router ran: its loss is in Megatron's log line next to the aux loss
+    assert len(re.findall(r"\| topology_loss: \S+ \|", printed)) == 4, printed[-2000:]
 
 
 @pytest.mark.parametrize("layout", [
@@ -174,12 +210,17 @@ def test_v2_lite_cpu_example_trains_resumes_exactly_and_generates(tmp_path):
     ("--kv-lora-rank 0", "--kv-lora-rank must be >= 1"),
     ("--moe-router-score-function softmax", "invalid model configuration"),   # expert bias
     ("--moe-router-num-groups 3", "invalid model configuration"),
-], ids=["mla-gqa", "mtp-learned-pos", "kv-lora-0", "bias-softmax", "groups-3"])
+    ("--moe-balance-policy proprophet", "--moe-balance-policy proprophet cannot be combined with "
+                                        "--mtp-num-layers"),
+    ("--embedding-partition hidden --expert-model-parallel-size 2",
+     "--embedding-partition hidden does not support --mtp-num-layers"),
+], ids=["mla-gqa", "mtp-learned-pos", "kv-lora-0", "bias-softmax", "groups-3", "balance-mtp",
+        "embedding-hidden-mtp"])
 def test_bad_combinations_fail_at_parse_time(extra, message, capsys):
     from megatron_moe.arguments import parse_args
 
     with pytest.raises(SystemExit) as exc:
-        parse_args(V3 + ["--train-iters", "1"] + extra.split(), world_size=1)
+        parse_args(V3 + ["--train-iters", "1"] + extra.split(), world_size=2)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 2, err   # the error + the help hint
