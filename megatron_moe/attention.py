@@ -19,9 +19,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-__all__ = ["UnequalHeadDotProductAttention", "customize_spec"]
+__all__ = ["UnequalHeadDotProductAttention", "LayerNormColumnParallelLinear", "customize_spec"]
 
 
 class UnequalHeadDotProductAttention(DotProductAttention):
@@ -58,22 +61,59 @@ class UnequalHeadDotProductAttention(DotProductAttention):
 
 def customize_spec(args, spec):
     """model.gpt_layer_spec hook: MLA layers get the unequal-head core attention instead of
-    megatron-core's local DotProductAttention (TE's, on GPU, already takes the head dims)."""
+    megatron-core's local DotProductAttention (TE's, on GPU, already takes the head dims), and no
+    query norm without a query LoRA (compat/mla.py)."""
     if not getattr(args, "multi_latent_attention", False):
         return spec
     import dataclasses
 
-    from megatron_moe.compat.mla import fix_te_stand_ins
+    from megatron_moe.compat.mla import drop_unused_q_norm, fix_te_stand_ins, local_fused_q_norm
 
     fix_te_stand_ins()
+    local_fused_q_norm(LayerNormColumnParallelLinear)
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
         sub = getattr(attn, "submodules", None)
-        if sub is None or getattr(sub, "core_attention", None) is not DotProductAttention:
-            continue
+        if sub is None or not hasattr(sub, "linear_kv_down_proj"):
+            continue  # not an MLA layer
+        new = drop_unused_q_norm(sub, args.q_lora_rank)
+        if getattr(new, "core_attention", None) is DotProductAttention:
+            new = dataclasses.replace(new, core_attention=UnequalHeadDotProductAttention)
         # fresh objects: megatron-core shares one layer spec between layers
         layer.submodules = dataclasses.replace(
-            layer.submodules, self_attention=dataclasses.replace(
-                attn, submodules=dataclasses.replace(
-                    sub, core_attention=UnequalHeadDotProductAttention)))
+            layer.submodules, self_attention=dataclasses.replace(attn, submodules=new))
     return spec
+
+
+
+class LayerNormColumnParallelLinear(ColumnParallelLinear):
+    """A norm over the input, then megatron-core's ColumnParallelLinear: the local stand-in for
+    Transformer Engine's ``TELayerNormColumnParallelLinear`` (its ``layer_norm_weight`` /
+    ``layer_norm_bias`` names), which megatron-core >= 0.19 uses for MLA's query projection when
+    ``--qk-layernorm`` is on without a query LoRA (DeepSeek-V2-Lite) and which its local backend
+    lacks (compat/mla.py hands it to MLA's norm resolver). The norm is the model's
+    (--normalization, --norm-epsilon), per token, so it runs before the linear's gather of a
+    sequence-parallel input; its weights are then sequence-parallel params (grads summed over TP).
+    """
+
+    def __init__(self, input_size, output_size, *, config, **kwargs):
+        kwargs.pop("name", None)   # megatron-core >= 0.19 names modules; the linear takes no name
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = config.layernorm_epsilon
+        dtype = config.params_dtype
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=dtype))
+        self.layer_norm_bias = (None if self.rms else
+                                torch.nn.Parameter(torch.zeros(input_size, dtype=dtype)))
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is not None:
+                setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, input_, *args, **kwargs):
+        shape = (input_.shape[-1],)
+        if self.rms:
+            normed = F.rms_norm(input_, shape, self.layer_norm_weight, self.eps)
+        else:
+            normed = F.layer_norm(input_, shape, self.layer_norm_weight, self.layer_norm_bias,
+                                  self.eps)
+        return super().forward(normed, *args, **kwargs)

@@ -131,3 +131,27 @@ def test_mutations_fail(tp1, monkeypatch):
     # wrong head dims are refused with the dims named
     with pytest.raises(ValueError, match="head dims"):
         _build(_config(), scale)(v, k, v, None)
+
+
+def test_layer_norm_column_parallel_linear_is_norm_then_linear(tp1):
+    """The local fused norm + linear megatron-core >= 0.19 asks for (MLA's query projection with
+    --qk-layernorm and no query LoRA): RMSNorm with its weight, then the linear, in float64."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_moe.attention import LayerNormColumnParallelLinear
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4,
+                               params_dtype=torch.float64, use_cpu_initialization=True,
+                               normalization="RMSNorm", layernorm_epsilon=1e-6)
+    lin = LayerNormColumnParallelLinear(16, 24, config=config, init_method=torch.nn.init.normal_,
+                                        bias=False, gather_output=False, skip_bias_add=False,
+                                        is_expert=False, name="q_proj")
+    with torch.no_grad():
+        lin.layer_norm_weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, 2, 16, dtype=torch.float64)
+    out, _ = lin(x)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * lin.layer_norm_weight
+    torch.testing.assert_close(out, ref @ lin.weight.t(), rtol=1e-12, atol=1e-12)
+    # mutation: without the norm the output differs
+    assert not torch.allclose(out, x @ lin.weight.t())
+    assert {n for n, _ in lin.named_parameters()} == {"weight", "layer_norm_weight"}
