@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["CostModel", "DEFAULT_PROFILE", "PlannerCost", "save_profile", "as_planner_cost", "sync_s_vec",
-           "a2a_s", "planner_cost_from_cost_model", "OffloadCost"]
+           "a2a_s", "planner_cost_from_cost_model", "OffloadCost", "rank_time_s"]
 
 # Documented defaults (docs/balance.md): the paper artifact's A2A bandwidth table (Gb/s by message
 # size), 15 Gb/s for Trans/Agg, and a d_model=1024/d_ffn=2048 fp32 expert at 35.7 TFLOP/s.
@@ -263,6 +263,17 @@ def sync_s_vec(cost: PlannerCost, hosts: np.ndarray) -> np.ndarray:
     m = k > 1
     out[m] = 2.0 * (k[m] - 1) / k[m] * cost.grad_bytes / bw[m] + 2 * (k[m] - 1) * cost.lat
     return out
+
+
+def rank_time_s(cost: PlannerCost, processed, traffic) -> np.ndarray:
+    """Per-rank seconds of one MoE layer without replica upkeep (FlexMoE's Eq. 5 for any placement):
+    forward + backward compute of the ``processed[g]`` inputs and 4 all-to-all receives of
+    ``traffic[src, dst]`` inputs over each link. ``--moe-balance-policy auto`` prices every candidate
+    with it (plus each candidate's replica terms), so they compare on one scale."""
+    t = cost.compute_s(processed)
+    if cost.pair_s_per_input is not None:
+        t = t + 4.0 * (np.asarray(traffic, dtype=np.float64) * cost.pair_s_per_input).sum(axis=0)
+    return t
 
 
 def planner_cost_from_cost_model(cm, num_ranks: int) -> PlannerCost:

@@ -19,7 +19,7 @@ from .traces import tile_sources
 
 __all__ = ["POLICIES", "available_policies", "simulate", "compare", "ep_layout"]
 
-POLICIES = ("none", "deepspeed", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap")
+POLICIES = ("none", "deepspeed", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap", "auto")
 
 
 def _proprophet_cls():
@@ -41,7 +41,7 @@ def _training_planner_defaults() -> Dict[str, float]:
 def available_policies() -> List[str]:
     pols = ["none", "deepspeed", "fastermoe", "flexmoe"]
     if _proprophet_cls() is not None:
-        pols += ["proprophet", "proprophet+overlap"]
+        pols += ["proprophet", "proprophet+overlap", "auto"]
     return pols
 
 
@@ -77,6 +77,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy, default_owner
     from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy, route_real
     from megatron_moe.balance.cost_model import sync_s_vec
+    from megatron_moe.balance.policies.base import Placement
 
     if policy not in POLICIES:
         raise ValueError(f"sim: unknown policy {policy!r}; choose from {POLICIES}")
@@ -123,6 +124,13 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         pols = {(g, l): FasterMoEPolicy(n_exp, p, costs[g], **kw) for g in range(groups) for l in range(layers)}
     elif base == "flexmoe":
         pols = {(g, l): FlexMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
+    elif base == "auto":
+        # per group and layer the cost model picks none / proprophet (transient) / flexmoe (persistent)
+        from megatron_moe.balance.policies.auto import AutoPolicy
+        for k, v in _training_planner_defaults().items():
+            kw.setdefault(k, v)
+        pols = {(g, l): AutoPolicy(n_exp, p, cost=cluster.cost_model(ranks[g]), planner_cost=costs[g], **kw)
+                for g in range(groups) for l in range(layers)}
     elif base == "proprophet":
         cls = _proprophet_cls()
         if cls is None:
@@ -136,6 +144,31 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         pols = {(g, l): cls(num_experts=n_exp, num_ranks=p, cost=cluster.cost_model(ranks[g]), **kw)
                 for g in range(groups) for l in range(layers)}
     prev = {}
+
+    def run_replicas(g, placement, c, local, traffic, trans, agg):
+        """Transient replica sets (Pro-Prophet): inputs of a replica rank stay there; Trans/Agg."""
+        s = own_mask.copy()
+        for e in placement.replicated():
+            rs = placement.replica_sets[e]
+            s[rs, e] = True
+            trans[g, rs] += bcast_of(g, rs)
+        agg[g] = trans[g]
+        local[g] = c[g] * s
+        traffic[g] = to_owner((c[g] * ~s)[None])[0]
+
+    def run_flex(g, n, c, local, traffic, agg):
+        """FlexMoE vExpert table ``n[e, rank]``: the flexible router, replica-group ring all-reduce."""
+        keep, spill, frac = route_real(c[g], n)
+        local[g] = keep.T
+        traffic[g] = spill.T @ frac
+        hosts = n > 0
+        agg[g] = (sync_s_vec(costs[g], hosts)[:, None] * hosts).sum(axis=0)
+
+    def charge_moves(g, moves, adj):
+        """Best-effort state transfers (src, dst, bytes) of group g."""
+        for src, dst, nb in moves:
+            t = cluster.p2p_time(nb, int(ranks[g][src]), int(ranks[g][dst]))
+            adj[g, src] += t; adj[g, dst] += t
 
     def assign(it: int, l: int) -> Assignment:
         c = trace[it, l].reshape(groups, p, n_exp).astype(np.float64)
@@ -166,35 +199,44 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):
                 pol = pols[(g, l)]
-                n = pol.table.counts()
-                keep, spill, frac = route_real(c[g], n)
-                local[g] = keep.T
-                traffic[g] = spill.T @ frac
-                hosts = n > 0
-                agg[g] = (sync_s_vec(costs[g], hosts)[:, None] * hosts).sum(axis=0)
+                run_flex(g, pol.table.counts(), c, local, traffic, agg)
                 ops, dt = timer(pol.step, c[g])                  # placement for the next step
                 plan_h[g] = 0.0                                  # host-side, overlaps GPU work
                 plan_s[g] = 0.0
                 pol.plan_seconds = getattr(pol, "plan_seconds", 0.0) + dt
-                for src, dst, nb in pol.adjustment_bytes(ops):
-                    t = cluster.p2p_time(nb, int(ranks[g][src]), int(ranks[g][dst]))
-                    adj[g, src] += t; adj[g, dst] += t
+                charge_moves(g, pol.adjustment_bytes(ops), adj)
+        elif base == "auto":
+            # plan j from j-1's counts (as proprophet; flexmoe's table likewise applies one step late)
+            local = np.empty_like(c); traffic = np.empty((groups, p, p))
+            for g in range(groups):
+                pol, pred = pols[(g, l)], prev.get((g, l))
+                if pred is None:
+                    placement = Placement.plain(n_exp, p)
+                else:
+                    was = pol.choice
+                    placement, plan_h[g] = timer(pol.plan, pred)
+                    if pol.choice == "flexmoe":
+                        fx = pol.cands["flexmoe"]
+                        if was != "flexmoe":                     # switching in: replicas built from owners
+                            n = np.asarray(placement.vexperts)
+                            moves = [(int(owner[e]), int(r), float(costs[g].state_bytes))
+                                     for e, r in zip(*np.nonzero(n)) if r != owner[e]]
+                        else:
+                            moves = fx.adjustment_bytes(pol.last_ops)
+                        charge_moves(g, moves, adj)
+                if placement.vexperts is not None:
+                    run_flex(g, np.asarray(placement.vexperts, dtype=np.float64), c, local, traffic, agg)
+                else:
+                    run_replicas(g, placement, c, local, traffic, trans, agg)
+                prev[(g, l)] = c[g]
         else:   # proprophet: plan from the previous iteration's counts (locality), applied now
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):
                 pred = prev.get((g, l))                          # iteration 0: plain EP
-                plan_h[g] = 0.0
-                s = own_mask.copy()
+                placement = Placement.plain(n_exp, p)
                 if pred is not None:
-                    placement, dt = timer(pols[(g, l)].plan, pred)
-                    plan_h[g] = dt                               # plan j+1 overlaps dispatch of j
-                    for e in placement.replicated():
-                        rs = placement.replica_sets[e]
-                        s[rs, e] = True
-                        trans[g, rs] += bcast_of(g, rs)
-                agg[g] = trans[g]
-                local[g] = c[g] * s
-                traffic[g] = to_owner((c[g] * ~s)[None])[0]
+                    placement, plan_h[g] = timer(pols[(g, l)].plan, pred)   # plan j+1 overlaps dispatch of j
+                run_replicas(g, placement, c, local, traffic, trans, agg)
                 prev[(g, l)] = c[g]
         return Assignment(local, traffic, trans, agg, plan_s, plan_h, adj)
 

@@ -5,3 +5,4 @@ from megatron_moe.balance.policies.base import (POLICIES, BalancePolicy, NoBalan
                                                 balance_degree, default_owner, loads, make_policy,
                                                 register_policy)
 from megatron_moe.balance.policies import fastermoe, flexmoe, proprophet  # noqa: F401,E402 (register)
+from megatron_moe.balance.policies import auto  # noqa: F401,E402 (register; uses the three above)

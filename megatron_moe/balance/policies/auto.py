@@ -1,0 +1,200 @@
+"""``--moe-balance-policy auto``: per layer and per re-plan, pick no replication, transient replicas
+(Pro-Prophet) or persistent replicas (FlexMoE) by the cost model's predicted iteration time.
+
+At every ``plan(counts)`` each candidate planner (the registered ``none``, ``proprophet`` and
+``flexmoe`` policies; nothing of their logic is repeated here) plans from the predicted counts, and
+the ONE cost model (``balance/cost_model.py``; its ``PlannerCost`` built from the calibration
+profile in training, from the cluster in the simulator) prices each plan on them, per rank, and
+takes the slowest rank:
+
+* every candidate: ``rank_time_s``: 3 x forward compute of the inputs the rank processes + 4 x the
+  all-to-all receive time over each link (FlexMoE's loads by its real-number router ``route_real``);
+* transient (Pro-Prophet): + one parameter broadcast (Trans) and one gradient reduce (Agg) of every
+  replicated expert on each of its member ranks (with ``eq8``: only what exceeds the forward /
+  backward compute and the non-MoE time, Eq. 8);
+* persistent (FlexMoE): + the per-iteration replica-group gradient sync (``sync_s_vec``) + the
+  state moves of its Expand/Migrate ops (``PlannerCost.state_move_s``) divided by the re-plan
+  ``interval``; switching INTO FlexMoE from another candidate builds every non-owner replica, a cost
+  spread over the expected stay (1 / observed drift re-plans, at most ``max_stay``);
+  with ``moves_overlap`` (FlexMoE's best-effort transfers, as the simulator runs them) only the part
+  of the moves exceeding the rank's idle link time is charged; a plan whose extra replicas need
+  more than ``memory_left_bytes`` on some rank is not eligible.
+  With ``persistent=False`` (training runs FlexMoE's placement with transient replicas under auto)
+  FlexMoE is priced with Trans + Agg like Pro-Prophet.
+
+Drift: every candidate's previous plan was priced on the counts it was planned from; at the next
+re-plan the same plan is priced on the counts that really came. The ratio (EMA) is that candidate's
+drift factor and multiplies its next prediction, so a placement that decays fast under drifting
+routing is charged for it. The observed drift ||C_j - C_{j-1}||_1 / ||C_{j-1}||_1 is recorded too.
+
+The FlexMoE candidate is stateful: its slot table is stepped at every re-plan even while another
+candidate is chosen (a shadow table), so switching to it starts from a table adapted to the load.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s, sync_s_vec
+from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, Placement, default_owner, loads,
+                                                make_policy, register_policy)
+from megatron_moe.balance.policies.flexmoe import route_real
+
+__all__ = ["AutoPolicy", "CANDIDATES"]
+
+CANDIDATES = ("none", "proprophet", "flexmoe")
+
+
+class AutoPolicy(BalancePolicy):
+    name = "auto"
+
+    def __init__(self, num_experts: int, num_ranks: int, cost: Optional[CostModel] = None,
+                 planner_cost: Optional[PlannerCost] = None, alpha: float = 1.0, n: int = 0,
+                 eq8: bool = False, interval: int = 1, persistent: bool = True,
+                 memory_left_bytes: Optional[float] = None, candidates=CANDIDATES,
+                 drift_ema: float = 0.5, force: Optional[str] = None, max_stay: float = 20.0,
+                 moves_overlap: bool = True, **_ignored):
+        super().__init__(num_experts, num_ranks)
+        self.cost = cost if cost is not None else CostModel.from_profile(None)
+        self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
+        self.eq8, self.interval, self.persistent = bool(eq8), max(1, int(interval)), bool(persistent)
+        self.memory_left_bytes = memory_left_bytes
+        self.drift_ema, self.max_stay = float(drift_ema), float(max_stay)
+        self.moves_overlap = bool(moves_overlap)
+        self.force = force                       # tests' mutation: always this candidate
+        self.owner = default_owner(num_experts, num_ranks)
+        self._to_owner = np.zeros((num_experts, num_ranks))
+        self._to_owner[np.arange(num_experts), self.owner] = 1.0
+        self.cands: Dict[str, BalancePolicy] = {}
+        for c in candidates:
+            if c == "none":
+                self.cands[c] = NoBalancePolicy(num_experts, num_ranks)
+            elif c == "proprophet":
+                self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.cost, alpha=alpha, n=n, eq8=eq8)
+            elif c == "flexmoe":
+                self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.pc)
+            else:
+                raise ValueError(f"--moe-balance-policy auto: unknown candidate {c!r}; choose from {CANDIDATES}")
+        self.choice = "none"
+        self.factor = {c: 1.0 for c in self.cands}     # drift factors (realised / predicted)
+        self._prev: Dict[str, tuple] = {}              # candidate -> (placement, predicted base time)
+        self._prev_counts: Optional[np.ndarray] = None
+        self.drift = 0.0
+        self.last_times: Dict[str, float] = {}
+        self.last_ops: List = []
+        self.choices: Dict[str, int] = {c: 0 for c in self.cands}
+
+    # -- the cost model's price of one placement ------------------------------------------------
+    def _ranks(self, counts: np.ndarray, p: Placement):
+        """Per-rank (compute + 4 all-to-all receives) seconds of ``p`` on ``counts`` (``rank_time_s``)
+        and per-rank forward compute seconds. FlexMoE placements route by the real-number router."""
+        if p.vexperts is not None:
+            keep, spill, frac = route_real(counts, np.asarray(p.vexperts, dtype=np.float64))
+            traffic = spill.T @ frac                     # [src, dst]; a source never spills to itself
+            H = keep.sum(axis=0) + traffic.sum(axis=0)
+        else:
+            H = loads(counts, p)[0]
+            traffic = np.where(p.mask(), 0.0, counts) @ self._to_owner   # [src, owner]
+        return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
+
+    def _base(self, counts: np.ndarray, p: Placement) -> float:
+        return float(self._ranks(counts, p)[0].max())
+
+    def _transient_s(self, p: Placement, fec: np.ndarray) -> np.ndarray:
+        """Per rank: Trans + Agg (one broadcast and one reduce of each expert it holds a replica of
+        or owns; Eq. 8's exposed parts with ``eq8``)."""
+        t = np.zeros(self.num_ranks)
+        for e in p.replicated():
+            t[p.replica_sets[e]] += self.pc.param_collective_s
+        if self.eq8:
+            return np.maximum(0.0, t - fec - self.cost.t_fnec) + np.maximum(0.0, t - 2 * fec - self.cost.t_bnec)
+        return 2.0 * t
+
+    def _persistent_s(self, p: Placement, ops):
+        """Per rank: (replica-group gradient sync per iteration, state moves amortised over the
+        interval); None if the extra replicas do not fit the memory left."""
+        hosts = np.asarray(p.vexperts) > 0                # [E, D]
+        extra = hosts.sum(axis=0) - np.bincount(self.owner, hosts[np.arange(self.num_experts), self.owner],
+                                                self.num_ranks)
+        if self.memory_left_bytes is not None and extra.max() * self.pc.state_bytes > self.memory_left_bytes:
+            return None
+        sync = (sync_s_vec(self.pc, hosts)[:, None] * hosts).sum(axis=0)
+        if self.choice != "flexmoe":                     # switching in: every non-owner replica is new
+            moves = [(int(self.owner[e]), int(g)) for e, g in zip(*np.nonzero(hosts)) if g != self.owner[e]]
+        else:
+            moves = [(a, b) for a, b, nb in self.cands["flexmoe"].adjustment_bytes(ops) if nb > 0]
+        move = np.zeros(self.num_ranks)
+        for a, b in moves:
+            t = self.pc.state_move_s(a, b)
+            move[a] += t; move[b] += t
+        # moves of a re-plan are paid once per interval; building the replicas when switching in is
+        # paid once per expected stay, ~1/drift re-plans (the placement decays at the observed drift)
+        stay = 1.0 if self.choice == "flexmoe" else self.expected_stay()
+        return sync, move / (self.interval * stay)
+
+    def expected_stay(self) -> float:
+        """Re-plans a persistent placement is expected to stay useful: 1 / observed drift, capped."""
+        return float(min(self.max_stay, 1.0 / max(self.drift, 1.0 / self.max_stay)))
+
+    def price(self, name: str, counts: np.ndarray, p: Placement, ops=()) -> Optional[float]:
+        """Predicted seconds of one layer iteration under candidate ``name``'s placement ``p``."""
+        base, fec = self._ranks(counts, p)
+        if name == "none" or p.is_plain():
+            return float(base.max())
+        if name == "flexmoe" and self.persistent:
+            parts = self._persistent_s(p, ops)
+            if parts is None:
+                return None
+            sync, move = parts
+            t = base + sync
+            if not self.moves_overlap:
+                return float((t + move).max())
+            # best effort (FlexMoE): moves fill the link's idle time; only the excess is exposed
+            idle = t.max() - (base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) + sync)
+            return float(t.max() + np.maximum(0.0, move - idle).max())
+        return float((base + self._transient_s(p, fec)).max())
+
+    # -- the policy -----------------------------------------------------------------------------
+    def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+        C = np.asarray(counts, dtype=np.float64)
+        # drift: how each candidate's previous plan priced on the counts that really came
+        if self._prev_counts is not None:
+            self.drift = float(np.abs(C - self._prev_counts).sum() / max(1.0, self._prev_counts.sum()))
+            for c, (p, predicted) in self._prev.items():
+                if predicted > 0:
+                    ratio = self._base(C, p) / predicted
+                    self.factor[c] = (1 - self.drift_ema) * self.factor[c] + self.drift_ema * ratio
+        self._prev_counts = C.copy()
+        plans, times = {}, {}
+        for c, pol in self.cands.items():
+            p = pol.plan(C, None)          # flexmoe: its own (shadow) table, stepped every re-plan
+            ops = list(getattr(pol, "last_ops", None) or [])
+            t = self.price(c, C, p, ops)
+            self._prev[c] = (p, self._base(C, p))
+            plans[c] = (p, ops)
+            if t is not None:
+                times[c] = t * self.factor[c]
+        self.last_times = times
+        choice = self.force if self.force is not None else min(times, key=lambda c: (times[c], c))
+        self.choice = choice
+        self.choices[choice] += 1
+        p, self.last_ops = plans[choice]
+        if choice != "flexmoe":
+            self.last_ops = []
+        return p
+
+    def state_dict(self) -> Dict:
+        fx = self.cands.get("flexmoe")
+        return {"choice": self.choice, "factor": dict(self.factor),
+                "flexmoe": fx.state_dict() if fx is not None else None}
+
+    def load_state_dict(self, d: Dict) -> bool:
+        self.choice = d.get("choice", "none") if d.get("choice") in self.cands else "none"
+        self.factor.update({k: float(v) for k, v in d.get("factor", {}).items() if k in self.factor})
+        fx = self.cands.get("flexmoe")
+        return fx.load_state_dict(d["flexmoe"]) if fx is not None and d.get("flexmoe") else True
+
+
+register_policy(AutoPolicy)
