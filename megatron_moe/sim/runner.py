@@ -206,29 +206,26 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 pol.plan_seconds = getattr(pol, "plan_seconds", 0.0) + dt
                 charge_moves(g, pol.adjustment_bytes(ops), adj)
         elif base == "auto":
-            # plan j from j-1's counts (as proprophet; flexmoe's table likewise applies one step late)
+            # as flexmoe: the plan from this iteration's counts applies from the next one, its state
+            # moves (when it picks flexmoe) are charged now, best effort
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):
-                pol, pred = pols[(g, l)], prev.get((g, l))
-                if pred is None:
-                    placement = Placement.plain(n_exp, p)
-                else:
-                    was = pol.choice
-                    placement, plan_h[g] = timer(pol.plan, pred)
-                    if pol.choice == "flexmoe":
-                        fx = pol.cands["flexmoe"]
-                        if was != "flexmoe":                     # switching in: replicas built from owners
-                            n = np.asarray(placement.vexperts)
-                            moves = [(int(owner[e]), int(r), float(costs[g].state_bytes))
-                                     for e, r in zip(*np.nonzero(n)) if r != owner[e]]
-                        else:
-                            moves = fx.adjustment_bytes(pol.last_ops)
-                        charge_moves(g, moves, adj)
+                pol = pols[(g, l)]
+                placement = prev.get((g, l)) or Placement.plain(n_exp, p)
                 if placement.vexperts is not None:
                     run_flex(g, np.asarray(placement.vexperts, dtype=np.float64), c, local, traffic, agg)
                 else:
                     run_replicas(g, placement, c, local, traffic, trans, agg)
-                prev[(g, l)] = c[g]
+                was = pol.choice
+                prev[(g, l)], plan_h[g] = timer(pol.plan, c[g])
+                if pol.choice == "flexmoe":
+                    if was != "flexmoe":                         # switching in: replicas built from owners
+                        n = np.asarray(prev[(g, l)].vexperts)
+                        moves = [(int(owner[e]), int(r), float(costs[g].state_bytes))
+                                 for e, r in zip(*np.nonzero(n)) if r != owner[e]]
+                    else:
+                        moves = pol.cands["flexmoe"].adjustment_bytes(pol.last_ops)
+                    charge_moves(g, moves, adj)
         else:   # proprophet: plan from the previous iteration's counts (locality), applied now
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):

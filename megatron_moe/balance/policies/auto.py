@@ -54,7 +54,7 @@ class AutoPolicy(BalancePolicy):
                  planner_cost: Optional[PlannerCost] = None, alpha: float = 1.0, n: int = 0,
                  eq8: bool = False, interval: int = 1, persistent: bool = True,
                  memory_left_bytes: Optional[float] = None, candidates=CANDIDATES,
-                 drift_ema: float = 0.5, force: Optional[str] = None, max_stay: float = 20.0,
+                 drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
                  moves_overlap: bool = True, **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
@@ -112,16 +112,16 @@ class AutoPolicy(BalancePolicy):
             return np.maximum(0.0, t - fec - self.cost.t_fnec) + np.maximum(0.0, t - 2 * fec - self.cost.t_bnec)
         return 2.0 * t
 
-    def _persistent_s(self, p: Placement, ops):
-        """Per rank: (replica-group gradient sync per iteration, state moves amortised over the
-        interval); None if the extra replicas do not fit the memory left."""
+    def _persistent_s(self, p: Placement, ops, switching: bool):
+        """Per rank: (replica-group gradient sync per iteration, state-move seconds of this re-plan,
+        the iterations they are spread over); None if the extra replicas do not fit the memory left."""
         hosts = np.asarray(p.vexperts) > 0                # [E, D]
         extra = hosts.sum(axis=0) - np.bincount(self.owner, hosts[np.arange(self.num_experts), self.owner],
                                                 self.num_ranks)
         if self.memory_left_bytes is not None and extra.max() * self.pc.state_bytes > self.memory_left_bytes:
             return None
         sync = (sync_s_vec(self.pc, hosts)[:, None] * hosts).sum(axis=0)
-        if self.choice != "flexmoe":                     # switching in: every non-owner replica is new
+        if switching:                                    # switching in: every non-owner replica is new
             moves = [(int(self.owner[e]), int(g)) for e, g in zip(*np.nonzero(hosts)) if g != self.owner[e]]
         else:
             moves = [(a, b) for a, b, nb in self.cands["flexmoe"].adjustment_bytes(ops) if nb > 0]
@@ -131,29 +131,31 @@ class AutoPolicy(BalancePolicy):
             move[a] += t; move[b] += t
         # moves of a re-plan are paid once per interval; building the replicas when switching in is
         # paid once per expected stay, ~1/drift re-plans (the placement decays at the observed drift)
-        stay = 1.0 if self.choice == "flexmoe" else self.expected_stay()
-        return sync, move / (self.interval * stay)
+        stay = self.expected_stay() if switching else 1.0
+        return sync, move, self.interval * stay
 
     def expected_stay(self) -> float:
         """Re-plans a persistent placement is expected to stay useful: 1 / observed drift, capped."""
         return float(min(self.max_stay, 1.0 / max(self.drift, 1.0 / self.max_stay)))
 
-    def price(self, name: str, counts: np.ndarray, p: Placement, ops=()) -> Optional[float]:
-        """Predicted seconds of one layer iteration under candidate ``name``'s placement ``p``."""
+    def price(self, name: str, counts: np.ndarray, p: Placement, ops=(), switching: Optional[bool] = None):
+        """Predicted seconds of one layer iteration under candidate ``name``'s placement ``p``
+        (``switching``: FlexMoE's replicas are built now; default: unless FlexMoE is the current choice)."""
         base, fec = self._ranks(counts, p)
         if name == "none" or p.is_plain():
             return float(base.max())
         if name == "flexmoe" and self.persistent:
-            parts = self._persistent_s(p, ops)
+            parts = self._persistent_s(p, ops, self.choice != "flexmoe" if switching is None else switching)
             if parts is None:
                 return None
-            sync, move = parts
+            sync, move, spread = parts
             t = base + sync
             if not self.moves_overlap:
-                return float((t + move).max())
-            # best effort (FlexMoE): moves fill the link's idle time; only the excess is exposed
+                return float(t.max() + move.max() / spread)
+            # best effort (FlexMoE): the moves of one re-plan fill the link's idle time of that
+            # iteration; only the excess is exposed (then spread over the interval / expected stay)
             idle = t.max() - (base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) + sync)
-            return float(t.max() + np.maximum(0.0, move - idle).max())
+            return float(t.max() + np.maximum(0.0, move - idle).max() / spread)
         return float((base + self._transient_s(p, fec)).max())
 
     # -- the policy -----------------------------------------------------------------------------
@@ -176,6 +178,15 @@ class AutoPolicy(BalancePolicy):
             plans[c] = (p, ops)
             if t is not None:
                 times[c] = t * self.factor[c]
+        if self.choice == "flexmoe" and times.get("flexmoe") is not None:
+            # leaving drops the persistent replicas: coming back pays their rebuild, so the others
+            # are charged what re-entering would add (hysteresis priced by the same model)
+            p, ops = plans["flexmoe"]
+            back = (self.price("flexmoe", C, p, ops, switching=True)
+                    - self.price("flexmoe", C, p, (), switching=False)) * self.factor["flexmoe"]
+            for c in times:
+                if c != "flexmoe":
+                    times[c] += max(0.0, back)
         self.last_times = times
         choice = self.force if self.force is not None else min(times, key=lambda c: (times[c], c))
         self.choice = choice
