@@ -487,7 +487,8 @@ class Trainer:
                     + (f" cross-node {load.cross_node_fraction:.2f} |"
                        if load.cross_node_fraction is not None else ""))
             if extra:
-                print_rank_last(" [moe] " + " | ".join(f"{k}: {v:.4g}" for k, v in extra.items()) + " |")
+                print_rank_last(" [moe] " + " | ".join(f"{k}: {v}" if isinstance(v, str) else f"{k}: {v:.4g}"
+                                                       for k, v in extra.items()) + " |")
         if writer is not None:
             writer.add_scalar("learning-rate", lr, iteration)
             writer.add_scalar("tokens-per-second", tokens_per_s, iteration)
@@ -505,7 +506,8 @@ class Trainer:
                     writer.add_scalar(f"moe/cross_node_fraction_layer_{load.layer}",
                                       load.cross_node_fraction, iteration)
             for key, value in extra.items():
-                writer.add_scalar(f"moe/{key}", value, iteration)
+                if not isinstance(value, str):          # balance/auto: the policy names, log line only
+                    writer.add_scalar(f"moe/{key}", value, iteration)
 
     def _log_eval(self, prefix, losses, iteration):
         parts = []

@@ -8,7 +8,8 @@ from __future__ import annotations
 from megatron_moe.balance.policies.base import register_policy
 from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy
 from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy
-from megatron_moe.balance.cost_model import PlannerCost
+from megatron_moe.balance.cost_model import CostModel, PlannerCost
+from megatron_moe.balance.policies.auto import AutoPolicy
 
 # Transfers priced at zero so the tiny test model's routing actually triggers replication (the
 # placement is what is under test, not the pricing); the default-cost policies are tested too.
@@ -52,6 +53,19 @@ class RandomFlex(FlexMoEPolicy):
         return Placement(sets, self.num_ranks, n.tolist()).validate()
 
 
+class EagerAuto(AutoPolicy):
+    """auto with every transfer priced at zero (its FlexMoE candidate eager too): replicating wins,
+    so the tiny model really runs the placements auto picks."""
+    name = "auto_eager"
+
+    def __init__(self, num_experts, num_ranks, **kw):
+        free = CostModel(input_bytes=1.0, expert_bytes=1.0, throughput=1.0, a2a_bandwidth=1e30,
+                         trans_bandwidth=1e30)
+        super().__init__(num_experts, num_ranks, cost=free, planner_cost=PlannerCost(**_FREE_COMM),
+                         alpha=0.0, persistent=False, flexmoe_kwargs=dict(threshold=1.0))
+
+
+register_policy(EagerAuto)
 register_policy(EagerFasterMoE)
 register_policy(EagerFlexMoE)
 register_policy(RandomFlex)
@@ -97,6 +111,8 @@ def policy_equivalence_rank(rank, world, cases):
         assert set(ours.state_dict().keys()) == set(ref.state_dict().keys())
         results.append(dict(worst, replicated=replicated, placements=placements,
                             replica_rows=sum(m.balance.a2a_rows_recv_replica for m in mgr.layers),
+                            choices={k: dict(p.choices) for k, p in mgr.policies.items() if hasattr(p, "choices")},
+                            auto_metric=mgr.metrics().get("balance/auto"),
                             a2a_rows=sum(m.balance.a2a_rows_recv for m in mgr.layers)))
     return results
 

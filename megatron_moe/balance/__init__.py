@@ -41,12 +41,13 @@ def _with_defaults(args):
 
 def add_arguments(parser):
     g = parser.add_argument_group("MoE load balancing (Pro-Prophet)")
-    g.add_argument("--moe-balance-policy", choices=["none", "proprophet", "fastermoe", "flexmoe"],
+    g.add_argument("--moe-balance-policy", choices=["none", "proprophet", "fastermoe", "flexmoe", "auto"],
                    default="none",
                    help="Placement policy: none = plain expert parallelism; proprophet (planned "
                         "lightweight replicas), fastermoe (dynamic shadowing), flexmoe (vExperts with "
                         "the flexible token router; persistent replicas, see --moe-flexmoe-replicas "
-                        "and docs/balance.md).")
+                        "and docs/balance.md); auto (per layer and re-plan the cost model picks none, "
+                        "proprophet or flexmoe; the choice is in the [moe] log line).")
     g.add_argument("--moe-balance-alpha", type=float, default=1.0,
                    help="Balance tolerance alpha of Eq. 7: stop the search when max H - min H < alpha*I/E "
                         "(default 1.0; the paper artifact hard-codes 3, which never triggers for few experts).")
@@ -207,9 +208,13 @@ class BalanceManager:
                                                expert_bytes=st.numel * elem)
             self.scheduler.cost = self.cost          # Trans split: static t_fnec vs per-expert Trans time
             kw = {"cost": self.cost}
-            if args.moe_balance_policy == "proprophet":
+            if args.moe_balance_policy in ("proprophet", "auto"):
                 kw.update(alpha=args.moe_balance_alpha, n=args.moe_balance_n,
                           eq8=bool(args.moe_balance_overlap))
+            if args.moe_balance_policy == "auto":
+                # persistent replicas are switched on for the whole manager (flexmoe only), so under
+                # auto a FlexMoE placement runs with transient replicas and is priced that way
+                kw.update(interval=args.moe_balance_interval, persistent=False)
             # one policy per layer: stateful policies (flexmoe's slot table) keep per-layer state
             self.policies = {m.balance.layer_number: make_policy(args.moe_balance_policy,
                                                                  st.num_experts, st.D, **kw)
@@ -366,6 +371,9 @@ class BalanceManager:
                 "balance/replicas_dropped": delta["replicas_dropped"],
                 "balance/replica_moves_from_replica": delta["moves_from_replica"],
             })
+            chosen = {k: getattr(p, "choice", None) for k, p in self.policies.items()}
+            if any(v is not None for v in chosen.values()):   # auto: the policy each layer runs now
+                self.metrics_["balance/auto"] = " ".join(f"L{k}={v}" for k, v in sorted(chosen.items()))
 
     _COUNTERS = ("bytes_trans_sent", "msgs_trans_sent", "bytes_move_sent", "msgs_move_sent",
                  "bytes_agg_sent", "msgs_agg_sent", "bytes_sumback_sent", "msgs_sumback_sent",

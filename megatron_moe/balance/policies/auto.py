@@ -55,7 +55,7 @@ class AutoPolicy(BalancePolicy):
                  eq8: bool = False, interval: int = 1, persistent: bool = True,
                  memory_left_bytes: Optional[float] = None, candidates=CANDIDATES,
                  drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
-                 moves_overlap: bool = True, **_ignored):
+                 moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
@@ -74,7 +74,7 @@ class AutoPolicy(BalancePolicy):
             elif c == "proprophet":
                 self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.cost, alpha=alpha, n=n, eq8=eq8)
             elif c == "flexmoe":
-                self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.pc)
+                self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.pc, **(flexmoe_kwargs or {}))
             else:
                 raise ValueError(f"--moe-balance-policy auto: unknown candidate {c!r}; choose from {CANDIDATES}")
         self.choice = "none"

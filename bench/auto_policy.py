@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""``--moe-balance-policy auto`` against the best single policy, over a grid in the simulator.
+
+For every (GPUs, Zipf s, drift sigma) cell: one synthetic trace (``sim.traces.synthetic_trace``),
+simulated mean iteration time of ``none``, ``proprophet`` (transient replicas), ``flexmoe``
+(persistent replicas) and ``auto`` (the cost model picks one of the three per EP group, layer and
+re-plan) on the same trace and cluster; prints auto / best single policy per cell, the choices auto
+made, and the worst ratio. ``--bound`` (default 1.03, issue 21 item 5) makes the exit status 1 if a
+cell exceeds it.
+
+Large scales cost CPU (FlexMoE's planner runs once per EP group and layer, and auto runs it too):
+cells with more than ``--big-gpus`` GPUs use ``--big-layers`` x ``--big-iterations``; the printed
+table says which size each cell ran.
+
+    python bench/auto_policy.py                                   # 32..8192 GPUs, s 0.6..1.6, drift 0..0.5
+    python bench/auto_policy.py --gpus 32 256 --zipf 1.0 --drift 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from megatron_moe.sim.cluster import load_cluster  # noqa: E402
+from megatron_moe.sim.runner import simulate  # noqa: E402
+from megatron_moe.sim.traces import synthetic_trace  # noqa: E402
+
+SINGLE = ("none", "proprophet", "flexmoe")
+
+
+def run_cell(gpus: int, experts: int, zipf: float, drift: float, layers: int, iterations: int,
+             seed: int = 0, auto_kwargs=None):
+    """Mean iteration seconds of every single policy and of auto on one trace; auto's choices."""
+    from megatron_moe.balance.policies import auto as auto_mod
+
+    cl = load_cluster(gpus)
+    trace = synthetic_trace(gpus, experts, iterations, layers, zipf_s=zipf, drift_sigma=drift, seed=seed)
+    times = {p: simulate(trace, cl, p).mean()["iter_s"] for p in SINGLE}
+    made = []
+    orig = auto_mod.AutoPolicy.__init__
+
+    def init(self, *a, **kw):     # collect the instances the runner builds, to count their choices
+        orig(self, *a, **kw)
+        made.append(self)
+    auto_mod.AutoPolicy.__init__ = init
+    try:
+        times["auto"] = simulate(trace, cl, "auto", policy_kwargs=auto_kwargs).mean()["iter_s"]
+    finally:
+        auto_mod.AutoPolicy.__init__ = orig
+    choices = {c: sum(m.choices[c] for m in made) for c in SINGLE}
+    return times, choices
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, nargs="+", default=[32, 256, 1024, 8192])
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--zipf", type=float, nargs="+", default=[0.6, 1.0, 1.6])
+    ap.add_argument("--drift", type=float, nargs="+", default=[0.0, 0.25, 0.5])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--big-gpus", type=int, default=1024, help="cells above this many GPUs use --big-*")
+    ap.add_argument("--big-layers", type=int, default=1)
+    ap.add_argument("--big-iterations", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bound", type=float, default=1.03)
+    args = ap.parse_args(argv)
+    print(f"{'GPUs':>5} {'zipf':>4} {'drift':>5} {'LxI':>6} | " + " ".join(f"{p:>10}" for p in SINGLE + ("auto",))
+          + " | auto/best | choices none/pp/flex | cpu s", flush=True)
+    worst, worst_cell = 0.0, None
+    for gpus in args.gpus:
+        big = gpus > args.big_gpus
+        layers, iters = (args.big_layers, args.big_iterations) if big else (args.layers, args.iterations)
+        for z in args.zipf:
+            for d in args.drift:
+                t0 = time.process_time()
+                times, ch = run_cell(gpus, args.experts, z, d, layers, iters, args.seed)
+                best = min(times[p] for p in SINGLE)
+                ratio = times["auto"] / best
+                if ratio > worst:
+                    worst, worst_cell = ratio, (gpus, z, d)
+                print(f"{gpus:>5} {z:>4.1f} {d:>5.2f} {layers}x{iters:<4} | "
+                      + " ".join(f"{times[p] * 1e3:>8.2f}ms" for p in SINGLE + ("auto",))
+                      + f" | {ratio:>9.3f} | {ch['none']}/{ch['proprophet']}/{ch['flexmoe']}"
+                      + f" | {time.process_time() - t0:.0f}", flush=True)
+    print(f"worst auto / best single policy: {worst:.3f} at GPUs={worst_cell[0]} zipf={worst_cell[1]} "
+          f"drift={worst_cell[2]} (bound {args.bound}); load average {os.getloadavg()[0]:.1f}")
+    return 0 if worst <= args.bound else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
