@@ -4,12 +4,19 @@ A hang (a collective waiting forever, a forked checkpoint writer) must fail the 
 it: every rank runs in its own process group, and on timeout or failure the whole group is
 killed, including anything the ranks forked.
 
+Ranks are forked from a fork server that has imported torch and megatron-core once per test
+session (``_PRELOAD``): a spawned rank re-imported them every time, ~5 CPU-seconds a rank, which was
+most of the CPU time of a short gloo test. Each rank still starts from that clean server, never from
+the caller's process, and gets the caller's current environment (a fork server keeps the one it
+started with), so a rank sees what a spawned one saw.
+
 Every rank runs in strict device mode (``MEGATRON_MOE_STRICT_DEVICES=1``, megatron_moe/comm/strict.py):
 each collective is checked as NCCL would need it, so the suite proves NCCL-readiness on gloo.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import queue
@@ -34,8 +41,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# imported once by the fork server, in the order a rank imports them: megatron_moe first (its
+# __init__ keeps megatron-core's import-time ``import wandb`` from loading wandb, and silences the
+# TE/apex notices), megatron_moe.training (registers the 0.19 triton stub before megatron-core), then
+# the megatron-core modules every training rank loads. None of them reads the environment at import
+# in a way the tests vary; a module that fails to import is skipped by multiprocessing.
+_PRELOAD = ["megatron_moe", "megatron_moe.training", "torch", "torch.distributed", "megatron.core",
+            "megatron.core.models.gpt", "megatron.core.optimizer",
+            "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel",
+            "megatron.core.transformer.moe.moe_layer",
+            "megatron.core.datasets.blended_megatron_dataset_builder"]
+_ctx = None
+
+
+def _context():
+    """The fork-server context, its preload list set before the server starts (once a process)."""
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(_PRELOAD)
+        atexit.register(_stop_server)
+    return _ctx
+
+
+def _stop_server():
+    """At exit: stop the fork server and reap it, so that it does not outlive the caller and its
+    ranks' CPU time counts as the caller's (``time``, rusage); the stop is multiprocessing's own
+    (private, hence the guard)."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        try:
+            stop()
+        except OSError:
+            pass
+
+
 def _worker(rank, world_size, port, fn, args, kwargs, results, collective_timeout_s, env):
     os.setpgrp()  # so the parent can kill this rank and everything it forks
+    os.environ.clear()  # the caller's environment, as a spawned rank would have inherited it
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -73,10 +118,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0,
     ``fn`` must be importable (module level). Returns the per-rank return values (picklable).
     Raises DistributedRunError with the failing rank's traceback, or on timeout.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     # NCCL-readiness on gloo: every collective's devices checked (megatron_moe/comm/strict.py);
     # a caller may pass env={STRICT_DEVICES_ENV: "0"} to run without it
-    env = {STRICT_DEVICES_ENV: os.environ.get(STRICT_DEVICES_ENV, "1"), **(env or {})}
+    env = {**os.environ, STRICT_DEVICES_ENV: os.environ.get(STRICT_DEVICES_ENV, "1"), **(env or {})}
     results = ctx.Queue()
     port = free_port()
     procs = [
