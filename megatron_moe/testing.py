@@ -78,7 +78,30 @@ def _stop_server():
             pass
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, results, collective_timeout_s, env):
+class _CallerStdio:
+    """The caller's fds 1 and 2 as they are when a rank starts (pytest's capfd swaps them per
+    test): a spawned rank inherited them, a fork-server child would write to the server's. Pickled
+    while the rank starts, it becomes the fds themselves, sent to the child (``_Stdio``)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _Stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+class _Stdio:
+    def __init__(self, out, err):
+        self.out, self.err = out, err
+
+    def attach(self):
+        for target, dup in ((1, self.out), (2, self.err)):
+            fd = dup.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, results, collective_timeout_s, env, stdio):
+    stdio.attach()  # print where a spawned rank printed
     os.setpgrp()  # so the parent can kill this rank and everything it forks
     os.environ.clear()  # the caller's environment, as a spawned rank would have inherited it
     os.environ.update(env)
@@ -126,7 +149,8 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0,
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results,
-                                          collective_timeout_s, dict(env or {})), daemon=False)
+                                          collective_timeout_s, dict(env or {}), _CallerStdio()),
+                    daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
