@@ -5,10 +5,11 @@
         [--world-size N] [--gpu-memory-gb 80] [--vocab-size V]
 
 Accepts the flags a launch script passes to pretrain_gpt_moe.py (the same parser); Megatron-LM
-flags this project does not parse are listed and ignored; recomputation / attention-backend /
-virtual-pipeline flags are Megatron's. Prints, for the most loaded pipeline stage, the bytes of
-parameters, gradients, optimizer state and activations, the model FLOPs of one iteration (the
-count --log-throughput uses, megatron_moe/flops.py), then Megatron's summary line
+flags this project refuses are listed and ignored; recomputation / attention-backend /
+virtual-pipeline flags are Megatron's; --qk-layernorm, --kv-channels and MLA are counted.
+Prints, for the most loaded pipeline stage, the bytes of parameters, gradients, optimizer
+state and activations, the model FLOPs of one iteration (the count --log-throughput uses,
+megatron_moe/flops.py), then Megatron's summary line
 ``Theoretical memory footprints: weight and optimizer=... MB, activation=... MB, total=... MB``.
 The arithmetic (docs/memory.md) is our own; it differs from Megatron-LM's
 ``theoretical_memory_usage.py`` in that experts are sharded by EP x ETP (not TP) and their
@@ -251,10 +252,13 @@ def weight_and_optimizer_bytes(args, stage):
 def _local(args):
     """megatron-core's local (no Transformer Engine) layers - what runs on CPU: unfused attention
     with an fp32 softmax, norms that keep fp32 copies, SwiGLU saving its SiLU output too."""
-    return args.attention_backend in ("local", "unfused")
+    return (args.attention_backend in ("local", "unfused")
+            or getattr(args, "transformer_impl", None) == "local")
 
 
 def _flash(args):
+    if getattr(args, "transformer_impl", None) == "local":    # megatron-core's unfused attention
+        return args.recompute_granularity == "selective"
     return (args.use_flash_attn or args.attention_backend in ("flash", "fused", "auto")
             or args.recompute_granularity == "selective")
 
@@ -262,6 +266,15 @@ def _flash(args):
 def _norm_bytes(args, h, ab):
     # TE norms save the input (+ a per-token rstd); the local RMSNorm/LayerNorm two fp32 copies
     return 2 * 4 * h if _local(args) else h * ab
+
+
+def _qk_norm_bytes(args, heads, kv, ab):
+    """Per token: the per-head Q and K norms (--qk-layernorm). TE saves the input (+ a per-row
+    rstd); megatron-core's local norm on the [s, b, heads, kv] view keeps three fp32 tensors of
+    the input's size and a per-row fp32 rstd (measured, tests/test_qwen3.py)."""
+    if _local(args):
+        return 3 * 4 * heads * kv + 4 * heads
+    return heads * kv * ab + 4 * heads
 
 
 def layer_activation_bytes(args, moe: bool):
@@ -289,6 +302,8 @@ def layer_activation_bytes(args, moe: bool):
         shard = 2 * a * qh * ab + 2 * a * args.v_head_dim * ab
     else:
         shard = (a + 2 * g) * kv * ab + a * kv * ab       # Q, K, V; projection input
+        if getattr(args, "qk_layernorm", False):          # the Q and K norms' saved tensors
+            shard += _qk_norm_bytes(args, a + g, kv, ab)
     if not _flash(args):                                  # unfused softmax(QK^T) [+ dropout] kept
         soft = (4 + ab) if _local(args) else ab           # local: fp32 softmax + its 16-bit copy
         shard += a * s * (soft + (ab + 1 if args.attention_dropout > 0 else 0))
