@@ -14,7 +14,7 @@ import pytest
 
 from megatron_moe.testing import free_port, run_distributed
 from tests import _data_helpers as H
-from tests._train_cases import run_pretrain
+from tests._train_cases import generate_cli, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_qwen3_30b_a3b_cpu.sh")
@@ -116,17 +116,9 @@ def test_checkpoint_holds_qk_layernorm_and_kv_channels(trained):
     assert info["args"]["moe_router_dtype"] == "fp32" and info["args"]["qk_layernorm"]
 
 
-def test_generate_from_the_resumed_checkpoint(trained, data):
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", trained["ckpt"],
-           "--use-checkpoint-args", "--num-tokens-to-generate", "6", "--return-log-probs",
-           "--prompts", "The module"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    blocks = [b.strip("\n") for b in out.stdout.split("-" * 80)[1:-1]]
-    assert len(blocks) == 1 and blocks[0].startswith("The module"), out.stdout[-2000:]
-    logps = blocks[0].splitlines()[1].split(":")[1].split()   # one per generated token
-    assert 1 <= len(logps) <= 6 and all(float(v) <= 0 for v in logps), blocks[0]
+def test_generate_from_the_resumed_checkpoint(trained):
+    text, logps = generate_cli(trained["ckpt"], "The module", tokens=6)
+    assert 1 <= len(logps) <= 6 and all(v <= 0 for v in logps), (text, logps)
 
 
 @pytest.mark.parametrize("layout", [
