@@ -8,7 +8,11 @@ import time
 import torch
 import torch.distributed as dist
 
-CONFIGS = ("stock", "none", "proprophet", "proprophet+overlap", "forced")
+CONFIGS = ("stock", "none", "proprophet", "proprophet+overlap", "flexmoe", "auto", "forced")
+# configs that run our balanced layer, and the --moe-balance-policy each sets (flexmoe runs transient
+# replicas here: persistent ones need the megatron-core optimizer, this loop steps torch Adam)
+BALANCED = {"none": "none", "proprophet": "proprophet", "proprophet+overlap": "proprophet",
+            "flexmoe": "flexmoe", "auto": "auto"}
 
 
 def _skew(model, skew):
@@ -42,14 +46,14 @@ def _build(name, o):
     spec = get_gpt_layer_local_spec(num_experts=o["experts"])
     mgr = None
     args = add_arguments(argparse.ArgumentParser()).parse_args([])
-    if name in ("none", "proprophet", "proprophet+overlap"):
-        args.moe_balance_policy = "none" if name == "none" else "proprophet"
+    if name in BALANCED:
+        args.moe_balance_policy = BALANCED[name]
         args.moe_balance_overlap = name.endswith("overlap")
         args.moe_balance_profile = o["profile"]
         args.moe_balance_alpha = o["alpha"]
         spec = install(args, spec, force=True)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=o["seq"])
-    if name in ("none", "proprophet", "proprophet+overlap"):
+    if name in BALANCED:
         mgr = BalanceManager(args, [model], num_microbatches=1)
     if name != "forced" and o["skew"]:
         _skew(model, o["skew"])

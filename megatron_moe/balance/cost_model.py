@@ -266,13 +266,16 @@ def sync_s_vec(cost: PlannerCost, hosts: np.ndarray) -> np.ndarray:
 
 
 def rank_time_s(cost: PlannerCost, processed, traffic) -> np.ndarray:
-    """Per-rank seconds of one MoE layer without replica upkeep (FlexMoE's Eq. 5 for any placement):
-    forward + backward compute of the ``processed[g]`` inputs and 4 all-to-all receives of
-    ``traffic[src, dst]`` inputs over each link. ``--moe-balance-policy auto`` prices every candidate
-    with it (plus each candidate's replica terms), so they compare on one scale."""
+    """Per-rank seconds of one MoE layer without replica upkeep: forward + backward compute of the
+    ``processed[g]`` inputs plus 4 all-to-alls of ``traffic[src, dst]`` inputs. An all-to-all is a
+    collective, so every rank waits for the slowest one: its time is the largest per-rank send or
+    receive time over the links (as the simulator's flat model, without its per-node NIC sharing).
+    ``--moe-balance-policy auto`` prices every candidate with it (plus each candidate's replica
+    terms), so they compare on one scale."""
     t = cost.compute_s(processed)
     if cost.pair_s_per_input is not None:
-        t = t + 4.0 * (np.asarray(traffic, dtype=np.float64) * cost.pair_s_per_input).sum(axis=0)
+        w = np.asarray(traffic, dtype=np.float64) * cost.pair_s_per_input
+        t = t + 4.0 * float(max(w.sum(axis=0).max(), w.sum(axis=1).max()))
     return t
 
 

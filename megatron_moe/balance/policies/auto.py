@@ -8,7 +8,8 @@ profile in training, from the cluster in the simulator) prices each plan on them
 takes the slowest rank:
 
 * every candidate: ``rank_time_s``: 3 x forward compute of the inputs the rank processes + 4 x the
-  all-to-all receive time over each link (FlexMoE's loads by its real-number router ``route_real``);
+  all-to-all time (a collective: the slowest rank's send or receive time over its links; FlexMoE's
+  loads by its real-number router ``route_real``);
 * transient (Pro-Prophet): + one parameter broadcast (Trans) and one gradient reduce (Agg) of every
   replicated expert on each of its member ranks (with ``eq8``: only what exceeds the forward /
   backward compute and the non-MoE time, Eq. 8);
@@ -88,7 +89,7 @@ class AutoPolicy(BalancePolicy):
 
     # -- the cost model's price of one placement ------------------------------------------------
     def _ranks(self, counts: np.ndarray, p: Placement):
-        """Per-rank (compute + 4 all-to-all receives) seconds of ``p`` on ``counts`` (``rank_time_s``)
+        """Per-rank (compute + 4 all-to-alls) seconds of ``p`` on ``counts`` (``rank_time_s``)
         and per-rank forward compute seconds. FlexMoE placements route by the real-number router."""
         if p.vexperts is not None:
             keep, spill, frac = route_real(counts, np.asarray(p.vexperts, dtype=np.float64))
