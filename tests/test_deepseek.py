@@ -86,12 +86,19 @@ def test_v3_ep2_mtp_exact_resume_and_generation(v3_ep2, tmp_path):
     assert gen["expert_bias_max"] > 0
 
 
-def test_v3_with_fused_permute_and_hierarchical_alltoall_is_bit_identical(v3_ep2):
-    """Our fused permute kernels and the hierarchical all-to-all (2 one-rank "nodes") are exact:
-    the DeepSeek-V3 run (MTP, shared expert, group-limited biased sigmoid routing) is bit-identical."""
+def test_v3_with_fused_permute_hierarchical_alltoall_and_offload_is_bit_identical(v3_ep2):
+    """Our fused permute kernels, the hierarchical all-to-all (2 one-rank "nodes") and host expert
+    offload (the MTP layer's experts too) are exact: the DeepSeek-V3 run (MTP, shared expert,
+    group-limited biased sigmoid routing) is bit-identical."""
     full, _, _ = v3_ep2
     fused, printed = _train(2, f"{EP2} --moe-permute-fusion --moe-a2a-algorithm hierarchical "
-                               "--ranks-per-node 1")
+                               "--ranks-per-node 1 --moe-expert-offload host "
+                               "--moe-offload-debug-nan-fill")
+    # the experts really lived on the host: the device held at most K=2 of the 2 MoE layers'
+    # (decoder + MTP) expert bytes at a time, and the peak line says so every iteration
+    peaks = re.findall(r"\[offload\] device expert bytes peak: (\d+) of (\d+) \| host: (\d+)",
+                       printed)
+    assert len(peaks) == 4 and all(int(h) > 0 for _, _, h in peaks), printed[-2000:]
     for key in ("lm_loss", "grad_norm"):
         assert fused[key] == full[key], key
 
