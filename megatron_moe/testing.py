@@ -208,3 +208,45 @@ def _kill(procs):
         if p.is_alive():  # not yet in its own process group (killed during start-up on a busy host)
             p.kill()
         p.join(timeout=5)
+
+
+def run_script(path: str, args, env: dict | None = None, timeout_s: float = 120.0):
+    """``python path *args`` with environment ``env``, in a process forked from the fork server
+    (torch and megatron-core already imported; a fresh interpreter paid ~4 CPU-s for that before a
+    script's first line ran). The script runs as ``__main__`` with that ``sys.argv``; its exit status
+    and what it printed come back as ``subprocess.run(..., capture_output=True, text=True)`` would
+    return them: SystemExit's code, or 1 and the traceback on stderr for an uncaught exception.
+    For command lines that end early (argument errors); a training run uses run_distributed."""
+    import subprocess
+    import tempfile
+
+    ctx = _context()
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")]
+        p = ctx.Process(target=_script_main, args=(os.path.abspath(path), list(args),
+                                                    dict(os.environ if env is None else env), outs))
+        p.start()
+        try:
+            p.join(timeout_s)
+            if p.exitcode is None:
+                raise subprocess.TimeoutExpired([path, *args], timeout_s)
+        finally:
+            _kill([p])
+        stdout, stderr = (open(o, encoding="utf-8", errors="replace").read() for o in outs)
+    return subprocess.CompletedProcess([path, *args], p.exitcode, stdout, stderr)
+
+
+def _script_main(path, argv, env, outs):
+    import runpy
+    import sys
+
+    os.setpgrp()
+    os.environ.clear()
+    os.environ.update(env)
+    for target, name in zip((1, 2), outs):
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.argv = [path, *argv]
+    sys.path[0:0] = [os.path.dirname(path)]   # as `python path` puts the script's folder first
+    runpy.run_path(path, run_name="__main__")

@@ -50,12 +50,12 @@ def test_compression_stays_within_bound(flat, name, bound):
 
 
 def test_overlap_flags_are_validated():
-    import subprocess
-    import sys
+    import os
 
+    from megatron_moe.testing import run_script   # the script as __main__, in a fresh process
     from tests.test_training import ROOT, TINY
 
-    cmd = [sys.executable, "pretrain_gpt_moe.py", *TINY, "--train-iters", "1",
-           "--moe-a2a-overlap-degree", "2", "--moe-balance-policy", "proprophet"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = run_script(os.path.join(ROOT, "pretrain_gpt_moe.py"),
+                   [*TINY, "--train-iters", "1", "--moe-a2a-overlap-degree", "2",
+                    "--moe-balance-policy", "proprophet"], timeout_s=120)
     assert p.returncode == 2 and "--moe-a2a-overlap-degree" in p.stderr, p.stderr[-2000:]

@@ -83,9 +83,13 @@ def torchrun(nproc, args, timeout=240, env=None):
 
 
 def cli(args, env=None, timeout=60):
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *args]
+    """pretrain_gpt_moe.py as __main__ in a fresh process (forked from run_script's preloaded
+    server: the argument errors below cost no interpreter start-up)."""
+    from megatron_moe.testing import run_script
+
     run_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+    return run_script(os.path.join(ROOT, "pretrain_gpt_moe.py"), args, env=run_env,
+                      timeout_s=timeout)
 
 
 def _port():
