@@ -9,6 +9,7 @@ import pytest
 from megatron_moe.testing import run_distributed
 from tests import _policy_cases
 from tests._train_cases import run_pretrain
+from tests.test_balance_training import TINY as BALANCE_TINY
 
 # 32 GPUs (EP groups of 32 over 4 nodes), 64 experts, 2 layers x 30 iterations: the cells where each
 # single policy is best differ (proprophet at Zipf 1.6 without drift, flexmoe at 0.6, close at 1.0)
@@ -78,12 +79,7 @@ def test_auto_equivalence_ep2():
         assert r["auto_metric"] and all(f"L{k}=" in r["auto_metric"] for k in r["choices"]), r
 
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
-        "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 256 --num-experts 4 --moe-router-topk 2 "
-        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.0 --log-interval 1 "
-        "--eval-interval 1000 --eval-iters 1 --disable-bias-linear --expert-model-parallel-size 2 "
-        "--train-iters 3 --log-expert-load").split()
+TINY = BALANCE_TINY + ["--log-expert-load"]
 
 
 def test_training_loop_auto_logs_choice(capfd):
