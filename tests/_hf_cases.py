@@ -29,6 +29,9 @@ def logits_rank(rank, world_size, hf_dir, ckpt, layouts, tokens, load_checks=Non
     from megatron_moe.model import gpt_model_provider
 
     flags, vocab = model_flags(hf_dir)
+    if "--mtp-num-layers" in flags:  # the main model's logits (transformers has no MTP); the
+        i = flags.index("--mtp-num-layers")  # checkpoint's mtp.* tensors are left unread
+        flags = flags[:i] + flags[i + 2:]
     out = []
     for layout in layouts:
         args = parse_args(flags + RUN + ["--vocab-size", str(vocab - 1), "--load", ckpt]

@@ -53,6 +53,23 @@ def make_hf(kind, path, dtype=torch.float32):
             for name, p in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.uniform_(0.5, 1.5)
+    elif kind == "deepseek_v3":  # MLA (q/kv LoRA, decoupled rope), a dense first layer,
+        # sigmoid group-limited routing with expert bias, a shared expert, one MTP layer
+        cfg = transformers.DeepseekV3Config(
+            intermediate_size=80, moe_intermediate_size=16, num_hidden_layers=2,
+            n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=2.5, kv_lora_rank=16,
+            q_lora_rank=24, qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=8, n_group=2,
+            topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+            rope_interleave=True, num_nextn_predict_layers=1, rope_theta=10000.0,
+            **dict(common, num_key_value_heads=4))
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+        with torch.no_grad():  # a mix-up of norms or a lost expert bias must show
+            for name, p in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    p.normal_(0.0, 0.5)
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight"):
+                    p.uniform_(0.5, 1.5)
     elif kind == "mistral":  # dense, to upcycle
         cfg = transformers.MistralConfig(intermediate_size=96, num_hidden_layers=2,
                                          sliding_window=None, **common)
@@ -66,11 +83,37 @@ def make_hf(kind, path, dtype=torch.float32):
     # small shards: q/k/v and gate/up of one layer land in different files
     model.to(dtype).save_pretrained(path, max_shard_size="60KB")
     assert len(glob.glob(os.path.join(path, "*.safetensors"))) > 3
+    if kind == "deepseek_v3":
+        add_mtp_layer(path, hf_state(path), cfg.num_hidden_layers)
     if kind == "mixtral":  # a tokenizer.json with the model: the stored args use it
         from tokenizers import Tokenizer, models
 
         Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(
             os.path.join(path, "tokenizer.json"))
+
+
+def add_mtp_layer(path, state, n):
+    """DeepSeek-V3's MTP layer as the official checkpoint stores it (transformers drops it):
+    model.layers.{n}: a MoE decoder layer (random, named and shaped as the last one on disk) with enorm, hnorm,
+    eh_proj, shared_head.norm and copies of embed_tokens and lm_head (shared_head.head)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(2)
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    hidden = state["model.norm.weight"].shape[0]
+    extra = {mtp + k[len(last):]: torch.randn(v.shape, generator=g, dtype=v.dtype) * 0.1
+             for k, v in state.items() if k.startswith(last)}
+    extra.update({mtp + "enorm.weight": torch.rand(hidden, generator=g) + 0.5,
+                  mtp + "hnorm.weight": torch.rand(hidden, generator=g) + 0.5,
+                  mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
+                  mtp + "shared_head.norm.weight": torch.rand(hidden, generator=g) + 0.5,
+                  mtp + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+                  mtp + "shared_head.head.weight": state["lm_head.weight"].clone()})
+    save_file(extra, os.path.join(path, "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in extra})
+    json.dump(index, open(index_path, "w"))
 
 
 def convert(*runs):
@@ -125,7 +168,8 @@ def converted(tmp_path_factory):
     runs = []
     for kind, target in (("mixtral", "--target-expert-parallel-size 2"),
                          ("qwen2_moe", "--target-tensor-parallel-size 2"),
-                         ("qwen3_moe", "--target-expert-parallel-size 2")):
+                         ("qwen3_moe", "--target-expert-parallel-size 2"),
+                         ("deepseek_v3", "--target-expert-parallel-size 2")):
         d = {name: str(root / f"{kind}_{name}") for name in ("hf", "meg", "back")}
         make_hf(kind, d["hf"])
         runs += [["--loader", "hf", "--saver", "megatron", "--load-dir", d["hf"],
@@ -160,17 +204,18 @@ def converted(tmp_path_factory):
               TRAIN + ["--train-iters", "2", "--load", t["back"], "--expert-model-parallel-size",
                        "1", "--pipeline-model-parallel-size", "2"]]
     jobs = [(out[k]["hf"], out[k]["meg"], LAYOUTS, TOKENS)
-            for k in ("mixtral", "qwen2_moe", "qwen3_moe")]
+            for k in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")]
     jobs.append((t["hf"], t["meg"], ["--expert-model-parallel-size 2"], TOKENS))
     jobs.append((u["hf"], u["meg"], ["--expert-model-parallel-size 2"], TOKENS))
     histories, logits = run_distributed(pipeline_rank, 2, resume, jobs, timeout_s=500)[0]
     (out["mixtral"]["logits"], out["qwen2_moe"]["logits"], out["qwen3_moe"]["logits"],
-     t["logits"], u["logits"]) = logits
+     out["deepseek_v3"]["logits"], t["logits"], u["logits"]) = logits
     t["finetuned"], t["resumed"], t["resumed_pp2"] = histories
     return out
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "mixtral_bf16"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+                                  "mixtral_bf16"])
 def test_roundtrip_bit_exact(converted, kind):
     d = converted[kind]
     original, back = hf_state(d["hf"]), hf_state(d["back"])
@@ -196,7 +241,7 @@ def test_roundtrip_bit_exact(converted, kind):
     assert open(os.path.join(d["meg"], "latest_checkpointed_iteration.txt")).read() == "0"
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_logits_match_transformers(converted, kind):
     d = converted[kind]
     reference = hf_logits(d["hf"])

@@ -52,6 +52,10 @@ class Spec:
     qkv_bias: bool = False
     tied: bool = False
     qk_norm: bool = False            # RMSNorm of each q/k head (Qwen3: q_norm/k_norm)
+    mla: bool = False                # DeepSeek's multi-latent attention (then heads only)
+    q_lora: int | None = None        # query LoRA rank (None: one q projection, V2-Lite)
+    expert_bias: bool = False        # router's aux-loss-free bias (e_score_correction_bias)
+    mtp_layers: int = 0              # DeepSeek-V3's next-token-prediction layers after the model
 
 
 @dataclasses.dataclass
@@ -382,7 +386,109 @@ class Qwen3Moe(Qwen2Moe):
                                   + "; ".join(problems))
 
 
-FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe(), Qwen3Moe())}
+class DeepseekV3(Family):
+    """DeepSeek-V3 (transformers' DeepseekV3ForCausalLM): MLA with query and KV LoRA and their
+    latent RMSNorms (--qk-layernorm), decoupled RoPE whose interleaved layout (rope_interleave)
+    is what megatron-core's MLA de-interleaves, a dense first ``first_k_dense_replace`` layers,
+    sigmoid group-limited routing with the aux-loss-free bias (e_score_correction_bias =
+    the router's expert_bias) and a shared expert. The MTP layers (num_nextn_predict_layers) are
+    stored as the official checkpoint stores them, as layers ``num_hidden_layers + k`` with
+    enorm/hnorm/eh_proj/shared_head and their own embed_tokens / shared_head.head copies;
+    transformers' model ignores them."""
+
+    name = "deepseek_v3"
+    architecture = "DeepseekV3ForCausalLM"
+
+    def router(self, i):
+        return f"model.layers.{i}.mlp.gate.weight"
+
+    def router_bias(self, i):
+        return f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+
+    def expert(self, i, e):
+        p = f"model.layers.{i}.mlp.experts.{e}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def shared(self, i):
+        p = f"model.layers.{i}.mlp.shared_experts."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def dense(self, i):
+        p = f"model.layers.{i}.mlp."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def spec_from_config(self, cfg) -> Spec:
+        problems = []
+        if cfg.get("attention_bias"):
+            problems.append("attention_bias=true")
+        if not cfg.get("rope_interleave", True):
+            problems.append("rope_interleave=false (megatron-core's MLA de-interleaves the rope part)")
+        if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            problems.append(f"topk_method {cfg['topk_method']!r} (noaux_tc only)")
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            problems.append(f"scoring_func {cfg['scoring_func']!r} (sigmoid only)")
+        k, groups, topk_group = cfg["num_experts_per_tok"], cfg.get("n_group", 1), cfg.get("topk_group", 1)
+        # transformers scores a group by its top 2 experts, megatron-core by its top topk/group_topk
+        if groups > 1 and k // topk_group != 2:
+            problems.append(f"num_experts_per_tok / topk_group = {k}/{topk_group} != 2 "
+                            "(megatron-core scores a group by its top num_experts_per_tok/"
+                            "topk_group experts, transformers by its top 2)")
+        if not cfg.get("norm_topk_prob", True) and k > 1:
+            problems.append("norm_topk_prob=false (megatron-core renormalises sigmoid top-k)")
+        if problems:
+            raise ConversionError("config.json: " + "; ".join(problems))
+        n, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0)
+        heads = cfg["num_attention_heads"]
+        return Spec(family=self.name, num_layers=n, hidden=cfg["hidden_size"], heads=heads,
+                    groups=heads, head_dim=cfg["qk_nope_head_dim"], vocab=cfg["vocab_size"],
+                    tied=bool(cfg.get("tie_word_embeddings", False)),
+                    num_experts=cfg["n_routed_experts"], moe_layers=[i >= dense for i in range(n)],
+                    ffn=cfg["intermediate_size"], moe_ffn=cfg["moe_intermediate_size"],
+                    shared_ffn=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
+                    or None, qk_norm=True, mla=True, q_lora=cfg.get("q_lora_rank"),
+                    expert_bias=True, mtp_layers=cfg.get("num_nextn_predict_layers") or 0)
+
+    def flags_from_config(self, cfg):
+        s = self.spec_from_config(cfg)
+        flags = [
+            "--num-layers", s.num_layers, "--hidden-size", s.hidden,
+            "--num-attention-heads", s.heads, "--ffn-hidden-size", s.ffn,
+            "--max-position-embeddings", cfg.get("max_position_embeddings", 4096),
+            "--seq-length", min(int(cfg.get("max_position_embeddings", 4096)), 4096),
+            "--position-embedding-type", "rope", "--rotary-base", _rope_theta(cfg, 10000),
+            "--rope-type", "rope",
+            "--normalization", "RMSNorm", "--norm-epsilon", cfg.get("rms_norm_eps", 1e-6),
+            "--swiglu", "--disable-bias-linear",
+            "--hidden-dropout", 0.0, "--attention-dropout", cfg.get("attention_dropout", 0.0),
+            "--init-method-std", cfg.get("initializer_range", 0.02),
+            "--multi-latent-attention", "--kv-lora-rank", cfg["kv_lora_rank"],
+            "--qk-head-dim", cfg["qk_nope_head_dim"], "--qk-pos-emb-head-dim",
+            cfg["qk_rope_head_dim"], "--v-head-dim", cfg["v_head_dim"],
+            "--kv-channels", cfg["qk_nope_head_dim"], "--qk-layernorm",
+            "--num-experts", s.num_experts, "--moe-ffn-hidden-size", s.moe_ffn,
+            "--moe-router-topk", cfg["num_experts_per_tok"],
+            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+            "--moe-router-topk-scaling-factor", cfg.get("routed_scaling_factor", 1.0),
+            # DeepSeek-V3's complementary sequence-wise balance loss, alpha = 1e-4 (the paper)
+            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", 1e-4,
+        ]
+        if s.q_lora:
+            flags += ["--q-lora-rank", s.q_lora]
+        if cfg.get("n_group", 1) > 1:
+            flags += ["--moe-router-num-groups", cfg["n_group"],
+                      "--moe-router-group-topk", cfg["topk_group"]]
+        if s.shared_ffn:
+            flags += ["--moe-shared-expert-intermediate-size", s.shared_ffn]
+        if not s.tied:
+            flags.append("--untie-embeddings-and-output-weights")
+        if not all(s.moe_layers):
+            flags += ["--moe-layer-freq", "[" + ",".join(str(int(m)) for m in s.moe_layers) + "]"]
+        if s.mtp_layers:
+            flags += ["--mtp-num-layers", s.mtp_layers]
+        return [str(f) for f in flags]
+
+
+FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe(), Qwen3Moe(), DeepseekV3())}
 
 # Dense architectures with Mixtral's layer apart from the MLP (same attention, norm and names).
 UPCYCLABLE = {"mistral": 10000, "llama": 10000}  # model_type -> its config's default rope_theta
@@ -451,10 +557,16 @@ def spec_from_args(args, family: str, vocab: int) -> Spec:
         shared_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
         tied=not args.untie_embeddings_and_output_weights,
-        qk_norm=bool(getattr(args, "qk_layernorm", False)))
+        qk_norm=bool(getattr(args, "qk_layernorm", False)),
+        mla=bool(getattr(args, "multi_latent_attention", False)),
+        q_lora=getattr(args, "q_lora_rank", None),
+        expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        mtp_layers=getattr(args, "mtp_num_layers", None) or 0)
 
 
 def guess_family(args) -> str:
+    if getattr(args, "multi_latent_attention", False):
+        return "deepseek_v3"
     if getattr(args, "qk_layernorm", False):
         return "qwen3_moe"
     if args.moe_shared_expert_intermediate_size or getattr(args, "add_qkv_bias", False) \
@@ -463,52 +575,100 @@ def guess_family(args) -> str:
     return "mixtral"
 
 
+def _tied_copies(n):
+    """One megatron-core tensor stored ``n`` times in HF (DeepSeek-V3's MTP layers repeat the
+    embedding and output head): the copies must be equal; the export writes them all."""
+    def merge(ts):
+        for t in ts[1:]:
+            if not torch.equal(t, ts[0]):
+                raise ConversionError("an MTP layer's embed_tokens/shared_head.head differs from "
+                                      "the model's (megatron-core's MTP shares them)")
+        return ts[0]
+
+    return merge, (lambda t: [t] * n)
+
+
 def rules_for(spec: Spec) -> list:
     """Every megatron-core parameter of the model and the HF tensors it is made of."""
     fam = FAMILIES[spec.family]
-    R = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), *_copy(),
-              vocab=True)]
-    qkv = _qkv(spec.heads, spec.groups, spec.head_dim)
-    for i in range(spec.num_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        a = h + "self_attn."
-        R.append(Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), *_copy()))
-        R.append(Rule(m + "self_attention.linear_qkv.weight",
-                      (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), *qkv))
-        if spec.qkv_bias:
-            R.append(Rule(m + "self_attention.linear_qkv.bias",
-                          (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), *qkv))
-        if spec.qk_norm:
-            R.append(Rule(m + "self_attention.q_layernorm.weight", (a + "q_norm.weight",),
-                          *_copy()))
-            R.append(Rule(m + "self_attention.k_layernorm.weight", (a + "k_norm.weight",),
-                          *_copy()))
-        R.append(Rule(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), *_copy()))
-        R.append(Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",),
-                      *_copy()))
-        if spec.moe_layers[i]:
-            R.append(Rule(m + "mlp.router.weight", (fam.router(i),), *_copy()))
-            for e in range(spec.num_experts):
-                gate, up, down = fam.expert(i, e)
-                x = m + f"mlp.experts.local_experts.{e}."
-                R.append(Rule(x + "linear_fc1.weight", (gate, up),
-                              *_cat([spec.moe_ffn, spec.moe_ffn])))
-                R.append(Rule(x + "linear_fc2.weight", (down,), *_copy()))
-            if spec.shared_ffn:
-                gate, up, down = fam.shared(i)
-                x = m + "mlp.shared_experts."
-                R.append(Rule(x + "linear_fc1.weight", (gate, up),
-                              *_cat([spec.shared_ffn, spec.shared_ffn])))
-                R.append(Rule(x + "linear_fc2.weight", (down,), *_copy()))
-                if spec.shared_gate:
-                    R.append(Rule(x + "gate_weight", (fam.shared_gate(i),), *_copy()))
-        else:
-            gate, up, down = fam.dense(i)
-            R.append(Rule(m + "mlp.linear_fc1.weight", (gate, up), *_cat([spec.ffn, spec.ffn])))
-            R.append(Rule(m + "mlp.linear_fc2.weight", (down,), *_copy()))
+    L = spec.num_layers
+    mtp = [f"model.layers.{L + k}." for k in range(spec.mtp_layers)]  # DeepSeek-V3's layout
+    R = [Rule("embedding.word_embeddings.weight",
+              ("model.embed_tokens.weight",) + tuple(h + "embed_tokens.weight" for h in mtp),
+              *_tied_copies(1 + len(mtp)), vocab=True)]
+    for i in range(L):
+        R += _layer_rules(spec, fam, f"decoder.layers.{i}.", f"model.layers.{i}.", i)
     R.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), *_copy()))
+    for k, h in enumerate(mtp):  # megatron-core's MultiTokenPredictionLayer
+        m = f"mtp.layers.{k}."
+        for name in ("enorm", "hnorm", "eh_proj"):
+            R.append(Rule(m + name + ".weight", (h + name + ".weight",), *_copy()))
+        R += _layer_rules(spec, fam, m + "transformer_layer.", h, L + k)
+        R.append(Rule(m + "final_layernorm.weight", (h + "shared_head.norm.weight",), *_copy()))
     if not spec.tied:
-        R.append(Rule("output_layer.weight", ("lm_head.weight",), *_copy(), vocab=True))
+        R.append(Rule("output_layer.weight",
+                      ("lm_head.weight",) + tuple(h + "shared_head.head.weight" for h in mtp),
+                      *_tied_copies(1 + len(mtp)), vocab=True))
+    elif mtp:
+        raise ConversionError("tied embeddings with MTP layers are not supported")
+    return R
+
+
+def _attention_rules(spec: Spec, m, a) -> list:
+    if spec.mla:  # DeepSeek MLA: same matrices, same row order on both sides (plain copies)
+        m += "self_attention."
+        names = [("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("kv_layernorm", "kv_a_layernorm"),
+                 ("linear_kv_up_proj", "kv_b_proj"), ("linear_proj", "o_proj")]
+        names += ([("linear_q_down_proj", "q_a_proj"), ("q_layernorm", "q_a_layernorm"),
+                   ("linear_q_up_proj", "q_b_proj")] if spec.q_lora
+                  else [("linear_q_proj", "q_proj")])
+        return [Rule(m + ours + ".weight", (a + theirs + ".weight",), *_copy())
+                for ours, theirs in names]
+    R = []
+    qkv = _qkv(spec.heads, spec.groups, spec.head_dim)
+    R.append(Rule(m + "self_attention.linear_qkv.weight",
+                  (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), *qkv))
+    if spec.qkv_bias:
+        R.append(Rule(m + "self_attention.linear_qkv.bias",
+                      (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), *qkv))
+    if spec.qk_norm:
+        R.append(Rule(m + "self_attention.q_layernorm.weight", (a + "q_norm.weight",),
+                      *_copy()))
+        R.append(Rule(m + "self_attention.k_layernorm.weight", (a + "k_norm.weight",),
+                      *_copy()))
+    R.append(Rule(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), *_copy()))
+    return R
+
+
+def _layer_rules(spec: Spec, fam, m, h, i) -> list:
+    """One transformer layer: megatron prefix ``m``, HF prefix ``h``, HF layer index ``i``
+    (MTP layers are MoE layers numbered after the model's)."""
+    R = [Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), *_copy())]
+    R += _attention_rules(spec, m, h + "self_attn.")
+    R.append(Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",),
+                  *_copy()))
+    if i >= spec.num_layers or spec.moe_layers[i]:
+        R.append(Rule(m + "mlp.router.weight", (fam.router(i),), *_copy()))
+        if spec.expert_bias:
+            R.append(Rule(m + "mlp.router.expert_bias", (fam.router_bias(i),), *_copy()))
+        for e in range(spec.num_experts):
+            gate, up, down = fam.expert(i, e)
+            x = m + f"mlp.experts.local_experts.{e}."
+            R.append(Rule(x + "linear_fc1.weight", (gate, up),
+                          *_cat([spec.moe_ffn, spec.moe_ffn])))
+            R.append(Rule(x + "linear_fc2.weight", (down,), *_copy()))
+        if spec.shared_ffn:
+            gate, up, down = fam.shared(i)
+            x = m + "mlp.shared_experts."
+            R.append(Rule(x + "linear_fc1.weight", (gate, up),
+                          *_cat([spec.shared_ffn, spec.shared_ffn])))
+            R.append(Rule(x + "linear_fc2.weight", (down,), *_copy()))
+            if spec.shared_gate:
+                R.append(Rule(x + "gate_weight", (fam.shared_gate(i),), *_copy()))
+    else:
+        gate, up, down = fam.dense(i)
+        R.append(Rule(m + "mlp.linear_fc1.weight", (gate, up), *_cat([spec.ffn, spec.ffn])))
+        R.append(Rule(m + "mlp.linear_fc2.weight", (down,), *_copy()))
     return R
 
 

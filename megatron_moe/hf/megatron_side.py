@@ -80,12 +80,17 @@ def build_model(args):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron_moe.model import common_model_kwargs, transformer_config_from_args
+    from megatron_moe import attention
+    from megatron_moe.model import common_model_kwargs, mtp_block_spec, transformer_config_from_args
 
     config = transformer_config_from_args(args)
     config.perform_initialization = False  # every weight is overwritten
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    # MLA layers (DeepSeek): the core attention training uses on CPU; the weights are the same
+    spec = attention.customize_spec(args, spec)
     model = GPTModel(transformer_layer_spec=spec, rotary_base=args.rotary_base,
+                     rotary_percent=getattr(args, "rotary_percent", 1.0),
+                     mtp_block_spec=mtp_block_spec(args, config, spec),
                      **common_model_kwargs(args, config, True, True, None))
     model.eval()
     return model
