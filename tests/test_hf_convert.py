@@ -260,6 +260,10 @@ def test_logits_match_transformers(converted, kind):
     if kind == "qwen3_moe":
         mutated = hf_logits(d["hf"], norm_topk_prob=False)
         assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
+    if kind == "deepseek_v3":  # MLA's rope layout, the routed experts' scale
+        for override in (dict(rope_interleave=False), dict(routed_scaling_factor=1.0)):
+            mutated = hf_logits(d["hf"], **override)
+            assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"], override
 
 
 def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(converted):
@@ -328,7 +332,7 @@ def test_help_and_refusals():
         FAMILIES["mixtral"].spec_from_config({"sliding_window": 4096, "num_hidden_layers": 1})
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_config_generated_from_args_agrees_with_the_original(converted, kind):
     """The config.json written for a checkpoint without its HF config (trained here) describes
     the same architecture as the original (--hf-config-template's check, field by field)."""

@@ -56,3 +56,15 @@ def local_fused_q_norm(fused_cls) -> bool:
     resolver.__init__ = __init__
     resolver._megatron_moe_local_fused = fused_cls
     return True
+
+
+def mtp_inner_layer() -> str:
+    """The attribute (and parameter-name part) of a megatron-core MTP layer's transformer layer:
+    ``transformer_layer`` in 0.16, ``mtp_model_layer`` from 0.19 (its submodules' field name)."""
+    import dataclasses
+
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionLayerSubmodules)
+
+    fields = {f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules)}
+    return "mtp_model_layer" if "mtp_model_layer" in fields else "transformer_layer"

@@ -191,17 +191,9 @@ class Family:
     def check_args(self, args):
         """Refuse megatron settings the HF architecture cannot express (never convert silently
         into a different model)."""
-        problems = []
-        if args.normalization != "RMSNorm":
-            problems.append(f"--normalization {args.normalization} (HF: RMSNorm)")
-        if not args.swiglu:
-            problems.append("no --swiglu (HF: SiLU-gated MLP)")
-        if args.position_embedding_type != "rope":
-            problems.append(f"--position-embedding-type {args.position_embedding_type} (HF: rope)")
-        if args.add_bias_linear:
-            problems.append("linear biases (HF: none; pass --disable-bias-linear)")
-        if args.num_experts is None:
-            problems.append("no --num-experts (a dense model)")
+        problems = _decoder_problems(args)
+        if getattr(args, "multi_latent_attention", False):
+            problems.append("--multi-latent-attention (try --hf-family deepseek_v3)")
         if args.moe_router_score_function != "softmax":
             problems.append(f"--moe-router-score-function {args.moe_router_score_function}")
         for flag in ("moe_router_topk_scaling_factor", "moe_router_group_topk"):
@@ -215,6 +207,22 @@ class Family:
         if problems:
             raise ConversionError(f"the checkpoint cannot be written as {self.architecture}: "
                                   + "; ".join(problems))
+
+
+def _decoder_problems(args) -> list:
+    """What no family here expresses (each family then adds its own)."""
+    problems = []
+    if args.normalization != "RMSNorm":
+        problems.append(f"--normalization {args.normalization} (HF: RMSNorm)")
+    if not args.swiglu:
+        problems.append("no --swiglu (HF: SiLU-gated MLP)")
+    if args.position_embedding_type != "rope":
+        problems.append(f"--position-embedding-type {args.position_embedding_type} (HF: rope)")
+    if args.add_bias_linear:
+        problems.append("linear biases (HF: none; pass --disable-bias-linear)")
+    if args.num_experts is None:
+        problems.append("no --num-experts (a dense model)")
+    return problems
 
 
 class Mixtral(Family):
@@ -487,6 +495,53 @@ class DeepseekV3(Family):
             flags += ["--mtp-num-layers", s.mtp_layers]
         return [str(f) for f in flags]
 
+    def config_from_args(self, args, spec, dtype):
+        cfg = Family.config_from_args(self, args, spec, dtype)
+        n = spec.num_layers
+        cfg.update(
+            head_dim=args.qk_pos_emb_head_dim, qk_head_dim=args.qk_head_dim + args.qk_pos_emb_head_dim,
+            intermediate_size=spec.ffn, moe_intermediate_size=spec.moe_ffn,
+            n_routed_experts=spec.num_experts, n_shared_experts=(spec.shared_ffn or 0) // spec.moe_ffn,
+            routed_scaling_factor=args.moe_router_topk_scaling_factor or 1.0,
+            kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank,
+            qk_nope_head_dim=args.qk_head_dim, qk_rope_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim, n_group=args.moe_router_num_groups or 1,
+            topk_group=args.moe_router_group_topk or 1,
+            first_k_dense_replace=n - sum(spec.moe_layers), norm_topk_prob=True,
+            rope_interleave=True, attention_bias=False, num_nextn_predict_layers=spec.mtp_layers)
+        return cfg
+
+    def check_args(self, args):
+        problems = _decoder_problems(args)
+        if not getattr(args, "multi_latent_attention", False):
+            problems.append("no --multi-latent-attention")
+        if not getattr(args, "qk_layernorm", False):
+            problems.append("no --qk-layernorm (HF: q_a_layernorm/kv_a_layernorm)")
+        if (getattr(args, "rope_type", None) or "yarn") != "rope":
+            problems.append("--rope-type yarn (only plain RoPE converts so far)")
+        if args.moe_router_score_function != "sigmoid":
+            problems.append(f"--moe-router-score-function {args.moe_router_score_function} "
+                            "(HF: sigmoid)")
+        if not getattr(args, "moe_router_enable_expert_bias", False):
+            problems.append("no --moe-router-enable-expert-bias (HF: e_score_correction_bias)")
+        groups, group_topk = args.moe_router_num_groups or 1, args.moe_router_group_topk or 1
+        if groups > 1 and args.moe_router_topk // group_topk != 2:
+            problems.append("--moe-router-topk / --moe-router-group-topk != 2 (HF scores a group "
+                            "by its top 2 experts)")
+        layers = moe_layer_list(args)
+        if layers != sorted(layers):
+            problems.append("--moe-layer-freq with a dense layer after a MoE layer (HF: the first "
+                            "first_k_dense_replace layers are dense)")
+        if args.moe_shared_expert_intermediate_size and (
+                args.moe_shared_expert_intermediate_size % args.moe_ffn_hidden_size
+                or getattr(args, "moe_shared_expert_gate", False)):
+            problems.append("shared experts not a gate-less multiple of --moe-ffn-hidden-size")
+        if getattr(args, "add_qkv_bias", False):
+            problems.append("--add-qkv-bias")
+        if problems:
+            raise ConversionError(f"the checkpoint cannot be written as {self.architecture}: "
+                                  + "; ".join(problems))
+
 
 FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe(), Qwen3Moe(), DeepseekV3())}
 
@@ -599,11 +654,15 @@ def rules_for(spec: Spec) -> list:
     for i in range(L):
         R += _layer_rules(spec, fam, f"decoder.layers.{i}.", f"model.layers.{i}.", i)
     R.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), *_copy()))
+    if mtp:
+        from megatron_moe.compat.mla import mtp_inner_layer
+
+        inner = mtp_inner_layer() + "."
     for k, h in enumerate(mtp):  # megatron-core's MultiTokenPredictionLayer
         m = f"mtp.layers.{k}."
         for name in ("enorm", "hnorm", "eh_proj"):
             R.append(Rule(m + name + ".weight", (h + name + ".weight",), *_copy()))
-        R += _layer_rules(spec, fam, m + "transformer_layer.", h, L + k)
+        R += _layer_rules(spec, fam, m + inner, h, L + k)
         R.append(Rule(m + "final_layernorm.weight", (h + "shared_head.norm.weight",), *_copy()))
     if not spec.tied:
         R.append(Rule("output_layer.weight",

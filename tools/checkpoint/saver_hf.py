@@ -17,10 +17,11 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 def add_arguments(parser):
     group = parser.add_argument_group("Hugging Face saver")
-    group.add_argument("--hf-family", default=None, choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+    group.add_argument("--hf-family", default=None,
+                       choices=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"],
                        help="Architecture to write (default: the one imported from, else guessed "
-                            "from the model: QK layernorm -> qwen3_moe, shared experts / QKV bias "
-                            "-> qwen2_moe, else mixtral)")
+                            "from the model: MLA -> deepseek_v3, QK layernorm -> qwen3_moe, "
+                            "shared experts / QKV bias -> qwen2_moe, else mixtral)")
     group.add_argument("--hf-config-template", default=None,
                        help="config.json to start from (token ids, names, ...) when the checkpoint "
                             "no longer carries its HF config (it was trained further here); its "
