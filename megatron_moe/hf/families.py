@@ -20,6 +20,9 @@ Layout facts the rules encode (megatron-core 0.16):
     Qwen2-MoE with norm_topk_prob=False keeps softmax-then-top-k = --moe-router-pre-softmax.
   * Qwen2-MoE's shared expert gate is sigmoid(x @ w^T), w [1, hidden] = megatron-core's
     ``shared_experts.gate_weight`` (--moe-shared-expert-gate).
+  * DeepSeek-V3 (class DeepseekV3): MLA's projections are plain copies (same row order on both
+    sides); its MTP layers, absent from transformers' model, are the official checkpoint's
+    ``model.layers.{num_hidden_layers + k}.*`` <-> megatron-core's ``mtp.layers.k.*``.
 """
 
 from __future__ import annotations

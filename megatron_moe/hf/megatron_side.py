@@ -2,7 +2,8 @@
 
 A ``torch_dist`` checkpoint stores global tensors with their offsets, so it is independent of the
 TP/EP/PP layout that wrote it: megatron-core reshards at load. The converter therefore builds the
-model once, unsharded (TP=EP=PP=1, one gloo rank, stock megatron-core layer spec), and reads or
+model once, unsharded (TP=EP=PP=1, one gloo rank, megatron-core's local layer spec with our MLA
+core attention and the MTP block, as training builds them on CPU), and reads or
 writes the checkpoint through megatron_moe.checkpointing -- the exact code training uses. Loading
 a checkpoint saved at EP=k gathers every expert of every rank (dist_checkpointing reads all
 shards), which is why an export can never miss experts.
@@ -19,7 +20,7 @@ import socket
 import torch
 
 # Features of ours that change communication or placement, never the weights: off in the
-# conversion model (the stock megatron-core spec), so a checkpoint trained with them converts.
+# conversion model (no spec hooks but MLA's), so a checkpoint trained with them converts.
 _RUNTIME_ONLY = dict(moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                      moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
                      sequence_parallel=False, use_distributed_optimizer=False,

@@ -12,7 +12,8 @@ Plugins are Megatron's: ``loader_<name>.py`` / ``saver_<name>.py`` next to this 
 (megatron-core name, tensor)) and the saver's ``save_checkpoint(metadata, tensors, args)`` consumes
 it. Megatron-LM runs the two in separate processes joined by a queue; here they run in one
 process as a generator pipeline, which moves each tensor once instead of pickling it through a
-queue (docs/hf.md). Families: Mixtral, Qwen2-MoE, Qwen3-MoE (megatron_moe/hf/families.py).
+queue (docs/hf.md). Families: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
+(megatron_moe/hf/families.py).
 """
 
 from __future__ import annotations
