@@ -410,22 +410,13 @@ class DeepseekV3(Family):
     name = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
 
-    def router(self, i):
-        return f"model.layers.{i}.mlp.gate.weight"
+    router, expert, dense = Qwen2Moe.router, Qwen2Moe.expert, Qwen2Moe.dense  # same names
 
     def router_bias(self, i):
         return f"model.layers.{i}.mlp.gate.e_score_correction_bias"
 
-    def expert(self, i, e):
-        p = f"model.layers.{i}.mlp.experts.{e}."
-        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
-
     def shared(self, i):
         p = f"model.layers.{i}.mlp.shared_experts."
-        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
-
-    def dense(self, i):
-        p = f"model.layers.{i}.mlp."
         return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
     def spec_from_config(self, cfg) -> Spec:
