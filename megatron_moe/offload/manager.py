@@ -79,6 +79,9 @@ class _Layer:
         if len(dtypes) != 1:
             raise ValueError(f"expert offload: MoE layer {index} mixes parameter dtypes {dtypes}")
         self.dtype = dtypes.pop()
+        # recorded now: between uses .data is a zero-element placeholder (no NaN fill), so the
+        # parameter's own shape and numel read [0] and 0 there
+        self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.offsets = [sum(self.numels[:k]) for k in range(len(self.numels))]
         self.numel = sum(self.numels)
@@ -96,7 +99,7 @@ class _Layer:
         self.bwd_left = 0
 
     def views(self, flat):
-        return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.numels)]
+        return [flat[o:o + n].view(shape) for shape, o, n in zip(self.shapes, self.offsets, self.numels)]
 
     def bind(self, tensors):
         for p, t in zip(self.params, tensors):
