@@ -1,5 +1,6 @@
 """--moe-expert-offload host|ssd in the real pretrain() loop (2 gloo ranks, EP=2, 4 MoE layers,
-K=2 device slots, NaN fill on): losses and grad norms bit-identical to resident training, across
+K=2 device slots, NaN fill on, and a host resume and an ssd run without it, the default
+zero-element placeholders): losses and grad norms bit-identical to resident training, across
 resumes in every direction (resident -> host, host -> ssd, ssd -> resident) and with K = every
 layer, each left bound until the optimizer step; the [offload] line's device peak, read from the arena's storage, is K/L of the resident
 weights' storage (and K = L breaks the K = 2 bound); leaving out one forward bind, one copy wait,
@@ -29,9 +30,10 @@ def _argv(iters, *extra):
             f"--train-iters {iters}").split() + list(extra)
 
 
-def _off(mode, tmp_path, *extra):
-    out = ["--moe-expert-offload", mode, "--moe-offload-cache-layers", "2",
-           "--moe-offload-debug-nan-fill", *extra]
+def _off(mode, tmp_path, *extra, nan_fill=True):
+    out = ["--moe-expert-offload", mode, "--moe-offload-cache-layers", "2", *extra]
+    if nan_fill:
+        out.append("--moe-offload-debug-nan-fill")
     if mode == "ssd":  # a host cache smaller than the expert states: evictions and write-backs
         out += ["--moe-offload-dir", str(tmp_path / "ssd"), "--moe-offload-host-cache-gb", "0.0002"]
     return out
@@ -51,7 +53,8 @@ def test_offload_bit_identical_over_resumes_and_each_mutation_fails(tmp_path):
         _argv(4, *host, "--save", d["host"], "--exit-interval", "2"),              # 2 host 1-2
         _argv(4, *ssd, "--load", d["host"], "--save", d["ssd"], "--exit-interval", "3"),  # 3 host->ssd
         _argv(4, "--load", d["ssd"]),                                              # 4 ssd->resident 4
-        _argv(4, *host, "--load", d["res"]),                                       # 5 resident->host 3-4
+        # 5: the default path (no NaN fill: zero-element placeholders between uses)
+        _argv(4, *_off("host", tmp_path, nan_fill=False), "--load", d["res"]),     # 5 resident->host 3-4
         # 6: K >= layers, every layer left bound from its backward until the step (skip_unbind):
         # the step updates the host copy, not the slot it would lose
         _argv(4, *_off("host", tmp_path, "--moe-offload-cache-layers", "4")),  # (last flag wins)
@@ -60,6 +63,7 @@ def test_offload_bit_identical_over_resumes_and_each_mutation_fails(tmp_path):
         _argv(2, *host),                                                           # 9 skip_rebind
         _argv(3, *ssd),                                                            # 10 skip_writeback
         _argv(2, "--moe-expert-offload", "host"),                                  # 11 skip_bind, no NaN fill
+        _argv(4, *_off("ssd", tmp_path, nan_fill=False)),                          # 12 ssd, no NaN fill
     ]
     mutations = {6: "skip_unbind", 7: "skip_bind", 8: "skip_wait", 9: "skip_rebind",
                  10: "skip_writeback", 11: "skip_bind"}
@@ -74,19 +78,21 @@ def test_offload_bit_identical_over_resumes_and_each_mutation_fails(tmp_path):
     assert loss(4) == ref["lm_loss"][3:] and norm(4) == ref["grad_norm"][3:]
     assert loss(5) == ref["lm_loss"][2:] and norm(5) == ref["grad_norm"][2:]
     assert loss(6) == ref["lm_loss"] and norm(6) == ref["grad_norm"]
+    assert loss(12) == ref["lm_loss"] and norm(12) == ref["grad_norm"]
     # the feature ran: every offloaded run stepped and copied experts over the link
-    for k in (2, 3, 5, 6):
+    for k in (2, 3, 5, 6, 12):
         for rank_out in out:
             s = rank_out[k]["stats"]
             assert s["steps"] >= 1 and s["layers"] == 4 and s["link_bytes"] > 0
-    s = out[0][3]["stats"]
-    assert s["ssd_read"] > 0 and s["ssd_written"] > 0 and s["cache_peak"] > 0
+    for k in (3, 12):
+        s = out[0][k]["stats"]
+        assert s["ssd_read"] > 0 and s["ssd_written"] > 0 and s["cache_peak"] > 0
     # the log line, one per iteration. Its device figure is the arena's storage, M the experts'
     # weight storage when resident (both read from storages): K cached layers of L hold K/L of it
     lines = r[2]["lines"]
     assert len(lines) == 2
     peaks = {}
-    for k, slots in ((2, 2), (3, 2), (5, 2), (6, 4)):
+    for k, slots in ((2, 2), (3, 2), (5, 2), (6, 4), (12, 2)):
         for line in r[k]["lines"]:
             m = _LINE.search(line)
             assert m, line
@@ -94,7 +100,7 @@ def test_offload_bit_identical_over_resumes_and_each_mutation_fails(tmp_path):
             assert peak * 4 == slots * resident and resident == r[k]["stats"]["expert_param_bytes"]
             peaks[k] = peak, resident
     bound = lambda peak, resident: 0 < peak <= resident * 2 / 4  # K = 2 of L = 4 layers
-    assert all(bound(*peaks[k]) for k in (2, 3, 5))
+    assert all(bound(*peaks[k]) for k in (2, 3, 5, 12))
     assert not bound(*peaks[6])  # the bound is not vacuous: K = all layers breaks it
     assert float(_LINE.search(r[3]["lines"][0]).group(6)) > 0  # ssd traffic per step
     # mutations, each must break the run:
