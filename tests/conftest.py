@@ -22,14 +22,23 @@ SINGLE_LEG = {
 }
 assert all(name.startswith("test_") for name in SINGLE_LEG)
 
+# Files that use something one machine has only once (a Slurm cluster: its daemons, config and
+# ports). .ci/run runs the two legs side by side except for these, which run leg after leg.
+MACHINE_WIDE = {"test_slurm.py"}
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "single_leg: run on the Python 3.11 CI leg only (conftest.py)")
+    config.addinivalue_line("markers", "machine_wide: uses a machine-wide service; .ci/run runs "
+                            "these leg after leg (conftest.py)")
 
 
 def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
-        if os.path.basename(str(item.fspath)) in SINGLE_LEG:
+        name = os.path.basename(str(item.fspath))
+        if name in SINGLE_LEG:
             item.add_marker(pytest.mark.single_leg)
+        if name in MACHINE_WIDE:
+            item.add_marker(pytest.mark.machine_wide)
