@@ -264,6 +264,15 @@ def test_logits_match_transformers(converted, kind):
         for override in (dict(rope_interleave=False), dict(routed_scaling_factor=1.0)):
             mutated = hf_logits(d["hf"], **override)
             assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"], override
+        # without its expert bias (e_score_correction_bias -> router.expert_bias) HF routes
+        # differently: the bias really was carried
+        model = transformers.AutoModelForCausalLM.from_pretrained(d["hf"], dtype=torch.float32)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.zero_()
+            mutated = model.eval()(torch.tensor(TOKENS)).logits
+        assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * TOL["atol"]
 
 
 def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(converted):
