@@ -3,8 +3,9 @@
 # with only the sizes overridden, on 2 CPU processes (gloo), expert parallelism 2: QK layernorm,
 # --kv-channels independent of hidden/heads, fine-grained top-8 experts, fp32 router, no shared
 # expert. --moe-grouped-gemm and --moe-permute-fusion (GPU kernels) are dropped, and so is
-# --use-distributed-optimizer: without Transformer Engine or apex megatron-core's distributed
-# optimizer cannot reload its Adam state (docs/checkpoints.md), and this script resumes exactly.
+# --use-distributed-optimizer, so that tests/test_qwen3.py can add the project's features to this
+# script unchanged (expert offload refuses the distributed optimizer); its CPU resume is tested by
+# tests/test_megatron_mixtral_config.py and tests/test_distrib_optimizer.py.
 # tests/test_qwen3.py runs it.
 #   bash examples/train_qwen3_30b_a3b_cpu.sh CHECKPOINT_PATH TOKENIZER_MODEL DATA_PATH [extra flags...]
 # TOKENIZER_MODEL: a HuggingFace tokenizer directory (tokenizer.json).

@@ -8,6 +8,7 @@ expert-load imbalance lines).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -62,6 +63,25 @@ def pretrain(train_valid_test_datasets_provider, model_provider, model_type, for
               f"{args.distributed_timeout_minutes:g}: another rank is stuck or dead ({first})",
               flush=True)
         sys.exit(1)
+
+
+@contextlib.contextmanager
+def _params_gathered(model, args):
+    """Megatron-LM's save_checkpoint_and_time: with --overlap-param-gather the distributed
+    optimizer updates only each rank's shard of the (bf16/fp16) model params and defers their
+    all-gather to the next forward's pre-hooks, so at a save the other shards still hold the
+    previous iteration's values. disable_forward_pre_hook() runs that all-gather synchronously
+    (param_sync=True); the hooks come back after the save."""
+    gather = args.use_distributed_optimizer and args.overlap_param_gather
+    if gather:
+        for chunk in model:
+            chunk.disable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        if gather:
+            for chunk in model:
+                chunk.enable_forward_pre_hook()
 
 
 def _is_collective_timeout(exc) -> bool:
@@ -367,7 +387,7 @@ class Trainer:
             nonlocal saved_at
             if args.save and saved_at != it:
                 t0 = time.time()
-                with self.hooks.checkpoint_io():
+                with self.hooks.checkpoint_io(), _params_gathered(self.model, args):
                     save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
                                     consumed_train, consumed_valid, {"hooks": self.hooks.state_dict()})
                 saved_at = it

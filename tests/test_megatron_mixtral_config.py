@@ -6,11 +6,10 @@ generates with tools/generate.py.
 Substitutions, each stated: --split 99990,8,2 becomes 98,2,0 for the 120-document corpus (a data
 size: Megatron's split leaves it no validation document). The exact resume runs without the
 script's --no-load-optim --no-load-rng (with them Megatron loads weights only, by
-design not an exact resume) and without --use-distributed-optimizer (and --overlap-param-gather,
-which needs it): on CPU, without Transformer Engine or apex, megatron-core's distributed optimizer
-cannot reload its Adam state (docs/checkpoints.md). The configuration as Megatron wrote it
-(distributed optimizer, overlaps, --no-load-optim --no-load-rng) then continues from that
-checkpoint, loading the weights as the script asks.
+design not an exact resume); it keeps the distributed optimizer, whose Adam state resumes on CPU
+through compat/distrib_optimizer.py. The configuration as Megatron wrote it (with
+--no-load-optim --no-load-rng) then continues from that checkpoint, loading the weights as the
+script asks.
 """
 
 import os
@@ -108,8 +107,7 @@ def test_the_configuration_is_megatrons_with_only_sizes_changed(data):
         parse_args(argv + ["--moe-grouped-gemm"], world_size=2)
 
 
-EXACT_DROP = ("--no-load-optim", "--no-load-rng", "--use-distributed-optimizer",
-              "--overlap-param-gather")
+EXACT_DROP = ("--no-load-optim", "--no-load-rng")
 
 
 def test_trains_saves_resumes_exactly_and_generates(data):
