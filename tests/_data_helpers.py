@@ -152,3 +152,21 @@ def write_tiktoken_vocab(docs, path: str, merges: int = 500) -> str:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(entries, f)
     return path
+
+
+def train_hf_bytelevel(texts, directory: str, vocab_size: int, eos: str, **config) -> str:
+    """A byte-level BPE tokenizer.json (GPT-2/Qwen's kind) trained on `texts` with the `tokenizers`
+    library, plus a tokenizer_config.json naming `eos` (and `config`); returns the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(directory, exist_ok=True)
+    hf.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": eos, **config}, f)
+    return directory

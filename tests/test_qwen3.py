@@ -4,7 +4,6 @@ itself and generation with tools/generate.py; TP=2 and PP=2; the QK layernorm an
 really in the model; tools/report_theoretical_memory.py's QK-norm term against measured tensors.
 """
 
-import json
 import os
 import re
 import subprocess
@@ -24,24 +23,13 @@ ITERS = 4
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """A byte-level BPE HuggingFace tokenizer (Qwen's kind) and a .bin/.idx corpus made with it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from tools import preprocess_data
 
     d = tmp_path_factory.mktemp("qwen3")
     corpus = str(d / "corpus.jsonl")
     docs = H.write_corpus(corpus, max_docs=120)
-    hf = Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(docs, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = str(d / "tokenizer")
-    os.makedirs(tok)
-    hf.save(os.path.join(tok, "tokenizer.json"))
-    with open(os.path.join(tok, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    tok = H.train_hf_bytelevel(docs, str(d / "tokenizer"), 400, "<|endoftext|>",
+                               tokenizer_class="PreTrainedTokenizerFast")
     prefix = str(d / "corpus")
     preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
                           "HuggingFaceTokenizer", "--tokenizer-model", tok, "--no-progress",

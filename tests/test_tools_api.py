@@ -45,22 +45,11 @@ def _tokenizer_flags(kind, tmp_path):
         return ["--tokenizer-type", kind, "--tokenizer-model",
                 H.train_sp(corpus, str(tmp_path / "sp"), vocab_size=400), "--append-eod"]
     if kind == "HuggingFaceTokenizer":
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
         docs = H.write_corpus(str(tmp_path / "hf_corpus.jsonl"), max_docs=80)
         texts = [t for d in docs for t in (d["text"] if isinstance(d["text"], list)
                                            else [d["text"]])]
-        hf = Tokenizer(models.BPE())
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        hf.decoder = decoders.ByteLevel()
-        hf.train_from_iterator(texts, trainers.BpeTrainer(
-            vocab_size=500, special_tokens=["</s>"], show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-        d = tmp_path / "hf"
-        d.mkdir()
-        hf.save(str(d / "tokenizer.json"))
-        (d / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
-        return ["--tokenizer-type", kind, "--tokenizer-model", str(d), "--append-eod"]
+        d = H.train_hf_bytelevel(texts, str(tmp_path / "hf"), 500, "</s>")
+        return ["--tokenizer-type", kind, "--tokenizer-model", d, "--append-eod"]
     docs = [json.loads(line) for name in ("numbers", "numbers_ascending", "test", "prose")
             for line in open(tmp_path / "raws" / f"{name}.jsonl", encoding="utf-8")]
     vocab = H.write_bert_vocab_for(docs, str(tmp_path), words=300)
