@@ -558,14 +558,25 @@ class ArenaProbe:
 
     def attach(self, mgr):
         arena = mgr.arena
-        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                 for i in range(arena.slots) for t in arena.slot(i).values()]
+
+        def spans():
+            # the arena allocates a slot's storage at its first acquire: read the slots in use now
+            out = []
+            for i in range(arena.slots):
+                try:
+                    tensors = arena.slot(i).values()
+                except RuntimeError:   # never acquired: holds no storage yet
+                    continue
+                out += [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                        for t in tensors]
+            return out
 
         def hook(module, args):
             self.calls += 1
+            live = spans()
             for p in module.parameters():
                 ptr = p.data_ptr()
-                if not any(lo <= ptr < hi for lo, hi in spans) or \
+                if not any(lo <= ptr < hi for lo, hi in live) or \
                         p.device.type != arena.device.type:
                     self.violations += 1
         for layer in mgr.layers:   # the manager's bind is the MoE layer's pre-hook, so this
