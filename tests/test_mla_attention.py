@@ -28,6 +28,7 @@ def tp1():
     from megatron.core import parallel_state
 
     created = not dist.is_initialized()
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     if created:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
@@ -41,6 +42,13 @@ def tp1():
     parallel_state.destroy_model_parallel()
     if created:
         dist.destroy_process_group()
+    # the rendezvous variables must not leak into later tests' subprocesses (a server started
+    # by tests/test_server_completions.py inherited this port and failed with EADDRINUSE)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _config(**kw):
