@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from megatron_moe.testing import free_port, run_distributed
+from megatron_moe.testing import run_distributed
 from tests import _data_helpers as H
 from tests._inference_cases import train_and_capture
 from tests._server_cases import reference_case
@@ -61,9 +61,11 @@ class _Server:
     def __init__(self, ckpt):
         cmd = [sys.executable, os.path.join(ROOT, "tools", "run_text_generation_server.py"),
                "--load", ckpt["load"], "--use-checkpoint-args", "--port", "0"]
-        # its own rendezvous port: never one an earlier test left in os.environ
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
+        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+        # as a user starts it (no torchrun variables): with MASTER_PORT set, megatron-core 0.19's
+        # reading of the checkpoint args binds that port before initialize does (EADDRINUSE)
+        for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(k, None)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
