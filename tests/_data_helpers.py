@@ -34,8 +34,9 @@ def train_sp(corpus: str, prefix: str, vocab_size: int = 600, extra=()) -> str:
                                  "--num-threads", "1", *extra])
 
 
-def sp_dataset(directory, max_docs: int, vocab_size: int):
-    """write_corpus + a sentencepiece model trained on it + its .bin/.idx (eod appended):
+def sp_dataset(directory, max_docs: int, vocab_size: int, tokenizer_type: str | None = None):
+    """write_corpus + a sentencepiece model trained on it + its .bin/.idx (eod appended; by
+    preprocess_data's default tokenizer type unless `tokenizer_type` names another):
     (the --data-path prefix, the --tokenizer-model path)."""
     from tools import preprocess_data
 
@@ -43,8 +44,9 @@ def sp_dataset(directory, max_docs: int, vocab_size: int):
     write_corpus(corpus, max_docs=max_docs)
     tok = train_sp(corpus, os.path.join(directory, "sp"), vocab_size=vocab_size)
     prefix = os.path.join(directory, "corpus")
+    kind = ["--tokenizer-type", tokenizer_type] if tokenizer_type else []
     preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model", tok,
-                          "--no-progress", "--log-interval", "0", "--append-eod"])
+                          *kind, "--no-progress", "--log-interval", "0", "--append-eod"])
     return prefix + "_text_document", tok
 
 

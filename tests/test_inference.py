@@ -29,15 +29,8 @@ LINK_GBPS = 0.05  # slow enough that a layer copy takes milliseconds: skipped wa
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from tools import preprocess_data
-
     d = tmp_path_factory.mktemp("inference")
-    corpus = str(d / "corpus.jsonl")
-    H.write_corpus(corpus, max_docs=150)
-    tok = H.train_sp(corpus, str(d / "sp"), vocab_size=500)
-    prefix = str(d / "corpus")
-    preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model", tok,
-                          "--no-progress", "--log-interval", "0", "--append-eod"])
+    data, tok = H.sp_dataset(str(d), max_docs=150, vocab_size=500)
     save = str(d / "ckpt")
     argv = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
             "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --split 90,10,0 "
@@ -45,10 +38,10 @@ def ckpt(tmp_path_factory):
             "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 --disable-bias-linear "
             "--hidden-dropout 0 --attention-dropout 0 --train-iters 30 --log-interval 30 "
             "--eval-interval 30 --eval-iters 2 --expert-model-parallel-size 2").split()
-    argv += ["--data-path", prefix + "_text_document", "--tokenizer-model", tok, "--save", save]
+    argv += ["--data-path", data, "--tokenizer-model", tok, "--save", save]
     printed = run_distributed(train_and_capture, 2, argv, timeout_s=300)
     line = next(l for out in printed for l in out.splitlines() if "validation loss at" in l)
-    return dict(load=save, line=line.strip(), data=prefix + "_text_document", tok=tok)
+    return dict(load=save, line=line.strip(), data=data, tok=tok)
 
 
 @pytest.fixture(scope="module")

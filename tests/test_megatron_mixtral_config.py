@@ -78,17 +78,10 @@ def mixtral_argv(paths, drop=()):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from tools import preprocess_data
-
     d = tmp_path_factory.mktemp("mixtral")
-    corpus = str(d / "corpus.jsonl")
-    H.write_corpus(corpus, max_docs=120)
-    tok = H.train_sp(corpus, str(d / "sp"), vocab_size=500)
-    prefix = str(d / "corpus")
-    preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
-                          "Llama2Tokenizer", "--tokenizer-model", tok, "--no-progress",
-                          "--log-interval", "0", "--append-eod"])
-    return dict(dir=d, tok=tok, data=prefix + "_text_document")
+    data, tok = H.sp_dataset(str(d), max_docs=120, vocab_size=500,
+                             tokenizer_type="Llama2Tokenizer")
+    return dict(dir=d, tok=tok, data=data)
 
 
 def test_the_configuration_is_megatrons_with_only_sizes_changed(data):
