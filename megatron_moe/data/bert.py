@@ -18,7 +18,7 @@ from megatron.core.datasets.bert_dataset import (
 )
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-from megatron_moe.data.gpt import common_dataset_kwargs
+from megatron_moe.data.gpt import check_split_sizes, common_dataset_kwargs
 
 _TOKENIZER_FIELDS = ("cls", "sep", "mask", "pad", "inv_vocab", "vocab_size")
 
@@ -71,21 +71,6 @@ def bert_dataset_config(args, tokenizer) -> BERTMaskedWordPieceDatasetConfig:
         masking_use_geometric_distribution=False,
         classification_head=args.bert_binary_head,
     )
-
-
-def check_split_sizes(config, split_flag: str) -> None:
-    """megatron-core fails with an IndexError on a split that rounds to zero documents; name it."""
-    if config.blend is None:
-        return
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    for prefix in config.blend[0]:
-        documents = IndexedDataset(prefix).document_indices.shape[0] - 1
-        for name, bounds in zip(("train", "validation", "test"), config.split_matrix):
-            if bounds is not None and round(bounds[1] * documents) <= round(bounds[0] * documents):
-                raise ValueError(
-                    f"--split {split_flag}: the {name} split of {prefix} ({documents} documents) "
-                    f"has no document; give it a larger share, or 0 to drop that split")
 
 
 def build_bert_datasets(args, tokenizer, num_samples):

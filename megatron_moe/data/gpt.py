@@ -40,11 +40,29 @@ def train_valid_test_num_samples(args):
     return [train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size]
 
 
+def check_split_sizes(config, split_flag: str) -> None:
+    """A --split share that rounds to zero documents makes megatron-core's builder fail (BERT: an
+    IndexError) or spin forever (GPT: it adds empty epochs until it has enough tokens), e.g.
+    Megatron's `--split 99990,8,2` on a small corpus; refuse it by name before building."""
+    if config.blend is None:
+        return
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in config.blend[0]:
+        documents = IndexedDataset(prefix).document_indices.shape[0] - 1
+        for name, bounds in zip(("train", "validation", "test"), config.split_matrix):
+            if bounds is not None and round(bounds[1] * documents) <= round(bounds[0] * documents):
+                raise ValueError(
+                    f"--split {split_flag}: the {name} split of {prefix} ({documents} documents) "
+                    f"has no document; give it a larger share, or 0 to drop that split")
+
+
 def build_gpt_datasets(args, tokenizer, num_samples=None):
     config = gpt_dataset_config(args, tokenizer)
     if args.mock_data:
         config.blend = None
         config.blend_per_split = None
+    check_split_sizes(config, args.split)
     cls = MockGPTDataset if args.mock_data else GPTDataset
     builder = BlendedMegatronDatasetBuilder(
         cls, num_samples or train_valid_test_num_samples(args), lambda: True, config)
