@@ -33,7 +33,7 @@ from .traces import synthetic_trace
 
 __all__ = ["TESTBED_DIR", "Efficiency", "load_testbed", "list_testbeds", "load_models", "load_published",
            "paper_cluster", "paper_trace", "zipf_for_share", "SYSTEMS", "simulate_system", "PaperSim",
-           "smart_schedule_degree"]
+           "smart_schedule_degree", "achieved_rates"]
 
 TESTBED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbeds")
 
@@ -136,7 +136,9 @@ def _popularity(imb: dict, num_experts: int):
         m = re.fullmatch(r"(top|bottom)(\d+)_share", imb["match"])
         if not m:
             raise ValueError(f"models.json: imbalance match {imb['match']!r} is not top<N>_share / bottom<N>_share")
-        return zipf_for_share(num_experts, imb["value"], **{m.group(1): int(m.group(2))}), None
+        # match_experts: the share is stated for that many experts (the exponent carries over to more)
+        n = int(imb.get("match_experts", num_experts))
+        return zipf_for_share(n, imb["value"], **{m.group(1): int(m.group(2))}), None
     if imb["kind"] == "hot":
         h, share = int(imb["hot_experts"]), float(imb["hot_share_each"])
         rest = (1.0 - h * share) / (num_experts - h)
@@ -152,13 +154,36 @@ def _settings(model: str) -> Tuple[dict, dict]:
     return cfg, m["papers"][cfg["paper"]]
 
 
-def _tokens_per_gpu(run: dict, gpus: int) -> int:
+def _tokens_per_gpu(run: dict, gpus: int, cfg: Optional[dict] = None) -> int:
+    """Tokens per GPU and iteration: the model's own (``tokens_per_gpu`` in its models.json entry,
+    when its benchmark ran a different batch per model), else its paper's run setting."""
+    if cfg and "tokens_per_gpu" in cfg:
+        return int(cfg["tokens_per_gpu"])
     if "tokens_per_gpu" in run:
         return int(run["tokens_per_gpu"])
     return int(run["tokens_per_iteration"][str(gpus)]) // gpus
 
 
-def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: int) -> Cluster:
+def achieved_rates(tb: dict, eff: Efficiency, dtype_bytes: int) -> Tuple[float, float, float]:
+    """(GEMM FLOP/s, intra-node link bytes/s, one NIC's bytes/s) a testbed achieves.
+
+    A testbed whose paper publishes the rates its validated performance model runs with (section
+    ``achieved``: FasterMoE's predictor, R^2 0.987 / 0.967 against measured latency) uses those; the
+    others get the peak / link rates times the fitted ``eff``.  FasterMoE's own MoE-layer latencies
+    (Fig. 11: 40-120 ms per MoE-BERT-Deep layer; Table 3: 2117 ms per whole MoE-GPT iteration) rule
+    the fitted fraction out there: at 0.05 of peak one MoE-GPT iteration's MoE layers alone take
+    over 10 s."""
+    peak = float(tb["gpu"]["peak_fp16_flops"] if dtype_bytes == 2 else tb["gpu"]["peak_fp32_flops"])
+    a = tb.get("achieved")
+    if a is None:
+        return (peak * eff.flops, float(tb["intra"]["bandwidth"]) * eff.net,
+                float(tb["inter"]["bandwidth_per_nic"]) * eff.net)
+    flops = float(a["gemm_flops"]) if "gemm_flops" in a else peak * float(a["gemm_fraction_of_peak"])
+    return flops, float(a["intra_bandwidth"]), float(a["inter_bandwidth_per_nic"])
+
+
+def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: int,
+                  benchmark: Optional[str] = None) -> Cluster:
     """The ``Cluster`` (hence the ``CostModel`` the planners price with) of ``model`` on ``gpus``
     GPUs of ``testbed``: achieved rates = peak x ``eff``; non-expert time from the model's FLOPs.
 
@@ -166,29 +191,30 @@ def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: i
     as FNEC / BNEC = 2 FNEC, and per iteration the LM head, the data-parallel all-reduce of the dense
     gradients (ring, after backward, not overlapped as in FastMoE/Megatron-LM of the papers' time) and
     the Adam step (memory bound).  moe_layers_only benchmarks (FasterMoE's latency traces) get none.
+    Rates: :func:`achieved_rates` (a testbed's published achieved rates, else peak x ``eff``).
+    ``benchmark`` overrides the paper's scope for one cell (FasterMoE's Table 3 is a whole training
+    iteration of Megatron-LM, its other cells the MoE-layer benchmark).
     """
     tb = load_testbed(testbed)
     cfg, run = _settings(model)
     h, f = int(cfg["hidden"]), int(cfg["ffn_hidden"])
     b = int(run["dtype_bytes"])
-    peak = tb["gpu"]["peak_fp16_flops"] if b == 2 else tb["gpu"]["peak_fp32_flops"]
-    flops = float(peak) * eff.flops
+    flops, intra, nic_rate = achieved_rates(tb, eff, b)
     rpn = int(tb["gpus_per_node"])
-    nic, nics = float(tb["inter"]["bandwidth_per_nic"]), int(tb["inter"]["nics_per_node"])
-    inter = nic * nics / rpn                       # per rank when every rank sends alike
+    nics = int(tb["inter"]["nics_per_node"])
     pair = tb.get("intra_pair", {}).get("bandwidth")
     kw = dict(num_gpus=gpus, ranks_per_node=min(rpn, gpus),
-              intra_bw=float(tb["intra"]["bandwidth"]) * eff.net,
-              inter_bw=min(nic, float(tb["intra"]["bandwidth"])) * eff.net,   # one rank drives one NIC
-              node_inter_bw=nic * nics * eff.net,
+              intra_bw=intra,
+              inter_bw=min(nic_rate, intra),       # one rank drives one NIC
+              node_inter_bw=nic_rate * nics,
               intra_lat=float(tb["intra"]["latency_s"]), inter_lat=float(tb["inter"]["latency_s"]),
               intra_pair_bw=float(pair) * eff.net if pair else None,
               hidden_size=h, ffn_hidden_size=f, dtype_bytes=b, device_flops=flops,
               expert_state_bytes=float(2 * h * f * (b + 12)), source=f"{testbed} / {model}",
               msg_efficiency=tb.get("message_efficiency", {}).get("table"))
-    if run["benchmark"] == "moe_layers_only":
+    if (benchmark or run["benchmark"]) == "moe_layers_only":
         return Cluster(t_fnec_s=0.0, t_bnec_s=0.0, t_step_s=0.0, **kw)
-    tokens = _tokens_per_gpu(run, gpus)
+    tokens = _tokens_per_gpu(run, gpus, cfg)
     s, v, every = int(run["seq_length"]), int(run["vocab_size"]), int(cfg.get("moe_every", 1))
     layers = int(cfg["layers"])
     # per MoE block: `every` attention layers + (every - 1) dense FFN layers, forward FLOPs
@@ -198,8 +224,7 @@ def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: i
     dense = layers * 4.0 * h * h + (layers - n_moe) * 2.0 * h * f + (v + s) * h
     experts_here = n_moe * max(1, int(cfg.get("experts", gpus)) // gpus) * 2.0 * h * f
     nodes = max(1, gpus // rpn)
-    ring_bw = (min(float(tb["intra"]["bandwidth"]), inter * rpn) if nodes > 1
-               else float(tb["intra"]["bandwidth"])) * eff.net
+    ring_bw = min(intra, nic_rate * nics) if nodes > 1 else intra
     allreduce = 2.0 * (gpus - 1) / gpus * dense * b / ring_bw if gpus > 1 else 0.0
     adam_bytes = 28.0 if b == 4 else 32.0          # read p, g, m, v (+ fp16 copy), write p, m, v
     opt = (dense + experts_here) * adam_bytes / float(tb["gpu"]["memory_bandwidth"])
@@ -213,13 +238,20 @@ def paper_trace(model: str, gpus: int, top_k: int, iterations: int, seed: int = 
     e = int(cfg.get("experts", gpus))
     zs, pop = _popularity(run["imbalance"], e)
     layers = int(cfg["layers"]) // int(cfg.get("moe_every", 1))
-    return synthetic_trace(gpus, e, iterations, layers, top_k * _tokens_per_gpu(run, gpus), zs,
+    return synthetic_trace(gpus, e, iterations, layers, top_k * _tokens_per_gpu(run, gpus, cfg), zs,
                            drift_sigma=0.05, source_sigma=source_sigma, seed=seed, popularity=pop)
 
 
-def smart_schedule_degree(testbed: str, gpus: int) -> int:
-    """FasterMoE's group-wise exchange: groups of tightly connected workers (one node), n = nodes."""
-    return max(2, gpus // int(load_testbed(testbed)["gpus_per_node"]))
+def smart_schedule_degree(testbed: str, gpus: int, model: Optional[str] = None) -> int:
+    """FasterMoE's group-wise exchange: n = gpus / group size, n steps.  The group is the paper's
+    run setting where it states one (models.json ``smart_schedule_group``: FasterMoE's artifact runs
+    FMOE_FUSE_GRAN=2), else one node of tightly connected workers (Sec. 4.2's heuristic)."""
+    group = None
+    if model is not None:
+        group = _settings(model)[1].get("smart_schedule_group")
+    if group is None:
+        group = int(load_testbed(testbed)["gpus_per_node"])
+    return max(2, gpus // int(group))
 
 
 class PaperSim:
@@ -230,18 +262,21 @@ class PaperSim:
         self._traces: Dict = {}
         self._res: Dict = {}
 
-    def iter_s(self, testbed: str, model: str, gpus: int, top_k: int, system: str) -> float:
-        key = (testbed, model, gpus, top_k, system)
+    def iter_s(self, testbed: str, model: str, gpus: int, top_k: int, system: str,
+               benchmark: Optional[str] = None) -> float:
+        key = (testbed, model, gpus, top_k, system, benchmark)
         if key not in self._res:
             tk = (model, gpus, top_k)
             if tk not in self._traces:
                 self._traces[tk] = paper_trace(model, gpus, top_k, self.iterations, self.seed)
-            self._res[key] = simulate_system(self._traces[tk], testbed, model, gpus, top_k, system, self.eff)
+            self._res[key] = simulate_system(self._traces[tk], testbed, model, gpus, top_k, system, self.eff,
+                                             benchmark)
         return self._res[key]
 
-    def speedup(self, testbed: str, model: str, gpus: int, top_k: int, system: str, baseline: str) -> float:
-        return (self.iter_s(testbed, model, gpus, top_k, baseline)
-                / self.iter_s(testbed, model, gpus, top_k, system))
+    def speedup(self, testbed: str, model: str, gpus: int, top_k: int, system: str, baseline: str,
+                benchmark: Optional[str] = None) -> float:
+        return (self.iter_s(testbed, model, gpus, top_k, baseline, benchmark)
+                / self.iter_s(testbed, model, gpus, top_k, system, benchmark))
 
     def cell(self, c: dict) -> float:
         """Simulated value of one published cell (``stat`` reduces over its models x gpus)."""
@@ -251,7 +286,8 @@ class PaperSim:
             g = c["gpus"]
             gs = [g[m]] if isinstance(g, dict) else (g if isinstance(g, list) else [g])
             for gg in gs:
-                vals.append(self.speedup(c["testbed"], m, int(gg), int(c["top_k"]), c["system"], c["baseline"]))
+                vals.append(self.speedup(c["testbed"], m, int(gg), int(c["top_k"]), c["system"], c["baseline"],
+                                         c.get("benchmark")))
         stat = c.get("stat", "value")
         if stat in ("value", "max"):
             return float(max(vals))
@@ -263,13 +299,13 @@ class PaperSim:
 
 
 def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_k: int, system: str,
-                    eff: Efficiency) -> float:
+                    eff: Efficiency, benchmark: Optional[str] = None) -> float:
     """Mean iteration seconds of a paper's ``system`` (``SYSTEMS``), warm-up iteration excluded."""
     if system not in SYSTEMS:
         raise ValueError(f"published.json: unknown system {system!r}; known: {sorted(SYSTEMS)}")
     pol, kw, smart = SYSTEMS[system]
-    cl = paper_cluster(testbed, model, gpus, eff, top_k)
-    degree = smart_schedule_degree(testbed, gpus) if smart else 1
+    cl = paper_cluster(testbed, model, gpus, eff, top_k, benchmark)
+    degree = smart_schedule_degree(testbed, gpus, model) if smart else 1
     r = simulate(trace, cl, pol, "flat", policy_kwargs=dict(kw), degree=degree)
     it = r.values["iter_s"]
     return float(it[1:].mean() if len(it) > 1 else it.mean())
