@@ -133,3 +133,20 @@ def test_registered_with_the_balance_interface_and_its_cost_model():
         + cm.t_trans(1, 0, 4) + cm.t_agg(1, 0, 4)
     assert sp.time_s == pytest.approx(expect)
     assert make_policy("fastermoe", 4, 4).plan(np.full((4, 4), 64)).is_plain()
+
+
+def test_equally_hot_experts_stop_the_greedy_after_at_most_one():
+    """Issue 21: the paper's Fig. 4b load taken literally (4 of 16 experts at 20% each, the rest equal)
+    cannot give the 19% shadowed experts the paper reports (Sec. 5.5): shadowing one of several
+    equally hot experts moves its inputs onto the others' owners, so the maximum load rises and the
+    printed Alg. 1 (and the artifact's _global_policy) stops.  Unequal hot experts (a Zipf law) let
+    the prefix grow; the paper_tables trace is built on that (models.json fastermoe imbalance)."""
+    d = 16
+    hot = np.array([0.2] * 4 + [0.2 / 12] * 12)
+    equal = np.rint(np.tile(hot * 2048, (d, 1))).astype(np.int64)
+    for literal in (False, True):
+        assert len(select_shadow(equal, paper_cost(d), paper_literal=literal).shadowed) <= 1
+    zipf = np.arange(1, d + 1, dtype=np.float64) ** -1.106
+    unequal = np.rint(np.tile(zipf / zipf.sum() * 2048, (d, 1))).astype(np.int64)
+    plan = select_shadow(unequal, paper_cost(d))
+    assert len(plan.shadowed) >= 2 and plan.loads_after.max() < plan.loads_before.max() / 2

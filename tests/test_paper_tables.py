@@ -97,3 +97,32 @@ def test_fit_uses_table_iv_only_and_picks_the_grid_minimum():
     eff = paper_tables.fit(cells, 2, flops_grid=[0.05, 0.3], net_grid=[0.3, 1.0], log=lambda s: None)
     best = min(losses.values())
     assert paper_tables._loss(PaperSim(eff, 2), cells) <= best + 1e-12
+
+
+def test_fastermoe_cells_run_as_the_paper_ran_them():
+    """FasterMoE's testbeds carry the rates its validated predictor uses (not the Pro-Prophet fit),
+    the artifact's per-trace batch, groups of 2 in the smart schedule, and Table 3 as a whole
+    training iteration; Pro-Prophet's testbeds keep the fitted fractions and one group per node."""
+    lo, hi = Efficiency(0.05, 0.3), Efficiency(0.5, 1.0)
+    a = papers.paper_cluster("fastermoe_johnny", "FasterMoE/MoE-GPT-S", 16, lo, 2)
+    b = papers.paper_cluster("fastermoe_johnny", "FasterMoE/MoE-GPT-S", 16, hi, 2)
+    assert a.device_flops == b.device_flops == pytest.approx(11.5e12)       # artifact predict.py
+    assert a.node_inter_bw == b.node_inter_bw == pytest.approx(6.25e9)      # 50 Gb/s IB
+    assert a.intra_bw == pytest.approx(11e9)                                  # 88 Gb/s PCIe
+    t = papers.paper_cluster("fastermoe_trevor", "FasterMoE/MoE-BERT-Wide", 64, lo, 2)
+    assert t.device_flops == pytest.approx(0.9 * 15.7e12)                    # Sec. 3.1: 90% of peak
+    p = papers.paper_cluster("proprophet_hpnv", "MoE-GPT-M", 16, lo, 1)
+    assert p.device_flops == pytest.approx(0.05 * papers.load_testbed("proprophet_hpnv")["gpu"]["peak_fp32_flops"])
+    assert papers.paper_trace("FasterMoE/MoE-GPT-S", 16, 2, 2).sum(axis=3).max() == 2 * 1024
+    assert papers.paper_trace("FasterMoE/MoE-BERT-Deep", 16, 2, 2).sum(axis=3).max() == 2 * 2048
+    assert papers.smart_schedule_degree("fastermoe_johnny", 16, "FasterMoE/MoE-GPT-S") == 8
+    assert papers.smart_schedule_degree("fastermoe_trevor", 64, "FasterMoE/MoE-BERT-Wide") == 32
+    assert papers.smart_schedule_degree("proprophet_hpnv", 16, "MoE-GPT-M") == \
+        16 // papers.load_testbed("proprophet_hpnv")["gpus_per_node"]          # one group per node
+    e2e = papers.paper_cluster("fastermoe_johnny", "FasterMoE/MoE-GPT", 16, lo, 2, benchmark="end_to_end")
+    assert e2e.t_fnec_s > 0 and e2e.t_step_s > 0
+    (t3,) = [c for c in papers.load_published()["cells"] if c["table"] == "Table 3"]
+    assert t3["benchmark"] == "end_to_end"
+    sim = PaperSim(lo, 2)
+    assert sim.iter_s("fastermoe_johnny", "FasterMoE/MoE-GPT", 16, 2, "FastMoE", "end_to_end") > \
+        sim.iter_s("fastermoe_johnny", "FasterMoE/MoE-GPT", 16, 2, "FastMoE")

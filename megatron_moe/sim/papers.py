@@ -33,7 +33,7 @@ from .traces import synthetic_trace
 
 __all__ = ["TESTBED_DIR", "Efficiency", "load_testbed", "list_testbeds", "load_models", "load_published",
            "paper_cluster", "paper_trace", "zipf_for_share", "SYSTEMS", "simulate_system", "PaperSim",
-           "smart_schedule_degree", "achieved_rates"]
+           "smart_schedule_degree", "achieved_rates", "steady_state_warmup"]
 
 TESTBED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbeds")
 
@@ -254,6 +254,14 @@ def smart_schedule_degree(testbed: str, gpus: int, model: Optional[str] = None) 
     return max(2, gpus // int(group))
 
 
+def steady_state_warmup(model: str) -> int:
+    """Extra warm-up iterations before the measured ones (models.json ``steady_state_warmup``): a
+    published number over a whole training run (FlexMoE's time to quality) sees the placement a
+    persistent-replica policy converges to, not the few iterations it needs to get there from plain
+    EP (FlexMoE adds and moves replicas a few per step: about 4 iterations at 64 GPUs)."""
+    return int(_settings(model)[1].get("steady_state_warmup", 0))
+
+
 class PaperSim:
     """Simulates (testbed, model, gpus, k, system) with one efficiency; traces and results cached."""
 
@@ -267,10 +275,11 @@ class PaperSim:
         key = (testbed, model, gpus, top_k, system, benchmark)
         if key not in self._res:
             tk = (model, gpus, top_k)
+            warm = steady_state_warmup(model)
             if tk not in self._traces:
-                self._traces[tk] = paper_trace(model, gpus, top_k, self.iterations, self.seed)
+                self._traces[tk] = paper_trace(model, gpus, top_k, self.iterations + warm, self.seed)
             self._res[key] = simulate_system(self._traces[tk], testbed, model, gpus, top_k, system, self.eff,
-                                             benchmark)
+                                             benchmark, skip=1 + warm)
         return self._res[key]
 
     def speedup(self, testbed: str, model: str, gpus: int, top_k: int, system: str, baseline: str,
@@ -299,8 +308,9 @@ class PaperSim:
 
 
 def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_k: int, system: str,
-                    eff: Efficiency, benchmark: Optional[str] = None) -> float:
-    """Mean iteration seconds of a paper's ``system`` (``SYSTEMS``), warm-up iteration excluded."""
+                    eff: Efficiency, benchmark: Optional[str] = None, skip: int = 1) -> float:
+    """Mean iteration seconds of a paper's ``system`` (``SYSTEMS``), the first ``skip`` iterations
+    (warm-up) excluded."""
     if system not in SYSTEMS:
         raise ValueError(f"published.json: unknown system {system!r}; known: {sorted(SYSTEMS)}")
     pol, kw, smart = SYSTEMS[system]
@@ -308,4 +318,4 @@ def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_
     degree = smart_schedule_degree(testbed, gpus, model) if smart else 1
     r = simulate(trace, cl, pol, "flat", policy_kwargs=dict(kw), degree=degree)
     it = r.values["iter_s"]
-    return float(it[1:].mean() if len(it) > 1 else it.mean())
+    return float(it[skip:].mean() if len(it) > skip else it[-1:].mean())
