@@ -126,3 +126,15 @@ def test_fastermoe_cells_run_as_the_paper_ran_them():
     sim = PaperSim(lo, 2)
     assert sim.iter_s("fastermoe_johnny", "FasterMoE/MoE-GPT", 16, 2, "FastMoE", "end_to_end") > \
         sim.iter_s("fastermoe_johnny", "FasterMoE/MoE-GPT", 16, 2, "FastMoE")
+
+
+def test_flexmoe_cells_measure_the_steady_state():
+    """FlexMoE's Fig. 5 is time to quality over a whole run: its cells are measured after the
+    warm-up its placement needs to converge from plain EP; papers without the setting get none."""
+    assert papers.steady_state_warmup("BERT-MoE-S") == 8 and papers.steady_state_warmup("MoE-GPT-S") == 0
+    sim = PaperSim(Efficiency(0.05, 0.8), 2)
+    a = sim.iter_s("flexmoe_ndv4", "BERT-MoE-S", 32, 2, "FastMoE")
+    (trace,) = sim._traces.values()
+    assert trace.shape[0] == 2 + 8
+    assert a == pytest.approx(papers.simulate_system(trace, "flexmoe_ndv4", "BERT-MoE-S", 32, 2, "FastMoE",
+                                                     Efficiency(0.05, 0.8), skip=9))
