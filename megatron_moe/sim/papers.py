@@ -10,10 +10,12 @@ Data files (``megatron_moe/sim/testbeds/``), every number with its source:
 * ``published.json``: every published cell we model (speed-up of a system over a baseline) and
   the ones we do not, with the reason.
 
-Two free constants turn peaks into achieved rates, the same for every testbed: ``flops`` (achieved
-fraction of the GPU's peak FLOP/s, for expert and non-expert GEMMs) and ``net`` (achieved fraction
-of every link's bandwidth, for all-to-all, broadcast/reduce and all-reduce).  They are fitted on
-Pro-Prophet's Table IV only; everything else is predicted with the same two numbers.
+Two free constants turn peaks into achieved rates: ``flops`` (achieved fraction of the GPU's peak
+FLOP/s, for expert and non-expert GEMMs) and ``net`` (achieved fraction of every link's bandwidth, for
+all-to-all, broadcast/reduce and all-reduce).  They are fitted on Pro-Prophet's Table IV only; every
+other table is predicted with the same two numbers, except on a testbed whose paper publishes the
+achieved rates its validated performance model runs with (an ``achieved`` section: FasterMoE's
+johnny and trevor), which uses those published rates instead (:func:`achieved_rates`).
 """
 
 from __future__ import annotations
@@ -164,8 +166,9 @@ def _tokens_per_gpu(run: dict, gpus: int, cfg: Optional[dict] = None) -> int:
     return int(run["tokens_per_iteration"][str(gpus)]) // gpus
 
 
-def achieved_rates(tb: dict, eff: Efficiency, dtype_bytes: int) -> Tuple[float, float, float]:
-    """(GEMM FLOP/s, intra-node link bytes/s, one NIC's bytes/s) a testbed achieves.
+def achieved_rates(tb: dict, eff: Efficiency, dtype_bytes: int) -> Tuple[float, float, float, Optional[float]]:
+    """(GEMM FLOP/s, intra-node link bytes/s, one NIC's bytes/s, NVLink-pair bytes/s or None) a
+    testbed achieves.
 
     A testbed whose paper publishes the rates its validated performance model runs with (section
     ``achieved``: FasterMoE's predictor, R^2 0.987 / 0.967 against measured latency) uses those; the
@@ -176,10 +179,12 @@ def achieved_rates(tb: dict, eff: Efficiency, dtype_bytes: int) -> Tuple[float, 
     peak = float(tb["gpu"]["peak_fp16_flops"] if dtype_bytes == 2 else tb["gpu"]["peak_fp32_flops"])
     a = tb.get("achieved")
     if a is None:
+        pair = tb.get("intra_pair", {}).get("bandwidth")
         return (peak * eff.flops, float(tb["intra"]["bandwidth"]) * eff.net,
-                float(tb["inter"]["bandwidth_per_nic"]) * eff.net)
-    flops = float(a["gemm_flops"]) if "gemm_flops" in a else peak * float(a["gemm_fraction_of_peak"])
-    return flops, float(a["intra_bandwidth"]), float(a["inter_bandwidth_per_nic"])
+                float(tb["inter"]["bandwidth_per_nic"]) * eff.net, float(pair) * eff.net if pair else None)
+    pair = a.get("intra_pair_bandwidth")
+    return (float(a["gemm_flops"]), float(a["intra_bandwidth"]), float(a["inter_bandwidth_per_nic"]),
+            float(pair) if pair else None)
 
 
 def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: int,
@@ -199,16 +204,15 @@ def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: i
     cfg, run = _settings(model)
     h, f = int(cfg["hidden"]), int(cfg["ffn_hidden"])
     b = int(run["dtype_bytes"])
-    flops, intra, nic_rate = achieved_rates(tb, eff, b)
+    flops, intra, nic_rate, pair = achieved_rates(tb, eff, b)
     rpn = int(tb["gpus_per_node"])
     nics = int(tb["inter"]["nics_per_node"])
-    pair = tb.get("intra_pair", {}).get("bandwidth")
     kw = dict(num_gpus=gpus, ranks_per_node=min(rpn, gpus),
               intra_bw=intra,
               inter_bw=min(nic_rate, intra),       # one rank drives one NIC
               node_inter_bw=nic_rate * nics,
               intra_lat=float(tb["intra"]["latency_s"]), inter_lat=float(tb["inter"]["latency_s"]),
-              intra_pair_bw=float(pair) * eff.net if pair else None,
+              intra_pair_bw=pair,
               hidden_size=h, ffn_hidden_size=f, dtype_bytes=b, device_flops=flops,
               expert_state_bytes=float(2 * h * f * (b + 12)), source=f"{testbed} / {model}",
               msg_efficiency=tb.get("message_efficiency", {}).get("table"))
