@@ -116,6 +116,8 @@ def test_fastermoe_cells_run_as_the_paper_ran_them():
     assert p.device_flops == pytest.approx(0.05 * papers.load_testbed("proprophet_hpnv")["gpu"]["peak_fp32_flops"])
     assert papers.paper_trace("FasterMoE/MoE-GPT-S", 16, 2, 2).sum(axis=3).max() == 2 * 1024
     assert papers.paper_trace("FasterMoE/MoE-BERT-Deep", 16, 2, 2).sum(axis=3).max() == 2 * 2048
+    imb = papers.load_models()["papers"]["fastermoe"]["imbalance"]           # 16-expert law, carried to 64
+    assert papers._popularity(imb, 64)[0] == pytest.approx(papers.zipf_for_share(16, 0.05, bottom=3))
     assert papers.smart_schedule_degree("fastermoe_johnny", 16, "FasterMoE/MoE-GPT-S") == 8
     assert papers.smart_schedule_degree("fastermoe_trevor", 64, "FasterMoE/MoE-BERT-Wide") == 32
     assert papers.smart_schedule_degree("proprophet_hpnv", 16, "MoE-GPT-M") == \
