@@ -116,10 +116,19 @@ class BalancedMoELayer(MoELayer):
         out_splits = [0 if d == r else int(send[:, d, r].sum()) for d in range(D)]
         send_x = perm_x.index_select(0, rsel)   # index_select: its backward is a fast index_add
         send_p = pprobs.index_select(0, rsel)
-        if D > 1:
+        # every rank holds the same all-gathered C, hence the same send matrix: when no pair crosses
+        # ranks anywhere (every hot expert replicated where its inputs are) all ranks skip the
+        # dispatch and combine exchanges and their backward together; the rows exchanged are empty
+        # either way, so the result is identical, minus 3 collectives (6 with their backward) each a
+        # synchronisation of every rank
+        exchange = D > 1 and bool((send.sum(axis=0) * (1 - np.eye(D, dtype=send.dtype))).any())
+        if exchange:
             # issued asynchronously: the scheduler plans the next iteration while it is in flight
             recv_x, recv_p = _dispatch(self.ep_group, send_x, send_p, out_splits, in_splits, st, xc)
         else:
+            if D > 1:
+                st.a2a_skipped += 1
+                _dispatch_skipped(st)
             recv_x, recv_p = send_x, send_p
         st.a2a_rows_recv += int(sum(out_splits))
         st.a2a_rows_recv_replica += int(sum(send[e, d, r] for e in range(E) if owner[e] != r
@@ -176,7 +185,7 @@ class BalancedMoELayer(MoELayer):
         all_y = torch.zeros(all_x.shape[0], comp_y.shape[-1], dtype=comp_y.dtype, device=comp_y.device)
         all_y = all_y.index_copy(0, index, comp_y)
         loc_y, back_y = all_y[:nloc], all_y[nloc:]
-        if D > 1:
+        if exchange:
             got_y = comm.all_to_all(back_y, in_splits, out_splits, self.ep_group, algorithm=xc.algorithm,
                                     compression=xc.compression)
         else:
@@ -202,3 +211,13 @@ def _dispatch(group, send_x, send_p, out_splits, in_splits, st, xc):
     recv_x, recv_p = hx.wait(), hp.wait()
     st._log("a2a_wait", it, mb=st.forward_count)
     return recv_x, recv_p
+
+
+def _dispatch_skipped(st):
+    """No pair crosses ranks: the same scheduling points as ``_dispatch`` (plan ahead) without the
+    exchange; the log marks it."""
+    it = st.scheduler.iteration if st.scheduler is not None else None
+    st._log("a2a_issue", it, mb=st.forward_count, skipped=True)
+    if st.scheduler is not None:
+        st.scheduler.during_dispatch(st)
+    st._log("a2a_wait", it, mb=st.forward_count, skipped=True)

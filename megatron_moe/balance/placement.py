@@ -5,11 +5,14 @@ to ``model.parameters()``, the optimizer, DDP buffers, the grad norm and ``state
 
 * Trans: the owner sends expert e's flattened parameters to every rank of S_e \\ {owner}
   (point-to-point ``isend``/``irecv`` over the EP group, so any subset works without building
-  communicators). A replica is a set of leaf tensors viewing the received flat buffer. Trans may be
-  issued in pieces (a list of experts each, the scheduler's two-part split); every rank issues the
-  same pieces in the same order, and ``wait_trans`` waits every piece before the replicas are used.
-* Agg: every replica rank sends its flattened replica grads to the owner, which sums them and adds the
-  sum into the owner parameters' ``main_grad`` (megatron DDP) or ``grad``.
+  communicators), one message per (owner, replica rank) pair and piece carrying all of that pair's
+  experts in one flat buffer. A replica is a set of leaf tensors viewing the received flat buffer.
+  Trans may be issued in pieces (a list of experts each, the scheduler's two-part split); every rank
+  issues the same pieces in the same order, and ``wait_trans`` waits every piece before the replicas
+  are used.
+* Agg: every replica rank sends its flattened replica grads to the owner (one message per pair, the
+  Trans batches in reverse), which sums them and adds the sum into the owner parameters'
+  ``main_grad`` (megatron DDP) or ``grad``.
 * Byte counters check the note's accounting: Trans moves sum_e (|S_e|-1) * size(params) out of the
   owners, Agg the same into them.
 
@@ -96,6 +99,7 @@ class LayerBalance:
         self.bytes_agg_recv = 0
         self.a2a_rows_recv = 0
         self.a2a_rows_recv_replica = 0               # rows received for experts this rank does not own
+        self.a2a_skipped = 0                         # forwards whose dispatch/combine no pair crossed
         # persistent replicas (module doc); mode and optim_lookup are set by BalanceManager.set_optimizer
         self.mode = "transient"
         self.optim_lookup: Optional[Callable] = None  # param -> (torch optimizer, live group, clip_grad)
@@ -130,9 +134,10 @@ class LayerBalance:
         self.backward_count = 0
         self._grad_ready = 0
         self._trans_bufs: Dict[int, torch.Tensor] = {}
+        self._trans_flat: Dict[Tuple[int, ...], torch.Tensor] = {}   # owner's send buffers until waited
         self._trans_keep: List[torch.Tensor] = []
         self._agg_work: List = []
-        self._agg_bufs: Dict[int, List[torch.Tensor]] = {}
+        self._agg_bufs: Dict[int, List[Tuple[List[int], torch.Tensor]]] = {}   # source -> (experts, buf)
         self._agg_keep: List[torch.Tensor] = []
         self.replicas: Dict[int, List[torch.Tensor]] = {}    # expert -> leaf tensors (names order)
         self._hooks: List = []
@@ -196,33 +201,43 @@ class LayerBalance:
         todo = [e for e in (self.trans_pending() if experts is None else experts) if e not in self._trans_sent]
         self.trans_issued = True
         self._log("trans_issue", iteration, part=part, experts=list(todo))
+        self._trans_sent.update(todo)
         if self.mode == "persistent":
-            self._trans_sent.update(todo)
             self._trans_pieces.append((part, todo, self._issue_moves(todo)))
             return
         works = []
-        for e in todo:
-            self._trans_sent.add(e)
-            s = self._active_placement.replica_sets[e]
-            if self.rank not in s:
-                continue
-            o = self.owner(e)
-            if o == self.rank:
-                flat = torch.cat([p.detach().reshape(-1) for p in self.owner_params(e)])
-                self._trans_keep.append(flat)
-                for dst in s:
-                    if dst != o:
-                        works.append(comm.isend(flat, dst, self.ep_group, tag=self._tag(e, _TRANS)))
-                        self.bytes_trans_sent += flat.numel() * flat.element_size()
-                        self.msgs_trans_sent += 1
-            else:
-                p0 = self.template.weight if hasattr(self.template, "weight") else next(
-                    self.template.parameters())
-                buf = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
-                self._trans_bufs[e] = buf
-                works.append(comm.irecv(buf, o, self.ep_group, tag=self._tag(e, _TRANS)))
+        # one message per (owner, replica rank) pair and piece: the piece's experts of that owner that
+        # the replica rank computes, flattened in expert order into one buffer (every rank derives the
+        # same lists from the placement; the tag of the first expert is unique since pieces are disjoint)
+        for (src, dst), experts in self._pair_batches(todo).items():
+            if src == self.rank:
+                key = tuple(experts)
+                flat = self._trans_flat.get(key)
+                if flat is None:       # one flattened copy per expert list, reused for every receiver
+                    flat = torch.cat([p.detach().reshape(-1) for e in experts for p in self.owner_params(e)])
+                    self._trans_flat[key] = flat
+                works.append(comm.isend(flat, dst, self.ep_group, tag=self._tag(experts[0], _TRANS)))
+                self.bytes_trans_sent += flat.numel() * flat.element_size()
+                self.msgs_trans_sent += 1
+            elif dst == self.rank:
+                p0 = self._ref_params()[0]
+                buf = torch.empty(self.numel * len(experts), dtype=p0.dtype, device=p0.device)
+                for i, e in enumerate(experts):
+                    self._trans_bufs[e] = buf[i * self.numel:(i + 1) * self.numel]
+                works.append(comm.irecv(buf, src, self.ep_group, tag=self._tag(experts[0], _TRANS)))
                 self.bytes_trans_recv += buf.numel() * buf.element_size()
         self._trans_pieces.append((part, todo, works))
+
+    def _pair_batches(self, experts) -> Dict[Tuple[int, int], List[int]]:
+        """(owner, replica rank) -> the given replicated experts of that owner the replica rank
+        computes, in expert order; the same on every rank (it only reads the placement)."""
+        out: Dict[Tuple[int, int], List[int]] = {}
+        for e in experts:
+            o = self.owner(e)
+            for d in self._active_placement.replica_sets[e]:
+                if d != o:
+                    out.setdefault((o, d), []).append(e)
+        return out
 
     def wait_trans(self, iteration):
         if not self.trans_issued or (self.trans_pending() and not self.trans_done):
@@ -235,6 +250,7 @@ class LayerBalance:
             self._log("trans_wait", iteration, part=part, experts=list(experts))
         self._trans_pieces = []
         self._trans_keep = []
+        self._trans_flat = {}
         self.trans_done = True
         if self.mode == "persistent":
             self._finish_moves()
@@ -269,27 +285,20 @@ class LayerBalance:
             return
         self.wait_trans(iteration)
         self._log("agg_issue", iteration)
-        for e, s in enumerate(self._active_placement.replica_sets):
-            if len(s) <= 1 or self.rank not in s:
-                continue
-            o = self.owner(e)
+        # one message per (replica rank, owner) pair: the replica grads of that owner's experts,
+        # flattened in expert order (the Trans batches in reverse)
+        for (o, d), experts in self._pair_batches(self._active_placement.replicated()).items():
             if o == self.rank:
-                bufs = []
-                for src in s:
-                    if src != o:
-                        p0 = self.owner_params(e)[0]           # on the data's device (NCCL)
-                        b = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
-                        bufs.append(b)
-                        self._agg_work.append(comm.irecv(b, src, self.ep_group,
-                                                         tag=self._tag(e, _AGG)))
-                        self.bytes_agg_recv += b.numel() * b.element_size()
-                self._agg_bufs[e] = bufs
-            else:
-                leaves = self.replicas[e]
+                p0 = self._ref_params()[0]            # on the data's device (NCCL)
+                buf = torch.empty(self.numel * len(experts), dtype=p0.dtype, device=p0.device)
+                self._agg_bufs.setdefault(d, []).append((experts, buf))
+                self._agg_work.append(comm.irecv(buf, d, self.ep_group, tag=self._tag(experts[0], _AGG)))
+                self.bytes_agg_recv += buf.numel() * buf.element_size()
+            elif d == self.rank:
                 flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
-                                  for t in leaves])
+                                  for e in experts for t in self.replicas[e]])
                 self._agg_keep.append(flat)
-                self._agg_work.append(comm.isend(flat, o, self.ep_group, tag=self._tag(e, _AGG)))
+                self._agg_work.append(comm.isend(flat, o, self.ep_group, tag=self._tag(experts[0], _AGG)))
                 self.bytes_agg_sent += flat.numel() * flat.element_size()
                 self.msgs_agg_sent += 1
 
@@ -300,12 +309,18 @@ class LayerBalance:
             w.wait()
         self._agg_work = []
         self._agg_keep = []
-        for e, bufs in self._agg_bufs.items():
-            if not bufs:
-                continue
-            total = bufs[0].clone()
-            for b in bufs[1:]:
-                total += b
+        parts: Dict[int, List[torch.Tensor]] = {}     # expert -> its replica grads, by source rank
+        for d in sorted(self._agg_bufs):
+            for experts, buf in self._agg_bufs[d]:
+                for i, e in enumerate(experts):
+                    parts.setdefault(e, []).append(buf[i * self.numel:(i + 1) * self.numel])
+        for e in sorted(parts):
+            bufs = parts[e]
+            total = bufs[0]
+            if len(bufs) > 1:                  # summed in source-rank order, then into the owner
+                total = total.clone()
+                for b in bufs[1:]:
+                    total += b
             off = 0
             for p, k in zip(self.owner_params(e), self.numels):
                 g = _grad_target(p)
