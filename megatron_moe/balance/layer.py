@@ -121,7 +121,7 @@ class BalancedMoELayer(MoELayer):
         # dispatch and combine exchanges and their backward together; the rows exchanged are empty
         # either way, so the result is identical, minus 3 collectives (6 with their backward) each a
         # synchronisation of every rank
-        exchange = D > 1 and bool((send.sum(axis=0) * (1 - np.eye(D, dtype=send.dtype))).any())
+        exchange = D > 1 and crosses_ranks(send)
         if exchange:
             # issued asynchronously: the scheduler plans the next iteration while it is in flight
             recv_x, recv_p = _dispatch(self.ep_group, send_x, send_p, out_splits, in_splits, st, xc)
@@ -195,6 +195,12 @@ class BalancedMoELayer(MoELayer):
         perm_y = perm_y.index_copy(0, torch.cat([lsel, rsel]), torch.cat([loc_y, got_y]).to(probs.dtype))
         out = unpermute(perm_y, sorted_idx, torch.Size((x.shape[0], perm_y.shape[-1])))
         return out.to(hidden_states.dtype).view(shape)
+
+
+def crosses_ranks(send: np.ndarray) -> bool:
+    """Whether the dispatch matrix ``send[e, src, dst]`` moves any pair between two ranks."""
+    D = send.shape[1]
+    return bool((send.sum(axis=0) * (1 - np.eye(D, dtype=send.dtype))).any())
 
 
 def _dispatch(group, send_x, send_p, out_splits, in_splits, st, xc):

@@ -209,7 +209,7 @@ class LayerBalance:
         # one message per (owner, replica rank) pair and piece: the piece's experts of that owner that
         # the replica rank computes, flattened in expert order into one buffer (every rank derives the
         # same lists from the placement; the tag of the first expert is unique since pieces are disjoint)
-        for (src, dst), experts in self._pair_batches(todo).items():
+        for src, dst, experts in self._pair_batches(todo):
             if src == self.rank:
                 key = tuple(experts)
                 flat = self._trans_flat.get(key)
@@ -228,16 +228,17 @@ class LayerBalance:
                 self.bytes_trans_recv += buf.numel() * buf.element_size()
         self._trans_pieces.append((part, todo, works))
 
-    def _pair_batches(self, experts) -> Dict[Tuple[int, int], List[int]]:
-        """(owner, replica rank) -> the given replicated experts of that owner the replica rank
-        computes, in expert order; the same on every rank (it only reads the placement)."""
+    def _pair_batches(self, experts) -> List[Tuple[int, int, List[int]]]:
+        """One message each: (owner, replica rank, the given replicated experts of that owner the
+        replica rank computes, in expert order); the same list on every rank (it reads only the
+        placement)."""
         out: Dict[Tuple[int, int], List[int]] = {}
         for e in experts:
             o = self.owner(e)
             for d in self._active_placement.replica_sets[e]:
                 if d != o:
                     out.setdefault((o, d), []).append(e)
-        return out
+        return [(o, d, ex) for (o, d), ex in out.items()]
 
     def wait_trans(self, iteration):
         if not self.trans_issued or (self.trans_pending() and not self.trans_done):
@@ -287,7 +288,7 @@ class LayerBalance:
         self._log("agg_issue", iteration)
         # one message per (replica rank, owner) pair: the replica grads of that owner's experts,
         # flattened in expert order (the Trans batches in reverse)
-        for (o, d), experts in self._pair_batches(self._active_placement.replicated()).items():
+        for o, d, experts in self._pair_batches(self._active_placement.replicated()):
             if o == self.rank:
                 p0 = self._ref_params()[0]            # on the data's device (NCCL)
                 buf = torch.empty(self.numel * len(experts), dtype=p0.dtype, device=p0.device)
