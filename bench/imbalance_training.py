@@ -110,7 +110,8 @@ def main(argv=None):
             print(f"  [{label}] median of {a.repeats}: x stock (per run) | share of the stock -> forced gap")
             for n in configs:
                 per = " ".join(f"{r[label][n] / r[label]['stock']:.3f}" for r in runs)
-                g = f"   {gap[n] * 100:6.1f}%" if n in gap else ""
+                g = (f"   {gap[n] * 100:6.1f}% (" + " ".join(f"{_gap_share(r[label], n) * 100:.0f}%" for r in runs)
+                     + ")") if n in gap else ""
                 print(f"  {n:>20s}: {res[label]['tokens_per_s'][n]:9.1f} tokens/s  x{x[n]:.3f} ({per}){g}")
             if policies:
                 best = max(policies, key=lambda c: x[c])

@@ -1,0 +1,28 @@
+"""Smoke test of bench/imbalance_training.py on a tiny model: one run, configs interleaved, and the
+figures issue 21 item 6 asks for (x stock and the share of the stock -> forced gap, wall and
+critical-path CPU, best policy against the bar). Asserts on what the bench computes, never on
+timings."""
+
+import json
+import math
+
+from bench import imbalance_training as bench
+from megatron_moe.balance.cost_model import CostModel
+
+
+def test_short_run(tmp_path, capsys):
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(CostModel.from_profile(None).to_dict()))
+    res = bench.main(["--iters", "1", "--warmup", "1", "--layers", "1", "--hidden", "32", "--ffn", "64",
+                      "--seq", "16", "--mbs", "2", "--skews", "3", "--configs", "stock,proprophet,forced",
+                      "--profile", str(prof), "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    r = res[3.0]
+    for label in ("wall", "critical-CPU"):
+        assert r[label]["x_stock"]["stock"] == 1.0
+        assert set(r[label]["x_stock"]) == {"stock", "proprophet", "forced"}
+        assert set(r[label]["gap_share"]) == {"proprophet"}
+        assert all(v > 0 and math.isfinite(v) for v in r[label]["tokens_per_s"].values())
+        assert f"[{label}] best policy proprophet:" in out
+    assert len(r["runs"]) == 1 and "host load average" in out
+    assert "proprophet" in json.loads((tmp_path / "r.json").read_text())["3.0"]["wall"]["x_stock"]
