@@ -23,6 +23,7 @@ _EXTENSION_MODULES = (
     "megatron_moe.dist_signal_handler",   # --exit-signal, --exit-duration-in-mins
     "megatron_moe.wandb_writer",          # --wandb-project, --wandb-exp-name, ...
     "megatron_moe.mla",                   # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
+    "megatron_moe.gpt_oss",               # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
 )
 
 
@@ -90,7 +91,7 @@ def _add_model_args(p):
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"])
+                   choices=["learned_absolute", "rope", "yarn", "none"])
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)

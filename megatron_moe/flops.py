@@ -22,6 +22,11 @@ def _moe_layers(args):
     return [bool(x) for x in f] if isinstance(f, list) else [i % f == 0 for i in range(L)]
 
 
+def gated_mlp(args) -> bool:
+    """fc1 computes two halves (gate and up): --swiglu or --quick-geglu (gpt-oss)."""
+    return bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False))
+
+
 def forward_flops_per_token(args) -> dict:
     """Forward FLOPs per token by part: attention, mlp (dense or routed experts + shared + router),
     logits; summed over the layers."""
@@ -29,7 +34,7 @@ def forward_flops_per_token(args) -> dict:
     kv = getattr(args, "kv_channels", None) or h // a
     g = (args.num_query_groups if getattr(args, "group_query_attention", False)
          and getattr(args, "num_query_groups", None) else a)
-    gate = 2 if getattr(args, "swiglu", False) else 1
+    gate = 2 if gated_mlp(args) else 1
     attn = 2 * (h * (a + 2 * g) * kv + a * kv * h) + 2 * 2 * a * kv * s
     f = args.ffn_hidden_size or 4 * h
     dense_mlp = 2 * (h * f * gate + f * h)

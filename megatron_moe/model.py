@@ -78,6 +78,10 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         deterministic_mode=False,
         calculate_per_token_loss=False,
     )
+    if getattr(args, "quick_geglu", False):  # gpt-oss: Megatron-LM's choice of quick_gelu
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kwargs.update(gated_linear_unit=True, activation_func=quick_gelu)
     kwargs.update(_fusion_selectors(args, te))
     if hasattr(args, "attention_backend"):
         from megatron.core.transformer.enums import AttnBackend
@@ -90,7 +94,27 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
     if args.num_experts is None:
         for key in [k for k in kwargs if k.startswith("moe_")]:
             kwargs.pop(key)
-    return config_class(**kwargs)
+    return apply_yarn_config(config_class(**kwargs), args)
+
+
+def apply_yarn_config(config, args):
+    """--position-embedding-type yarn: megatron-core's GPTModel and attention read the YaRN
+    parameters as ``config.yarn_*`` attributes (no TransformerConfig fields); they are set from
+    Megatron's flags with YarnRotaryEmbedding's defaults, as Megatron-LM's
+    ``_apply_yarn_config_from_args`` does (core_v0.19.0)."""
+    if getattr(args, "position_embedding_type", None) != "yarn":
+        return config
+    for attr, value, default in (
+            ("yarn_rotary_scaling_factor", args.rotary_scaling_factor, 1.0),
+            ("yarn_original_max_position_embeddings", args.yarn_original_max_position_embeddings,
+             4096),
+            ("yarn_beta_fast", args.yarn_beta_fast, 32.0),
+            ("yarn_beta_slow", args.yarn_beta_slow, 1.0),
+            ("yarn_mscale", args.mscale, 1.0),
+            ("yarn_mscale_all_dim", args.mscale_all_dim, 0.0),
+            ("yarn_correction_range_round_to_int", args.yarn_correction_range_round_to_int, True)):
+        setattr(config, attr, default if value is None else value)
+    return config
 
 
 def _fusion_selectors(args, te: bool) -> dict:
@@ -100,7 +124,7 @@ def _fusion_selectors(args, te: bool) -> dict:
     def on(dest):
         return te and getattr(args, dest, True)
 
-    swiglu = args.swiglu
+    swiglu = args.swiglu  # Megatron-LM: the gelu selector for --quick-geglu too
     return dict(
         masked_softmax_fusion=on("masked_softmax_fusion"),
         apply_rope_fusion=on("apply_rope_fusion") and args.position_embedding_type == "rope",

@@ -24,6 +24,9 @@ import math
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_moe.flops import gated_mlp  # noqa: E402  (the one gate-factor rule)
+
 MB = 1024 * 1024
 GB = 1e9
 # Allocator fragmentation, CUDA context, NCCL/communication buffers and workspace: an estimate
@@ -170,12 +173,14 @@ def layer_params(args):
     kv = args.kv_channels or h // a
     g = args.num_query_groups if (args.group_query_attention and args.num_query_groups) else a
     bias = getattr(args, "add_bias_linear", True)
-    gate = 2 if args.swiglu else 1
+    gate = 2 if gated_mlp(args) else 1
     norm = h if args.normalization == "RMSNorm" else 2 * h
     attn, attn_rep_extra = attention_params(args)
     qkv_out = (a * (args.qk_head_dim + args.qk_pos_emb_head_dim) * 3 if _mla(args)
                else (a + 2 * g) * kv)
     attn_b = (qkv_out if (bias or getattr(args, "add_qkv_bias", False)) else 0)
+    if getattr(args, "softmax_type", "vanilla") == "learnable":
+        attn_b += a                                       # one sink logit per head (gpt-oss)
     attn_rep = 2 * norm + (h if bias else 0) + attn_rep_extra   # the two norms, the proj bias
     f = args.ffn_hidden_size
     mlp = h * f * gate + f * h + ((f * gate) if bias else 0)
@@ -188,7 +193,7 @@ def layer_params(args):
         experts = args.num_experts * one
         sh = args.moe_shared_expert_intermediate_size or 0
         shared = h * sh * gate + sh * h
-        router = args.num_experts * h
+        router = args.num_experts * (h + (1 if bias else 0))
         moe = (attn + attn_b + shared, attn_rep + router
                + (h if getattr(args, "moe_shared_expert_gate", False) else 0))
     return dense, moe, experts
@@ -286,7 +291,7 @@ def layer_activation_bytes(args, moe: bool):
     g = args.num_query_groups if (args.group_query_attention and args.num_query_groups) else a
     tp = args.tensor_model_parallel_size
     ab = 2 if (args.bf16 or args.fp16) else 4
-    gate = 2 if args.swiglu else 1
+    gate = 2 if gated_mlp(args) else 1
     mask_h = h if args.hidden_dropout > 0 else 0
     # per token: the part every TP rank holds without SP, and the part TP splits
     rep = 2 * _norm_bytes(args, h, ab) + h * ab + 2 * mask_h   # 2 norms, QKV input, 2 dropout masks
@@ -307,7 +312,7 @@ def layer_activation_bytes(args, moe: bool):
     if not _flash(args):                                  # unfused softmax(QK^T) [+ dropout] kept
         soft = (4 + ab) if _local(args) else ab           # local: fp32 softmax + its 16-bit copy
         shard += a * s * (soft + (ab + 1 if args.attention_dropout > 0 else 0))
-    silu = 1 if (_local(args) and args.swiglu) else 0     # unfused SwiGLU keeps silu(x) too
+    silu = 1 if (_local(args) and gated_mlp(args)) else 0  # unfused GLU keeps act(x) too
     if moe and args.num_experts:
         k, E = args.moe_router_topk, args.num_experts
         fm = args.moe_ffn_hidden_size or args.ffn_hidden_size
@@ -443,5 +448,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())
