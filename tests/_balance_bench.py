@@ -61,6 +61,20 @@ def _build(name, o):
     return model, opt, mgr
 
 
+def _average_dense_grads(model, world):
+    """Dense grads averaged over the data-parallel ranks in one all-reduce of their flattened copy, as
+    megatron-core DDP reduces its contiguous grad buffer per bucket (this model fits one bucket);
+    expert grads (``allreduce=False``) stay local (expert-DP size 1)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None and getattr(p, "allreduce", True)]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world
+    for g, f in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(f)
+
+
 def bench_rank(rank, world, o):
     from megatron.core import parallel_state as ps
 
@@ -83,10 +97,7 @@ def bench_rank(rank, world, o):
             loss.backward()
             if mgr is not None:
                 mgr.before_finalize_grads()
-            for p in model.parameters():             # dense grads averaged over the data-parallel ranks
-                if p.grad is not None and getattr(p, "allreduce", True):
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
+            _average_dense_grads(model, world)
             opt.step()
             if mgr is not None:
                 mgr.after_step(it)
