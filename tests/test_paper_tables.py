@@ -141,3 +141,19 @@ def test_flexmoe_cells_measure_the_steady_state():
     assert trace.shape[0] == 2 + 8
     assert a == pytest.approx(papers.simulate_system(trace, "flexmoe_ndv4", "BERT-MoE-S", 32, 2, "FastMoE",
                                                      Efficiency(0.05, 0.8), skip=9))
+
+
+def test_fastermoe_paper_cells_decide_with_the_artifacts_constants(monkeypatch):
+    """FasterMoE's own cells price the shadowing decision as its code did (johnny's hard-coded rates,
+    the 4 bytes per element in the FLOP count too, Eq. 8 literal); other papers' FasterMoE runs and
+    training price it with the cluster's constants."""
+    c = papers.shadow_decision_cost("FasterMoE/MoE-GPT-S", 16)
+    assert c.fwd_s_per_input == pytest.approx(4 * 2 * 1024 ** 2 * 4 / 11.5e12)
+    assert c.a2a_s_per_input == pytest.approx(1024 * 4 / 6.25e9)
+    assert c.param_collective_s == pytest.approx(2 * 2 * 1024 ** 2 * 4 / 6.25e9)
+    assert papers.shadow_decision_cost("MoE-GPT-S", 16) is None
+    tr = papers.paper_trace("FasterMoE/MoE-GPT-S", 16, 2, 2)
+    args = (tr, "fastermoe_johnny", "FasterMoE/MoE-GPT-S", 16, 2, "FasterMoE shadowing", Efficiency(0.05, 0.8))
+    as_ran = papers.simulate_system(*args)
+    monkeypatch.setattr(papers, "shadow_decision_cost", lambda model, ranks: None)
+    assert papers.simulate_system(*args) != pytest.approx(as_ran, rel=1e-3)

@@ -35,7 +35,7 @@ from .traces import synthetic_trace
 
 __all__ = ["TESTBED_DIR", "Efficiency", "load_testbed", "list_testbeds", "load_models", "load_published",
            "paper_cluster", "paper_trace", "zipf_for_share", "SYSTEMS", "simulate_system", "PaperSim",
-           "smart_schedule_degree", "achieved_rates", "steady_state_warmup"]
+           "smart_schedule_degree", "achieved_rates", "steady_state_warmup", "shadow_decision_cost"]
 
 TESTBED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbeds")
 
@@ -311,6 +311,26 @@ class PaperSim:
         raise ValueError(f"published.json: unknown stat {stat!r}")
 
 
+def shadow_decision_cost(model: str, ranks: int):
+    """The cost FasterMoE's shadowing decision is priced with in a paper's own runs (models.json
+    ``shadow_decision``), or None (the simulated cluster's, as training prices it).  FasterMoE's code
+    (thu-pacman/FasterMoE b2d13dd, the artifact's submodule; fmoe/transformer.py ``_global_policy``)
+    hard-codes johnny's constants and multiplies the 4 bytes per element into the FLOP count too:
+    per input 3 x 4 alpha H^2 x 4 / 11.5e12 s of GEMM, 4 x 4 H / (50e9 / 8) s of all-to-all, 2 x
+    2 alpha H^2 x 4 / (50e9 / 8) s per shadowed expert, i.e. ``PlannerCost.from_paper`` at 11.5e12 / 4
+    FLOP/s and (50e9 / 8) / 4 elements/s, Eq. 8 without the residual all-to-all.  (Its loop keeps
+    the best prefix from +inf and resets the owner's load to its own inputs; emulating that too gives
+    the same cells.)"""
+    sd = _settings(model)[1].get("shadow_decision")
+    if sd is None:
+        return None
+    from megatron_moe.balance.cost_model import PlannerCost
+    cfg = _settings(model)[0]
+    h, f, k = int(cfg["hidden"]), int(cfg["ffn_hidden"]), float(sd["flop_bytes_factor"])
+    return PlannerCost.from_paper(h, f / h, float(sd["gemm_flops"]) / k,
+                                  float(sd["net_bandwidth"]) / float(sd["bytes_per_element"]), ranks)
+
+
 def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_k: int, system: str,
                     eff: Efficiency, benchmark: Optional[str] = None, skip: int = 1) -> float:
     """Mean iteration seconds of a paper's ``system`` (``SYSTEMS``), the first ``skip`` iterations
@@ -318,8 +338,13 @@ def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_
     if system not in SYSTEMS:
         raise ValueError(f"published.json: unknown system {system!r}; known: {sorted(SYSTEMS)}")
     pol, kw, smart = SYSTEMS[system]
+    kw = dict(kw)
+    if pol == "fastermoe":
+        dc = shadow_decision_cost(model, int(_settings(model)[0].get("experts", gpus)))
+        if dc is not None:
+            kw.update(cost=dc, paper_literal=True)
     cl = paper_cluster(testbed, model, gpus, eff, top_k, benchmark)
     degree = smart_schedule_degree(testbed, gpus, model) if smart else 1
-    r = simulate(trace, cl, pol, "flat", policy_kwargs=dict(kw), degree=degree)
+    r = simulate(trace, cl, pol, "flat", policy_kwargs=kw, degree=degree)
     it = r.values["iter_s"]
     return float(it[skip:].mean() if len(it) > skip else it[-1:].mean())

@@ -121,7 +121,11 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     pols = {}
     ds_cf = kw.pop("capacity_factor", None) if base == "deepspeed" else None
     if base == "fastermoe":
-        pols = {(g, l): FasterMoEPolicy(n_exp, p, costs[g], **kw) for g in range(groups) for l in range(layers)}
+        # policy_kwargs["cost"]: the constants the shadowing decision is priced with, when they are not
+        # the cluster's (a paper's code hard-codes its own; papers.shadow_decision_cost)
+        dc = kw.pop("cost", None)
+        pols = {(g, l): FasterMoEPolicy(n_exp, p, costs[g] if dc is None else dc, **kw)
+                for g in range(groups) for l in range(layers)}
     elif base == "flexmoe":
         pols = {(g, l): FlexMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
     elif base == "auto":
