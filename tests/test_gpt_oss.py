@@ -118,3 +118,176 @@ def test_refusals_name_the_flag(extra, message, capsys):
         parse_args(BASE + extra.split(), world_size=1)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("error:") == 1, err
+
+
+# --- Hugging Face interop (tools/checkpoint/convert.py, megatron_moe/hf/families.py GptOss) -------
+HF_TOL = dict(rtol=1e-5, atol=1e-5)   # fp32
+HF_LAYOUTS = ["--expert-model-parallel-size 2",
+              "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
+              "--expert-tensor-parallel-size 1"]
+
+
+def make_gpt_oss(path):
+    """A tiny random GptOssForCausalLM: window 4 (< the 16 test tokens) on layer 0, full layer 1;
+    swiglu_limit 0.5 so that the clamp bites; YaRN factor 8 with an unrounded correction range;
+    random (not zero) biases and sinks, so that a lost one shows."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(
+        vocab_size=250, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=32, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, max_position_embeddings=256, initializer_range=0.1, swiglu_limit=0.5,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 32,
+                         "rope_theta": 150000.0})
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, max_shard_size="60KB")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_hf(tmp_path_factory):
+    from tests._hf_cases import pipeline_rank
+    from tests.test_hf_convert import TOKENS, convert
+
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("gpt_oss_hf")
+    d = {name: str(root / name) for name in ("hf", "meg", "back")}
+    make_gpt_oss(d["hf"])
+    d["log"] = convert(["--loader", "hf", "--saver", "megatron", "--load-dir", d["hf"],
+                        "--save-dir", d["meg"], "--target-expert-parallel-size", "2"],
+                       ["--loader", "megatron", "--saver", "hf", "--load-dir", d["meg"],
+                        "--save-dir", d["back"], "--max-shard-size", "100KB"])
+    _, logits = run_distributed(pipeline_rank, 2, [], [(d["hf"], d["meg"], HF_LAYOUTS, TOKENS)],
+                                timeout_s=400)[0]
+    d["logits"] = logits[0]
+    return d
+
+
+def _hf_logits(path, mutate=None, **override):
+    import torch
+    import transformers
+
+    from tests.test_hf_convert import TOKENS
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    for key, value in override.items():
+        setattr(cfg, key, value)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, config=cfg,
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        if mutate:
+            mutate(model)
+        return model(torch.tensor(TOKENS)).logits
+
+
+def test_gpt_oss_roundtrip_bit_exact(gpt_oss_hf):
+    import json
+
+    import torch
+
+    from tests.test_hf_convert import hf_state
+
+    d = gpt_oss_hf
+    original, back = hf_state(d["hf"]), hf_state(d["back"])
+    assert sorted(original) == sorted(back)
+    # each stacked expert tensor was read slice by slice: every byte exactly once
+    size = sum(t.numel() * t.element_size() for t in original.values())
+    assert f"chunks streamed from {size} bytes of HF tensors" in d["log"]
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert json.load(open(os.path.join(d["back"], "config.json"))) == \
+        json.load(open(os.path.join(d["hf"], "config.json")))
+
+
+def test_gpt_oss_logits_match_transformers(gpt_oss_hf):
+    import torch
+
+    d = gpt_oss_hf
+    reference = _hf_logits(d["hf"])
+    assert reference.abs().max() > 0.5
+    for layout, (iteration, logits) in zip(HF_LAYOUTS, d["logits"]):
+        assert iteration == 0
+        torch.testing.assert_close(logits, reference, **HF_TOL, msg=lambda m: f"{layout!r}: {m}")
+        print(f"gpt_oss {layout}: max |ours - transformers| = "
+              f"{(logits - reference).abs().max():.2e} (max |logit| {reference.abs().max():.2f})")
+
+
+def _swap_gate_up_layout(model):
+    """gate and up as two blocks instead of interleaved columns (the usual GLU layout)."""
+    for layer in model.model.layers:
+        for name in ("gate_up_proj", "gate_up_proj_bias"):
+            p = getattr(layer.mlp.experts, name)
+            half = p.shape[-1] // 2
+            p.copy_(torch_cat_interleave(p[..., :half], p[..., half:]))
+
+
+def torch_cat_interleave(a, b):
+    import torch
+
+    return torch.stack([a, b], dim=-1).flatten(-2)
+
+
+def _no_sinks(model):
+    for layer in model.model.layers:
+        layer.self_attn.sinks.fill_(-1e4)
+
+
+@pytest.mark.parametrize("what", ["sinks", "clamp", "gate_up_layout", "window", "yarn_truncate",
+                                  "yarn_factor"])
+def test_gpt_oss_mutations_break_the_match(gpt_oss_hf, what):
+    """Each gpt-oss feature matters in this comparison: HF without it gives other logits."""
+    d = gpt_oss_hf
+    rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0}
+    mutated = {
+        "sinks": lambda: _hf_logits(d["hf"], mutate=_no_sinks),
+        "clamp": lambda: _hf_logits(d["hf"], swiglu_limit=1e9),
+        "gate_up_layout": lambda: _hf_logits(d["hf"], mutate=_swap_gate_up_layout),
+        "window": lambda: _hf_logits(d["hf"], sliding_window=1000),
+        "yarn_truncate": lambda: _hf_logits(d["hf"], rope_parameters=dict(rope, truncate=True)),
+        "yarn_factor": lambda: _hf_logits(d["hf"], rope_parameters=dict(rope, factor=1.0)),
+    }[what]()
+    assert (mutated - d["logits"][0][1]).abs().max() > 1e3 * HF_TOL["atol"], what
+
+
+def test_gpt_oss_config_generated_from_args_agrees_with_the_original(gpt_oss_hf):
+    """The config.json written for a checkpoint trained here (no HF config stored) describes the
+    same architecture (--hf-config-template's field-by-field check)."""
+    import sys
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_moe.hf.families import FAMILIES, guess_family, spec_from_args
+
+    sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
+    import saver_hf
+
+    d = gpt_oss_hf
+    stored = dist_checkpointing.load_common_state_dict(os.path.join(d["meg"], "iter_0000000"))["args"]
+    assert guess_family(stored) == "gpt_oss"
+    generated = FAMILIES["gpt_oss"].config_from_args(stored, spec_from_args(stored, "gpt_oss", 250),
+                                                    "float32")
+    saver_hf._from_template(os.path.join(d["hf"], "config.json"), generated)
+    assert generated["layer_types"] == ["sliding_attention", "full_attention"]
+    assert generated["sliding_window"] == 4 and generated["swiglu_limit"] == 0.5
+
+
+def test_gpt_oss_refusals():
+    from megatron_moe.hf.families import FAMILIES, ConversionError
+
+    base = dict(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=10,
+                num_local_experts=2, intermediate_size=4)
+    for bad, message in ((dict(quantization_config={"quant_method": "mxfp4"}), "MXFP4"),
+                         (dict(swiglu_alpha=1.5), "swiglu_alpha"),
+                         (dict(attention_bias=False), "attention_bias=false"),
+                         (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope_type")):
+        with pytest.raises(ConversionError, match=message):
+            FAMILIES["gpt_oss"].spec_from_config(dict(base, **bad))

@@ -59,6 +59,8 @@ class Spec:
     q_lora: int | None = None        # query LoRA rank (None: one q projection, V2-Lite)
     expert_bias: bool = False        # router's aux-loss-free bias (e_score_correction_bias)
     mtp_layers: int = 0              # DeepSeek-V3's next-token-prediction layers after the model
+    linear_bias: bool = False        # every linear has a bias: q/k/v/o, router, experts (gpt-oss)
+    sinks: bool = False              # a learned attention-sink logit per head (gpt-oss)
 
 
 @dataclasses.dataclass
@@ -68,6 +70,8 @@ class Rule:
     merge: Callable                  # list of HF tensors -> megatron tensor
     split: Callable                  # megatron tensor -> list of HF tensors
     vocab: bool = False              # rows are the vocabulary (Megatron pads them)
+    stacked: tuple | None = None     # (index, count): each HF tensor is slice ``index`` (dim 0)
+    #                                  of a stored tensor of ``count`` slices (gpt-oss's experts)
 
 
 def _copy():
@@ -101,6 +105,29 @@ def _qkv(heads, groups, head_dim):
     return merge, split
 
 
+def _transposed():
+    """HF stores x @ W ([in, out]); megatron-core's linear weight is [out, in]."""
+    return (lambda ts: ts[0].t().contiguous()), (lambda t: [t.t()])
+
+
+def _glu_interleaved(transposed: bool):
+    """gpt-oss's fused gate/up: columns alternate gate, up, gate, up, ... (HF's ``[..., ::2]`` /
+    ``[..., 1::2]``); megatron-core's linear_fc1 is [gate; up]. Weights are also transposed."""
+    def merge(ts):
+        t = ts[0]
+        out = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+        return out.t().contiguous() if transposed else out
+
+    def split(t):
+        t = t.t() if transposed else t
+        half = t.shape[-1] // 2
+        out = torch.empty(t.shape, dtype=t.dtype)
+        out[..., 0::2], out[..., 1::2] = t[..., :half], t[..., half:]
+        return [out]
+
+    return merge, split
+
+
 def _rope_theta(cfg, default):
     """transformers < 5 writes rope_theta at top level, >= 5 inside rope_parameters."""
     params = cfg.get("rope_parameters") or {}
@@ -129,8 +156,22 @@ class Family:
         """(gate, up, down) names of expert e."""
         raise NotImplementedError
 
+    def expert_rules(self, spec: Spec, m, i) -> list:
+        """The routed experts of layer ``i`` (megatron prefix ``m``): gate/up/down per expert."""
+        R = []
+        for e in range(spec.num_experts):
+            gate, up, down = self.expert(i, e)
+            x = m + f"mlp.experts.local_experts.{e}."
+            R.append(Rule(x + "linear_fc1.weight", (gate, up),
+                          *_cat([spec.moe_ffn, spec.moe_ffn])))
+            R.append(Rule(x + "linear_fc2.weight", (down,), *_copy()))
+        return R
+
     def shared(self, i):
         raise ConversionError(f"{self.name} has no shared experts")
+
+    def router_linear_bias(self, i):
+        raise ConversionError(f"{self.name} has no linear biases (train with --disable-bias-linear)")
 
     def dense(self, i):
         raise ConversionError(f"{self.name} has no dense MLP layers")
@@ -537,7 +578,199 @@ class DeepseekV3(Family):
                                   + "; ".join(problems))
 
 
-FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe(), Qwen3Moe(), DeepseekV3())}
+class GptOss(Family):
+    """gpt-oss (transformers' GptOssForCausalLM): biases on q/k/v/o, the router and the experts
+    (--add-bias-linear), a learned sink logit per head (``sinks`` = megatron-core's
+    ``core_attention.softmax_offset``, --softmax-type learnable), sliding-window attention of
+    ``sliding_window`` tokens (the query and sliding_window - 1 before it: --window-size W-1,0) on
+    the ``layer_types`` layers marked sliding (--window-attn-skip-freq as a 0/1 list), YaRN RoPE
+    (--position-embedding-type yarn; ``truncate`` = --yarn-correction-range-round-to-int), and
+    experts computing (clamp(up, -L, L) + 1) * quick_gelu(clamp(gate, max=L)) with alpha 1.702
+    (--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value L). The experts are stored
+    stacked, x @ W: ``gate_up_proj`` [E, hidden, 2I] with gate and up columns interleaved,
+    ``down_proj`` [E, I, hidden], and their biases; each expert is read as its own slice."""
+
+    name = "gpt_oss"
+    architecture = "GptOssForCausalLM"
+    rope_default = 150000  # GptOssConfig.default_theta
+    alpha = 1.702          # megatron-core's quick_gelu: x * sigmoid(1.702 x)
+
+    def router(self, i):
+        return f"model.layers.{i}.mlp.router.weight"
+
+    def router_linear_bias(self, i):
+        return f"model.layers.{i}.mlp.router.bias"
+
+    def expert_rules(self, spec, m, i):
+        p, E = f"model.layers.{i}.mlp.experts.", spec.num_experts
+        R = []
+        for e in range(E):
+            x = m + f"mlp.experts.local_experts.{e}."
+            R += [Rule(x + "linear_fc1.weight", (p + "gate_up_proj",), *_glu_interleaved(True),
+                       stacked=(e, E)),
+                  Rule(x + "linear_fc1.bias", (p + "gate_up_proj_bias",),
+                       *_glu_interleaved(False), stacked=(e, E)),
+                  Rule(x + "linear_fc2.weight", (p + "down_proj",), *_transposed(), stacked=(e, E)),
+                  Rule(x + "linear_fc2.bias", (p + "down_proj_bias",), *_copy(), stacked=(e, E))]
+        return R
+
+    @staticmethod
+    def _rope(cfg) -> dict:
+        """transformers >= 5: rope_parameters (with rope_theta); the released config.json:
+        rope_scaling + top-level rope_theta."""
+        rope = dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
+        rope.setdefault("rope_theta", cfg.get("rope_theta", GptOss.rope_default))
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        return rope
+
+    def spec_from_config(self, cfg) -> Spec:
+        problems = []
+        if cfg.get("quantization_config"):
+            problems.append("quantization_config (MXFP4 experts): convert a bf16 copy "
+                            "(transformers' Mxfp4Config(dequantize=True), save_pretrained)")
+        if float(cfg.get("swiglu_alpha", self.alpha)) != self.alpha:
+            problems.append(f"swiglu_alpha {cfg['swiglu_alpha']} (megatron-core's quick_gelu "
+                            f"has {self.alpha})")
+        if not cfg.get("attention_bias", True):
+            problems.append("attention_bias=false (--add-bias-linear covers attention, router and "
+                            "experts together)")
+        rope = self._rope(cfg)
+        if rope["rope_type"] not in ("yarn", "default"):
+            problems.append(f"rope_type {rope['rope_type']!r} (yarn or default)")
+        if rope.get("attention_factor") is not None:
+            problems.append("rope attention_factor (megatron-core derives it from factor and "
+                            "mscale/mscale_all_dim)")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            problems.append("partial_rotary_factor != 1")
+        theta = rope["rope_theta"]
+        if float(theta) != int(theta):
+            problems.append(f"rope_theta {theta} is not an integer (--rotary-base is an int)")
+        kinds = set(self._layer_types(cfg)) - {"sliding_attention", "full_attention"}
+        if kinds:
+            problems.append(f"layer_types {sorted(kinds)}")
+        if problems:
+            raise ConversionError("config.json: " + "; ".join(problems))
+        n = cfg["num_hidden_layers"]
+        return Spec(**self._common(cfg), num_experts=cfg["num_local_experts"],
+                    moe_layers=[True] * n, ffn=cfg["intermediate_size"],
+                    moe_ffn=cfg["intermediate_size"], linear_bias=True, sinks=True)
+
+    @staticmethod
+    def _layer_types(cfg) -> list:
+        return cfg.get("layer_types") or [  # GptOssConfig's default: even layers slide
+            "sliding_attention" if (i + 1) % 2 else "full_attention"
+            for i in range(cfg["num_hidden_layers"])]
+
+    def flags_from_config(self, cfg):
+        s = self.spec_from_config(cfg)
+        rope = self._rope(cfg)
+        mpe = int(cfg.get("max_position_embeddings", 131072))
+        flags = [
+            "--num-layers", s.num_layers, "--hidden-size", s.hidden,
+            "--num-attention-heads", s.heads, "--group-query-attention",
+            "--num-query-groups", s.groups, "--kv-channels", s.head_dim,
+            "--ffn-hidden-size", s.ffn, "--max-position-embeddings", mpe,
+            "--seq-length", min(mpe, 4096), "--rotary-base", int(rope["rope_theta"]),
+            "--normalization", "RMSNorm", "--norm-epsilon", cfg.get("rms_norm_eps", 1e-5),
+            "--quick-geglu", "--glu-linear-offset", 1.0,
+            "--activation-func-clamp-value", cfg.get("swiglu_limit", 7.0),
+            "--softmax-type", "learnable", "--add-bias-linear",
+            "--hidden-dropout", 0.0, "--attention-dropout", cfg.get("attention_dropout", 0.0),
+            "--init-method-std", cfg.get("initializer_range", 0.02),
+            "--num-experts", s.num_experts, "--moe-ffn-hidden-size", s.moe_ffn,
+            "--moe-router-topk", cfg["num_experts_per_tok"], "--moe-router-dtype", "fp32",
+            "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", cfg.get("router_aux_loss_coef", 0.0),
+        ]
+        if rope["rope_type"] == "yarn":
+            original = int(rope["original_max_position_embeddings"])
+            flags += ["--position-embedding-type", "yarn", "--rotary-scaling-factor",
+                      rope.get("factor") or mpe / original,
+                      "--yarn-original-max-position-embeddings", original,
+                      "--yarn-beta-fast", rope.get("beta_fast") or 32.0,
+                      "--yarn-beta-slow", rope.get("beta_slow") or 1.0]
+            if not rope.get("truncate", True):
+                flags.append("--no-yarn-correction-range-round-to-int")
+            if rope.get("mscale") and rope.get("mscale_all_dim"):  # else: factor alone, both sides
+                flags += ["--mscale", rope["mscale"], "--mscale-all-dim", rope["mscale_all_dim"]]
+        else:
+            flags += ["--position-embedding-type", "rope"]
+        sliding = [t == "sliding_attention" for t in self._layer_types(cfg)]
+        if cfg.get("sliding_window") and any(sliding):
+            flags += ["--window-size", f"{int(cfg['sliding_window']) - 1},0"]
+            if not all(sliding):
+                flags += ["--window-attn-skip-freq", "[" + ",".join(str(int(x)) for x in sliding)
+                          + "]"]
+        if not s.tied:
+            flags.append("--untie-embeddings-and-output-weights")
+        return [str(f) for f in flags]
+
+    def config_from_args(self, args, spec, dtype):
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        cfg = Family.config_from_args(self, args, spec, dtype)
+        theta = cfg.pop("rope_theta")
+        if args.position_embedding_type == "yarn":
+            rope = {"rope_type": "yarn", "rope_theta": theta,
+                    "factor": float(args.rotary_scaling_factor),
+                    "original_max_position_embeddings":
+                        args.yarn_original_max_position_embeddings or 4096,
+                    "beta_fast": float(args.yarn_beta_fast or 32.0),
+                    "beta_slow": float(args.yarn_beta_slow or 1.0),
+                    "truncate": args.yarn_correction_range_round_to_int is not False}
+            if args.mscale and args.mscale_all_dim:
+                rope.update(mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
+        else:
+            rope = {"rope_type": "default", "rope_theta": theta}
+        window = args.window_size
+        cfg.update(
+            intermediate_size=spec.moe_ffn, num_local_experts=spec.num_experts,
+            attention_bias=True, swiglu_alpha=self.alpha,
+            swiglu_limit=args.activation_func_clamp_value, rope_parameters=rope,
+            sliding_window=window[0] + 1 if window else None,
+            layer_types=["sliding_attention" if is_layer_window_attention(
+                window, args.window_attn_skip_freq, i + 1) else "full_attention"
+                for i in range(spec.num_layers)],
+            output_router_logits=False)
+        return cfg
+
+    def check_args(self, args):
+        problems = []
+        if args.normalization != "RMSNorm":
+            problems.append(f"--normalization {args.normalization} (HF: RMSNorm)")
+        if not getattr(args, "quick_geglu", False):
+            problems.append("no --quick-geglu (HF: clamped quick-GEGLU experts)")
+        if getattr(args, "glu_linear_offset", 0.0) != 1.0:
+            problems.append("--glu-linear-offset != 1 (HF: up + 1)")
+        if getattr(args, "activation_func_clamp_value", None) is None:
+            problems.append("no --activation-func-clamp-value (HF: swiglu_limit)")
+        if getattr(args, "softmax_type", "vanilla") != "learnable":
+            problems.append("--softmax-type is not learnable (HF: sinks)")
+        if not args.add_bias_linear:
+            problems.append("--disable-bias-linear (HF: biases everywhere)")
+        if args.position_embedding_type not in ("rope", "yarn"):
+            problems.append(f"--position-embedding-type {args.position_embedding_type}")
+        if getattr(args, "rotary_percent", 1.0) != 1.0:
+            problems.append("--rotary-percent != 1")
+        if args.window_size is not None and (args.window_size[1] != 0 or args.window_size[0] < 0):
+            problems.append(f"--window-size {args.window_size} (HF: LEFT,0 with LEFT >= 0)")
+        if args.num_experts is None:
+            problems.append("no --num-experts (a dense model)")
+        elif not all(moe_layer_list(args)):
+            problems.append("dense layers (--moe-layer-freq)")
+        if args.moe_router_score_function != "softmax" or args.moe_router_pre_softmax:
+            problems.append("routing other than softmax over the top-k logits")
+        for flag in ("moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor",
+                     "moe_router_group_topk", "moe_router_enable_expert_bias", "qk_layernorm",
+                     "multi_latent_attention"):
+            if getattr(args, flag, None):
+                problems.append(f"--{flag.replace('_', '-')}")
+        if problems:
+            raise ConversionError(f"the checkpoint cannot be written as {self.architecture}: "
+                                  + "; ".join(problems))
+
+
+FAMILIES = {f.name: f for f in (Mixtral(), Qwen2Moe(), Qwen3Moe(), DeepseekV3(), GptOss())}
 
 # Dense architectures with Mixtral's layer apart from the MLP (same attention, norm and names).
 UPCYCLABLE = {"mistral": 10000, "llama": 10000}  # model_type -> its config's default rope_theta
@@ -610,10 +843,14 @@ def spec_from_args(args, family: str, vocab: int) -> Spec:
         mla=bool(getattr(args, "multi_latent_attention", False)),
         q_lora=getattr(args, "q_lora_rank", None),
         expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
-        mtp_layers=getattr(args, "mtp_num_layers", None) or 0)
+        mtp_layers=getattr(args, "mtp_num_layers", None) or 0,
+        linear_bias=bool(getattr(args, "add_bias_linear", False)),
+        sinks=getattr(args, "softmax_type", "vanilla") == "learnable")
 
 
 def guess_family(args) -> str:
+    if getattr(args, "softmax_type", "vanilla") != "vanilla" or getattr(args, "quick_geglu", False):
+        return "gpt_oss"
     if getattr(args, "multi_latent_attention", False):
         return "deepseek_v3"
     if getattr(args, "qk_layernorm", False):
@@ -681,7 +918,7 @@ def _attention_rules(spec: Spec, m, a) -> list:
     qkv = _qkv(spec.heads, spec.groups, spec.head_dim)
     R.append(Rule(m + "self_attention.linear_qkv.weight",
                   (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), *qkv))
-    if spec.qkv_bias:
+    if spec.qkv_bias or spec.linear_bias:
         R.append(Rule(m + "self_attention.linear_qkv.bias",
                       (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), *qkv))
     if spec.qk_norm:
@@ -690,6 +927,11 @@ def _attention_rules(spec: Spec, m, a) -> list:
         R.append(Rule(m + "self_attention.k_layernorm.weight", (a + "k_norm.weight",),
                       *_copy()))
     R.append(Rule(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), *_copy()))
+    if spec.linear_bias:
+        R.append(Rule(m + "self_attention.linear_proj.bias", (a + "o_proj.bias",), *_copy()))
+    if spec.sinks:  # megatron-core's learnable softmax offset (--softmax-type learnable)
+        R.append(Rule(m + "self_attention.core_attention.softmax_offset", (a + "sinks",),
+                      *_copy()))
     return R
 
 
@@ -702,14 +944,11 @@ def _layer_rules(spec: Spec, fam, m, h, i) -> list:
                   *_copy()))
     if i >= spec.num_layers or spec.moe_layers[i]:
         R.append(Rule(m + "mlp.router.weight", (fam.router(i),), *_copy()))
+        if spec.linear_bias:
+            R.append(Rule(m + "mlp.router.bias", (fam.router_linear_bias(i),), *_copy()))
         if spec.expert_bias:
             R.append(Rule(m + "mlp.router.expert_bias", (fam.router_bias(i),), *_copy()))
-        for e in range(spec.num_experts):
-            gate, up, down = fam.expert(i, e)
-            x = m + f"mlp.experts.local_experts.{e}."
-            R.append(Rule(x + "linear_fc1.weight", (gate, up),
-                          *_cat([spec.moe_ffn, spec.moe_ffn])))
-            R.append(Rule(x + "linear_fc2.weight", (down,), *_copy()))
+        R += fam.expert_rules(spec, m, i)
         if spec.shared_ffn:
             gate, up, down = fam.shared(i)
             x = m + "mlp.shared_experts."

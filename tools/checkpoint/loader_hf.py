@@ -72,12 +72,13 @@ class HFTensors:
             raise SystemExit(f"--load-dir {load_dir}: {len(missing)} tensor(s) missing, "
                              f"e.g. {missing[:3]}")
 
-    def _get(self, name):
+    def _get(self, name, index=None):
         from safetensors import safe_open
 
-        # opened per tensor: a shard's mapping is released as soon as its tensor is read
+        # opened per tensor: a shard's mapping is released as soon as its tensor is read;
+        # a stacked tensor's slice (one gpt-oss expert) is read alone
         with safe_open(self.where[name], framework="pt") as f:
-            tensor = f.get_tensor(name)
+            tensor = f.get_tensor(name) if index is None else f.get_slice(name)[index]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -85,7 +86,8 @@ class HFTensors:
         if meg_name in self.initialised:
             return self.initialised[meg_name]
         rule = self.rules[meg_name]
-        return rule.merge([self._get(self.source(n)) for n in rule.hf])
+        index = rule.stacked[0] if rule.stacked else None
+        return rule.merge([self._get(self.source(n), index) for n in rule.hf])
 
     def __len__(self):
         return len(self.rules)

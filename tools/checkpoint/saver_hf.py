@@ -18,9 +18,10 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 def add_arguments(parser):
     group = parser.add_argument_group("Hugging Face saver")
     group.add_argument("--hf-family", default=None,
-                       choices=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"],
+                       choices=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"],
                        help="Architecture to write (default: the one imported from, else guessed "
-                            "from the model: MLA -> deepseek_v3, QK layernorm -> qwen3_moe, "
+                            "from the model: sinks/quick-GEGLU -> gpt_oss, MLA -> deepseek_v3, QK "
+                            "layernorm -> qwen3_moe, "
                             "shared experts / QKV bias -> qwen2_moe, else mixtral)")
     group.add_argument("--hf-config-template", default=None,
                        help="config.json to start from (token ids, names, ...) when the checkpoint "
@@ -141,14 +142,24 @@ def save_checkpoint(metadata, tensors, args):
         if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?", old):
             os.remove(os.path.join(args.save_dir, old))
     writer = ShardWriter(args.save_dir, parse_size(args.max_shard_size))
+    stacks = {}  # HF name -> {slice index: tensor} of a stacked tensor still being gathered
     for name, tensor in tqdm(tensors, total=len(rules), desc="writing HF shards", unit="t"):
         rule = rules.pop(name)
         for hf_name, part in zip(rule.hf, rule.split(tensor)):
             # own, contiguous storage: safetensors refuses views that share memory
-            writer.add(hf_name, part.to(dtype).clone(memory_format=torch.contiguous_format))
-    if rules:
-        raise SystemExit(f"{len(rules)} tensor(s) never arrived from the loader, e.g. "
-                         f"{sorted(rules)[:3]}")
+            part = part.to(dtype).clone(memory_format=torch.contiguous_format)
+            if rule.stacked is None:
+                writer.add(hf_name, part)
+                continue
+            index, count = rule.stacked
+            slices = stacks.setdefault(hf_name, {})
+            slices[index] = part
+            if len(slices) == count:  # all experts of the layer: one stacked tensor
+                writer.add(hf_name, torch.stack([slices[i] for i in range(count)]))
+                del stacks[hf_name]
+    if rules or stacks:
+        raise SystemExit(f"{len(rules) + len(stacks)} tensor(s) never arrived from the loader, "
+                         f"e.g. {sorted(rules)[:3] + sorted(stacks)[:3]}")
     n = writer.close()
     with open(os.path.join(args.save_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
