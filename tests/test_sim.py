@@ -217,14 +217,14 @@ def test_proprophet_plans_with_the_training_defaults(tmp_path):
 
 def test_alltoall_fast_path_matches_general():
     """The linear flat/pipe path (per-rank sums) gives the general per-message path's times; a
-    message-efficiency table of 1.0 forces the general path on the same cluster."""
+    per-message bandwidth table that caps nothing forces the general path on the same cluster."""
     from megatron_moe.sim.cluster import Cluster
 
     rng = np.random.default_rng(3)
     for pair in (None, 40e9):
         cl = Cluster(num_gpus=32, ranks_per_node=4, intra_bw=12e9, inter_bw=9e9, intra_pair_bw=pair,
                      node_inter_bw=20e9)
-        slow = Cluster(**{**cl.__dict__, "msg_efficiency": [[None, 1.0]]})
+        slow = Cluster(**{**cl.__dict__, "a2a_bw_table": [[None, 1e30]]})     # the per-message path
         traffic = rng.integers(0, 10 ** 6, size=(2, 16, 16)).astype(np.float64)
         for algo in ("flat", "pipe"):
             np.testing.assert_allclose(alltoall_time(traffic, cl, algo), alltoall_time(traffic, slow, algo),
@@ -249,3 +249,29 @@ def test_work_is_linear_in_layers_and_iterations():
         calls.clear()
         simulate_iterations(cl, assign, iters, layers)
         assert calls == [(i, l) for i in range(iters) for l in range(layers)]
+
+
+def test_alltoall_efficiency_by_rank_volume_not_message():
+    """``msg_efficiency`` is an all-to-all benchmark's rate by the bytes one GPU exchanges in the
+    whole collective (Tutel's bandwidth_test: buffer bytes per GPU / time), so 7 messages of 200 KB
+    (1.4 MB per rank) run at the full rate although each message is below the 1 MB step, and
+    7 x 100 KB (0.7 MB) at half of it; latency is not scaled. The planner's Eq. 1 gets the curve."""
+    from megatron_moe.sim.cluster import Cluster
+
+    kw = dict(num_gpus=8, ranks_per_node=4, intra_bw=10e9, inter_bw=10e9, intra_lat=2e-6, inter_lat=3e-6)
+    plain = Cluster(**kw)
+    curve = Cluster(**kw, msg_efficiency=[[1e6, 0.5], [None, 1.0]])
+    per_message = Cluster(**kw, a2a_bw_table=[[1e6, 5e9], [None, 10e9]])
+    for algo in ("flat", "pipe"):
+        big = np.full((1, 8, 8), 200e3)
+        np.testing.assert_allclose(alltoall_time(big, curve, algo), alltoall_time(big, plain, algo), rtol=1e-12)
+        assert (alltoall_time(big, per_message, algo) > 1.5 * alltoall_time(big, plain, algo)).all()
+        small = np.full((1, 8, 8), 100e3)
+        lat = 3 * 2e-6 + 4 * 3e-6 if algo == "flat" else 4 * 3e-6
+        np.testing.assert_allclose(alltoall_time(small, curve, algo) - lat,
+                                   2 * (alltoall_time(small, plain, algo) - lat), rtol=1e-12)
+    hot = np.full((1, 8, 8), 10e3)
+    hot[0, :, 0] = 1e6                                     # rank 0 receives 7 MB: full rate there
+    assert alltoall_time(hot, curve)[0] == pytest.approx(alltoall_time(hot, plain)[0])
+    cm = curve.cost_model(np.arange(8))
+    assert cm.bandwidth(0.5e6) == pytest.approx(0.5 * 10e9) and cm.bandwidth(2e6) == pytest.approx(10e9)

@@ -39,9 +39,15 @@ def _pair_scale(cluster, l: int) -> np.ndarray:
 
 
 def _flat_linear(t4: np.ndarray, cluster, algorithm: str, n: int, l: int) -> np.ndarray:
-    """flat / pipe when every link has one rate (no bandwidth-by-message-size table): the same
+    """flat / pipe without a per-message bandwidth table (``a2a_bw_table``): the same
     formula as the general path from per-rank byte sums only, without [g, P, P] masks (the general
-    path's cost dominated 8192-GPU runs; tests/test_sim.py checks both paths agree)."""
+    path's cost dominated 8192-GPU runs; tests/test_sim.py checks both paths agree).
+
+    ``cluster.msg_efficiency`` (a fraction of the link rate by the rank's all-to-all volume) scales
+    each rank's transfer time (not its per-message latency): the curve is an all-to-all benchmark's bandwidth as a function of the bytes
+    one GPU exchanges in the whole collective (Tutel's ``bandwidth_test.py`` reports
+    ``buffer bytes per GPU / time``; the Pro-Prophet artifact looks it up on the busiest rank's
+    total bytes), not of the single peer-to-peer message."""
     g = t4.shape[0]
     node_blk = np.einsum("gaiaj->gaij", t4)                   # [g, node, src local, dst local]
     selfb = np.einsum("gaii->gai", node_blk)
@@ -58,8 +64,12 @@ def _flat_linear(t4: np.ndarray, cluster, algorithm: str, n: int, l: int) -> np.
     if cluster.node_inter_bw:
         out_e = np.maximum(out_e, e_out.sum(axis=2, keepdims=True) / cluster.node_inter_bw)
         in_e = np.maximum(in_e, e_in.sum(axis=2, keepdims=True) / cluster.node_inter_bw)
-    t_intra = np.maximum(ti_out, ti_in) + (l - 1) * cluster.intra_lat
-    t_inter = np.maximum(out_e, in_e) + (n - 1) * l * cluster.inter_lat
+    eff = 1.0
+    if cluster.msg_efficiency:                                 # by the bytes each rank sends / receives
+        eff = cluster.volume_efficiency(np.maximum(node_blk.sum(axis=3) - selfb + e_out,
+                                                   node_blk.sum(axis=2) - selfb + e_in))
+    t_intra = np.maximum(ti_out, ti_in) / eff + (l - 1) * cluster.intra_lat
+    t_inter = np.maximum(out_e, in_e) / eff + (n - 1) * l * cluster.inter_lat
     t = t_intra + t_inter if algorithm == "flat" else np.maximum(t_intra, t_inter)
     return t.reshape(g, -1).max(axis=1)
 
@@ -74,7 +84,7 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.n
     eye_n = np.eye(n, dtype=bool)
     eye_l = np.eye(l, dtype=bool)
     li, le = cluster.intra_lat, cluster.inter_lat
-    if algorithm in ("flat", "pipe") and not (cluster.msg_efficiency or cluster.a2a_bw_table):
+    if algorithm in ("flat", "pipe") and not cluster.a2a_bw_table:
         return _flat_linear(t4, cluster, algorithm, n, l)
     # intra / inter bytes out of and into every rank (self excluded)
     same = eye_n[None, :, None, :, None] & ~(eye_n[:, None, :, None] & eye_l[None, :, None, :])[None]
@@ -84,14 +94,16 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.n
         # one message per peer; its rate may be capped by the calibrated bandwidth-by-size table
         ti = cluster.transfer_time(intra_t, True) * _pair_scale(cluster, l)[None, None, :, None, :]
         te = cluster.transfer_time(inter_t, False)
-        t_intra = np.maximum(ti.sum(axis=(3, 4)), ti.sum(axis=(1, 2))) + (l - 1) * li
+        both = intra_t + inter_t
+        eff = cluster.volume_efficiency(np.maximum(both.sum(axis=(3, 4)), both.sum(axis=(1, 2))))
+        t_intra = np.maximum(ti.sum(axis=(3, 4)), ti.sum(axis=(1, 2))) / eff + (l - 1) * li
         out_e, in_e = te.sum(axis=(3, 4)), te.sum(axis=(1, 2))
         if cluster.node_inter_bw:
             # the node's NICs are shared: a rank drives one NIC (inter_bw) and all ranks of a node
             # together at most node_inter_bw, so one hot receiver gets the whole NIC
             out_e = np.maximum(out_e, inter_t.sum(axis=(2, 3, 4))[:, :, None] / cluster.node_inter_bw)
             in_e = np.maximum(in_e, inter_t.sum(axis=(1, 2, 4))[:, :, None] / cluster.node_inter_bw)
-        t_inter = np.maximum(out_e, in_e) + (n - 1) * l * le
+        t_inter = np.maximum(out_e, in_e) / eff + (n - 1) * l * le
         t = t_intra + t_inter if algorithm == "flat" else np.maximum(t_intra, t_inter)
         return t.reshape(g, -1).max(axis=1)
     # phase 1: rank (a, l) sends to (a, l') everything whose destination local index is l' != l
@@ -100,7 +112,8 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.n
     p1t = cluster.transfer_time(p1, True) * _pair_scale(cluster, l)[None, None]   # one message per local peer
     out1 = p1t.sum(axis=3)
     in1 = p1t.sum(axis=2)
-    ph1 = np.maximum(out1, in1).reshape(g, -1).max(axis=1) + (l - 1) * li
+    ph1 = (np.maximum(out1, in1) / cluster.volume_efficiency(np.maximum(p1.sum(axis=3), p1.sum(axis=2)))
+           ).reshape(g, -1).max(axis=1) + (l - 1) * li
     # phase 2: rank (a, l) forwards node a's data for (b, l), b != a
     x = np.where(~eye_n[None, :, None, :, None], t4, 0.0).sum(axis=2)   # [g, a, b, l]
     xt = cluster.transfer_time(x, False)                     # node-aggregated messages
@@ -109,7 +122,8 @@ def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.n
     if cluster.node_inter_bw:
         out2 = np.maximum(out2, x.sum(axis=(2, 3))[:, :, None] / cluster.node_inter_bw)
         in2 = np.maximum(in2, x.sum(axis=(1, 3))[:, :, None] / cluster.node_inter_bw)
-    ph2 = np.maximum(out2, in2).reshape(g, -1).max(axis=1) + (n - 1) * le
+    ph2 = (np.maximum(out2, in2) / cluster.volume_efficiency(np.maximum(x.sum(axis=2), x.sum(axis=1)))
+           ).reshape(g, -1).max(axis=1) + (n - 1) * le
     if n == 1:
         ph2 = np.zeros(g)
     return ph1 + ph2

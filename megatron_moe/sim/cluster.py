@@ -53,7 +53,7 @@ class Cluster:
     a2a_bw_table: Optional[list] = None   # [[max_msg_bytes|None, bytes/s], ...] from a calibration
     intra_pair_bw: Optional[float] = None  # faster link between local ranks 2i and 2i+1 (NVLink bridge pairs)
     node_inter_bw: Optional[float] = None  # all NICs of a node together (inter_bw = what one rank can drive)
-    msg_efficiency: Optional[list] = None  # [[max_msg_bytes|None, fraction of link rate], ...] (small messages)
+    msg_efficiency: Optional[list] = None  # [[max_bytes|None, fraction of link rate], ...] by a rank's all-to-all volume
     t_step_s: float = 0.0            # per-iteration time outside the MoE blocks (dense all-reduce, optimizer, LM head)
     source: str = "defaults"
 
@@ -83,15 +83,21 @@ class Cluster:
         if self.t_bnec_s is None:
             self.t_bnec_s = 2.0 * self.t_fnec_s
 
+    def volume_efficiency(self, nbytes) -> np.ndarray:
+        """Achieved fraction of the link rate of an all-to-all in which one rank exchanges
+        ``nbytes`` in all (``msg_efficiency``; 1 without a table)."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        if not self.msg_efficiency:
+            return np.ones_like(nbytes)
+        limits = np.array([np.inf if m is None else m for m, _ in self.msg_efficiency])
+        frac = np.array([f for _, f in self.msg_efficiency], dtype=np.float64)
+        return frac[np.minimum(np.searchsorted(limits, nbytes, side="left"), len(frac) - 1)]
+
     # -- bandwidth by message size (the calibration table caps the link rate for small messages)
     def transfer_time(self, nbytes, intra) -> np.ndarray:
         """Seconds to move ``nbytes`` (array) as single messages over intra/inter links."""
         nbytes = np.asarray(nbytes, dtype=np.float64)
         bw = np.where(intra, self.intra_bw, self.inter_bw)
-        if self.msg_efficiency:
-            limits = np.array([np.inf if m is None else m for m, _ in self.msg_efficiency])
-            frac = np.array([f for _, f in self.msg_efficiency], dtype=np.float64)
-            bw = bw * frac[np.minimum(np.searchsorted(limits, nbytes, side="left"), len(frac) - 1)]
         if self.a2a_bw_table:
             limits = np.array([np.inf if m is None else m for m, _ in self.a2a_bw_table])
             rates = np.array([b for _, b in self.a2a_bw_table], dtype=np.float64)
@@ -180,7 +186,12 @@ class Cluster:
         from megatron_moe.balance.cost_model import CostModel
         bw = self.bottleneck_bw(ranks)
         bw = self.intra_bw if not np.isfinite(bw) else bw
-        table = [[m, min(b, bw)] for m, b in self.a2a_bw_table] if self.a2a_bw_table else bw
+        if self.a2a_bw_table:
+            table = [[m, min(b, bw)] for m, b in self.a2a_bw_table]
+        elif self.msg_efficiency:        # Eq. 1 looks the rate up by the busiest rank's volume, as here
+            table = [[m, f * bw] for m, f in self.msg_efficiency]
+        else:
+            table = bw
         return CostModel(input_bytes=self.bytes_per_input, expert_bytes=self.expert_param_bytes,
                          throughput=self.expert_tokens_per_s, a2a_bandwidth=table, trans_bandwidth=bw,
                          t_fnec=self.t_fnec_s, t_bnec=self.t_bnec_s)

@@ -266,20 +266,23 @@ def steady_state_warmup(model: str) -> int:
     return int(_settings(model)[1].get("steady_state_warmup", 0))
 
 
+_TRACES: Dict = {}
+
+
 class PaperSim:
     """Simulates (testbed, model, gpus, k, system) with one efficiency; traces and results cached."""
 
     def __init__(self, eff: Efficiency, iterations: int = 8, seed: int = 0):
         self.eff, self.iterations, self.seed = eff, int(iterations), int(seed)
-        self._traces: Dict = {}
+        self._traces: Dict = _TRACES       # traces do not depend on the efficiency: shared by a fit's runs
         self._res: Dict = {}
 
     def iter_s(self, testbed: str, model: str, gpus: int, top_k: int, system: str,
                benchmark: Optional[str] = None) -> float:
         key = (testbed, model, gpus, top_k, system, benchmark)
         if key not in self._res:
-            tk = (model, gpus, top_k)
             warm = steady_state_warmup(model)
+            tk = (model, gpus, top_k, self.iterations + warm, self.seed)
             if tk not in self._traces:
                 self._traces[tk] = paper_trace(model, gpus, top_k, self.iterations + warm, self.seed)
             self._res[key] = simulate_system(self._traces[tk], testbed, model, gpus, top_k, system, self.eff,
@@ -339,6 +342,8 @@ def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_
         raise ValueError(f"published.json: unknown system {system!r}; known: {sorted(SYSTEMS)}")
     pol, kw, smart = SYSTEMS[system]
     kw = dict(kw)
+    # a paper may have run a system without FasterMoE's pipelining (models.json papers.<paper>.systems)
+    smart = bool(_settings(model)[1].get("systems", {}).get(system, {}).get("smart_schedule", smart))
     if pol == "fastermoe":
         dc = shadow_decision_cost(model, int(_settings(model)[0].get("experts", gpus)))
         if dc is not None:
