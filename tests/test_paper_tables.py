@@ -137,7 +137,7 @@ def test_flexmoe_cells_measure_the_steady_state():
     assert papers.steady_state_warmup("BERT-MoE-S") == 8 and papers.steady_state_warmup("MoE-GPT-S") == 0
     sim = PaperSim(Efficiency(0.05, 0.8), 2)
     a = sim.iter_s("flexmoe_ndv4", "BERT-MoE-S", 32, 2, "FastMoE")
-    (trace,) = sim._traces.values()
+    trace = sim._traces[("BERT-MoE-S", 32, 2, 2 + 8, 0)]     # traces are shared by all PaperSims
     assert trace.shape[0] == 2 + 8
     assert a == pytest.approx(papers.simulate_system(trace, "flexmoe_ndv4", "BERT-MoE-S", 32, 2, "FastMoE",
                                                      Efficiency(0.05, 0.8), skip=9))
@@ -145,15 +145,48 @@ def test_flexmoe_cells_measure_the_steady_state():
 
 def test_fastermoe_paper_cells_decide_with_the_artifacts_constants(monkeypatch):
     """FasterMoE's own cells price the shadowing decision as its code did (johnny's hard-coded rates,
-    the 4 bytes per element in the FLOP count too, Eq. 8 literal); other papers' FasterMoE runs and
-    training price it with the cluster's constants."""
+    the 4 bytes per element in the FLOP count too, Eq. 8 literal), and so do Pro-Prophet's (its
+    artifact ships the same policy code); FlexMoE's runs and training price it with the cluster's."""
     c = papers.shadow_decision_cost("FasterMoE/MoE-GPT-S", 16)
     assert c.fwd_s_per_input == pytest.approx(4 * 2 * 1024 ** 2 * 4 / 11.5e12)
     assert c.a2a_s_per_input == pytest.approx(1024 * 4 / 6.25e9)
     assert c.param_collective_s == pytest.approx(2 * 2 * 1024 ** 2 * 4 / 6.25e9)
-    assert papers.shadow_decision_cost("MoE-GPT-S", 16) is None
+    assert papers.shadow_decision_cost("MoE-GPT-S", 16).fwd_s_per_input == pytest.approx(
+        4 * 2 * 512 ** 2 * 4 / 11.5e12)
+    assert papers.shadow_decision_cost("BERT-MoE-S", 32) is None
     tr = papers.paper_trace("FasterMoE/MoE-GPT-S", 16, 2, 2)
     args = (tr, "fastermoe_johnny", "FasterMoE/MoE-GPT-S", 16, 2, "FasterMoE shadowing", Efficiency(0.05, 0.8))
     as_ran = papers.simulate_system(*args)
     monkeypatch.setattr(papers, "shadow_decision_cost", lambda model, ranks: None)
     assert papers.simulate_system(*args) != pytest.approx(as_ran, rel=1e-3)
+
+
+def test_proprophet_systems_run_without_pipelining(monkeypatch):
+    """models.json papers.proprophet.systems: in Pro-Prophet's runs neither FasterMoE nor Pro-Prophet
+    pipelines (the artifact's FMOE_FUSE_GRAN = world size, a2a_and_ec syncs); FasterMoE's own paper
+    keeps the smart schedule. Recorded at the simulator call."""
+    calls = []
+    real = papers.simulate
+
+    def spy(trace, cl, pol, algo, policy_kwargs=None, degree=1):
+        calls.append((pol, degree))
+        return real(trace, cl, pol, algo, policy_kwargs=policy_kwargs, degree=degree)
+
+    monkeypatch.setattr(papers, "simulate", spy)
+    eff = Efficiency(0.1, 0.5)
+    tr = papers.paper_trace("MoE-GPT-S", 8, 1, iterations=2)
+    for system in ("FasterMoE", "Pro-Prophet"):
+        papers.simulate_system(tr, "proprophet_lpwnv", "MoE-GPT-S", 8, 1, system, eff)
+    tr = papers.paper_trace("FasterMoE/MoE-GPT-S", 16, 2, iterations=2)
+    papers.simulate_system(tr, "fastermoe_johnny", "FasterMoE/MoE-GPT-S", 16, 2, "FasterMoE", eff)
+    assert calls == [("fastermoe", 1), ("proprophet+overlap", 1), ("fastermoe", papers.smart_schedule_degree(
+        "fastermoe_johnny", 16, "FasterMoE/MoE-GPT-S"))] and calls[-1][1] > 1
+
+
+def test_proprophet_imbalance_keeps_the_16_expert_exponent():
+    """Fig. 3 is measured on 16 experts; Table V's 8 and Fig. 10's 32 experts get the same Zipf
+    exponent (the 3 lightest of 16 at 5%), not a re-matched one."""
+    imb = papers.load_models()["papers"]["proprophet"]["imbalance"]
+    s16 = papers.zipf_for_share(16, 0.05, bottom=3)
+    for e in (8, 16, 32):
+        assert papers._popularity(imb, e)[0] == pytest.approx(s16)
