@@ -172,39 +172,15 @@ def gpt_oss_hf(tmp_path_factory):
 
 
 def _hf_logits(path, mutate=None, **override):
-    import torch
-    import transformers
+    from tests.test_hf_convert import hf_logits
 
-    from tests.test_hf_convert import TOKENS
-
-    cfg = transformers.AutoConfig.from_pretrained(path)
-    for key, value in override.items():
-        setattr(cfg, key, value)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, config=cfg,
-                                                              dtype=torch.float32).eval()
-    with torch.no_grad():
-        if mutate:
-            mutate(model)
-        return model(torch.tensor(TOKENS)).logits
+    return hf_logits(path, mutate, **override)
 
 
 def test_gpt_oss_roundtrip_bit_exact(gpt_oss_hf):
-    import json
+    from tests.test_hf_convert import assert_roundtrip_bit_exact
 
-    import torch
-
-    from tests.test_hf_convert import hf_state
-
-    d = gpt_oss_hf
-    original, back = hf_state(d["hf"]), hf_state(d["back"])
-    assert sorted(original) == sorted(back)
-    # each stacked expert tensor was read slice by slice: every byte exactly once
-    size = sum(t.numel() * t.element_size() for t in original.values())
-    assert f"chunks streamed from {size} bytes of HF tensors" in d["log"]
-    for name, tensor in original.items():
-        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
-    assert json.load(open(os.path.join(d["back"], "config.json"))) == \
-        json.load(open(os.path.join(d["hf"], "config.json")))
+    assert_roundtrip_bit_exact(gpt_oss_hf["hf"], gpt_oss_hf["back"], gpt_oss_hf["log"])
 
 
 def test_gpt_oss_logits_match_transformers(gpt_oss_hf):
@@ -222,17 +198,14 @@ def test_gpt_oss_logits_match_transformers(gpt_oss_hf):
 
 def _swap_gate_up_layout(model):
     """gate and up as two blocks instead of interleaved columns (the usual GLU layout)."""
+    import torch
+
     for layer in model.model.layers:
         for name in ("gate_up_proj", "gate_up_proj_bias"):
             p = getattr(layer.mlp.experts, name)
             half = p.shape[-1] // 2
-            p.copy_(torch_cat_interleave(p[..., :half], p[..., half:]))
-
-
-def torch_cat_interleave(a, b):
-    import torch
-
-    return torch.stack([a, b], dim=-1).flatten(-2)
+            # what [gate | up] blocks look like when read as interleaved columns
+            p.copy_(torch.stack([p[..., :half], p[..., half:]], dim=-1).flatten(-2))
 
 
 def _no_sinks(model):

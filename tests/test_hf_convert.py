@@ -139,13 +139,31 @@ def hf_state(path):
     return state
 
 
-def hf_logits(path, **override):
+def assert_roundtrip_bit_exact(hf_dir, back_dir, log):
+    """HF -> ours -> HF gave the same tensor names, bit-equal tensors and the same config.json;
+    the streaming import read every HF tensor exactly once (gate/up: one read for two chunks;
+    stacked experts: one slice per expert)."""
+    original, back = hf_state(hf_dir), hf_state(back_dir)
+    assert sorted(original) == sorted(back)
+    size = sum(t.numel() * t.element_size() for t in original.values())
+    assert f"chunks streamed from {size} bytes of HF tensors" in log
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert json.load(open(os.path.join(back_dir, "config.json"))) == \
+        json.load(open(os.path.join(hf_dir, "config.json")))
+
+
+def hf_logits(path, mutate=None, **override):
+    """transformers' logits of TOKENS, with config fields overridden and ``mutate(model)``
+    applied to the loaded weights (mutation controls)."""
     cfg = transformers.AutoConfig.from_pretrained(path)
     for key, value in override.items():
         setattr(cfg, key, value)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, config=cfg,
                                                               dtype=torch.float32).eval()
     with torch.no_grad():
+        if mutate:
+            mutate(model)
         return model(torch.tensor(TOKENS)).logits
 
 
@@ -218,15 +236,7 @@ def converted(tmp_path_factory):
                                   "mixtral_bf16"])
 def test_roundtrip_bit_exact(converted, kind):
     d = converted[kind]
-    original, back = hf_state(d["hf"]), hf_state(d["back"])
-    assert sorted(original) == sorted(back)
-    # the streaming import read every HF tensor exactly once (gate/up: one read for two chunks)
-    size = sum(t.numel() * t.element_size() for t in original.values())
-    assert f"chunks streamed from {size} bytes of HF tensors" in converted["log"]
-    for name, tensor in original.items():
-        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
-    assert json.load(open(os.path.join(d["back"], "config.json"))) == \
-        json.load(open(os.path.join(d["hf"], "config.json")))
+    assert_roundtrip_bit_exact(d["hf"], d["back"], converted["log"])
     # Megatron's layout really was in between: fused QKV, padded vocabulary, experts per rank
     ckpt = os.path.join(d["meg"], "iter_0000000")
     from megatron.core import dist_checkpointing
