@@ -190,3 +190,12 @@ def test_proprophet_imbalance_keeps_the_16_expert_exponent():
     s16 = papers.zipf_for_share(16, 0.05, bottom=3)
     for e in (8, 16, 32):
         assert papers._popularity(imb, e)[0] == pytest.approx(s16)
+
+
+def test_proprophet_testbeds_carry_the_artifacts_collective_rate():
+    for name in ("proprophet_hpwnv", "proprophet_hpnv", "proprophet_lpwnv"):
+        ce = papers.load_testbed(name)["collective_efficiency"]
+        assert ce["value"] == pytest.approx(15 / 100) and "Bd_Trans" in ce["source"]
+    cl = papers.paper_cluster("proprophet_lpwnv", "MoE-GPT-M", 8, Efficiency(0.1, 0.5), 1)
+    assert cl.bcast_efficiency == pytest.approx(0.15)
+    assert papers.paper_cluster("flexmoe_ndv4", "BERT-MoE-S", 32, Efficiency(0.1, 0.5), 2).bcast_efficiency == 1.0

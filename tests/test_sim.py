@@ -275,3 +275,19 @@ def test_alltoall_efficiency_by_rank_volume_not_message():
     assert alltoall_time(hot, curve)[0] == pytest.approx(alltoall_time(hot, plain)[0])
     cm = curve.cost_model(np.arange(8))
     assert cm.bandwidth(0.5e6) == pytest.approx(0.5 * 10e9) and cm.bandwidth(2e6) == pytest.approx(10e9)
+
+
+def test_broadcast_efficiency_prices_trans_agg_and_the_planner():
+    """``bcast_efficiency``: a broadcast / reduce achieves that fraction of its bottleneck link (the
+    Pro-Prophet artifact's 15 Gb/s Trans/Agg against 100 Gb/s all-to-all); latency is not scaled and
+    Pro-Prophet's Eq. 4/5 bandwidth is the same rate."""
+    from megatron_moe.sim.cluster import Cluster
+
+    kw = dict(num_gpus=8, ranks_per_node=4, intra_bw=10e9, inter_bw=10e9, intra_lat=0.0, inter_lat=0.0)
+    full, slow = Cluster(**kw), Cluster(**kw, bcast_efficiency=0.15)
+    ranks = np.arange(8)
+    assert slow.broadcast_time(15e6, ranks) == pytest.approx(full.broadcast_time(15e6, ranks) / 0.15)
+    assert slow.cost_model(ranks).t_trans(1, 0, 8) == pytest.approx(full.cost_model(ranks).t_trans(1, 0, 8) / 0.15)
+    assert slow.allreduce_time(15e6, ranks) == pytest.approx(full.allreduce_time(15e6, ranks))
+    with pytest.raises(ValueError, match="bcast_efficiency"):
+        Cluster(**kw, bcast_efficiency=0.0)

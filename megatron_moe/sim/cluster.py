@@ -54,6 +54,7 @@ class Cluster:
     intra_pair_bw: Optional[float] = None  # faster link between local ranks 2i and 2i+1 (NVLink bridge pairs)
     node_inter_bw: Optional[float] = None  # all NICs of a node together (inter_bw = what one rank can drive)
     msg_efficiency: Optional[list] = None  # [[max_bytes|None, fraction of link rate], ...] by a rank's all-to-all volume
+    bcast_efficiency: float = 1.0    # achieved fraction of the link rate of a broadcast / reduce (Trans, Agg, shadows)
     t_step_s: float = 0.0            # per-iteration time outside the MoE blocks (dense all-reduce, optimizer, LM head)
     source: str = "defaults"
 
@@ -63,7 +64,7 @@ class Cluster:
         if self.num_gpus % self.ranks_per_node and self.num_gpus > self.ranks_per_node:
             raise ValueError(f"cluster ({self.source}): --gpus {self.num_gpus} is not a multiple "
                              f"of ranks_per_node={self.ranks_per_node} (--ranks-per-node)")
-        for f in ("intra_bw", "inter_bw", "device_flops"):
+        for f in ("intra_bw", "inter_bw", "device_flops", "bcast_efficiency"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"cluster ({self.source}): {f} must be > 0")
         h, f, b = self.hidden_size, self.ffn_hidden_size, self.dtype_bytes
@@ -160,11 +161,12 @@ class Cluster:
     # -- collective formulas ----------------------------------------------------------------
     def broadcast_time(self, nbytes: float, ranks) -> float:
         """Ring-pipelined broadcast (or reduce) of ``nbytes`` over ``ranks``: every ring link carries
-        ``nbytes`` once (FasterMoE note 2.3), the slowest link sets the rate."""
+        ``nbytes`` once (FasterMoE note 2.3), the slowest link sets the rate, of which the collective
+        achieves ``bcast_efficiency``."""
         k = len(ranks)
         if k <= 1 or nbytes <= 0:
             return 0.0
-        return nbytes / self.bottleneck_bw(ranks) + (k - 1) * self.max_lat(ranks)
+        return nbytes / (self.bottleneck_bw(ranks) * self.bcast_efficiency) + (k - 1) * self.max_lat(ranks)
 
     def allreduce_time(self, nbytes: float, ranks) -> float:
         """Ring all-reduce: each rank sends 2(k-1)/k * nbytes."""
@@ -193,7 +195,8 @@ class Cluster:
         else:
             table = bw
         return CostModel(input_bytes=self.bytes_per_input, expert_bytes=self.expert_param_bytes,
-                         throughput=self.expert_tokens_per_s, a2a_bandwidth=table, trans_bandwidth=bw,
+                         throughput=self.expert_tokens_per_s, a2a_bandwidth=table,
+                         trans_bandwidth=bw * self.bcast_efficiency,
                          t_fnec=self.t_fnec_s, t_bnec=self.t_bnec_s)
 
     def planner_cost(self, ranks) -> "PlannerCost":

@@ -215,7 +215,8 @@ def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: i
               intra_pair_bw=pair,
               hidden_size=h, ffn_hidden_size=f, dtype_bytes=b, device_flops=flops,
               expert_state_bytes=float(2 * h * f * (b + 12)), source=f"{testbed} / {model}",
-              msg_efficiency=tb.get("message_efficiency", {}).get("table"))
+              msg_efficiency=tb.get("message_efficiency", {}).get("table"),
+              bcast_efficiency=float(tb.get("collective_efficiency", {}).get("value", 1.0)))
     if (benchmark or run["benchmark"]) == "moe_layers_only":
         return Cluster(t_fnec_s=0.0, t_bnec_s=0.0, t_step_s=0.0, **kw)
     tokens = _tokens_per_gpu(run, gpus, cfg)
