@@ -75,8 +75,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     ``degree`` > 1 pipelines each all-to-all / expert / all-to-all segment (FasterMoE's smart schedule).
     """
     from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy, default_owner
-    from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy, route_real
-    from megatron_moe.balance.cost_model import sync_s_vec
+    from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy, _Priced
     from megatron_moe.balance.policies.base import Placement
 
     if policy not in POLICIES:
@@ -160,13 +159,10 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         local[g] = c[g] * s
         traffic[g] = to_owner((c[g] * ~s)[None])[0]
 
-    def run_flex(g, n, c, local, traffic, agg):
-        """FlexMoE vExpert table ``n[e, rank]``: the flexible router, replica-group ring all-reduce."""
-        keep, spill, frac = route_real(c[g], n)
-        local[g] = keep.T
-        traffic[g] = spill.T @ frac
-        hosts = n > 0
-        agg[g] = (sync_s_vec(costs[g], hosts)[:, None] * hosts).sum(axis=0)
+    def run_flex(g, priced, local, traffic, agg):
+        """FlexMoE vExpert table priced with group g's counts: the flexible router, replica-group
+        ring all-reduce (``_Priced.dispatch``)."""
+        agg[g] = priced.dispatch(local[g], traffic[g])[2]
 
     def charge_moves(g, moves, adj):
         """Best-effort state transfers (src, dst, bytes) of group g."""
@@ -203,8 +199,9 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):
                 pol = pols[(g, l)]
-                run_flex(g, pol.table.counts(), c, local, traffic, agg)
-                ops, dt = timer(pol.step, c[g])                  # placement for the next step
+                priced = pol.price(c[g])                         # this step runs the current table
+                run_flex(g, priced, local, traffic, agg)
+                ops, dt = timer(pol.step, c[g], priced)          # placement for the next step
                 plan_h[g] = 0.0                                  # host-side, overlaps GPU work
                 plan_s[g] = 0.0
                 pol.plan_seconds = getattr(pol, "plan_seconds", 0.0) + dt
@@ -217,7 +214,8 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 pol = pols[(g, l)]
                 placement = prev.get((g, l)) or Placement.plain(n_exp, p)
                 if placement.vexperts is not None:
-                    run_flex(g, np.asarray(placement.vexperts, dtype=np.float64), c, local, traffic, agg)
+                    run_flex(g, _Priced(c[g], np.asarray(placement.vexperts, dtype=np.float64), costs[g]),
+                             local, traffic, agg)
                 else:
                     run_replicas(g, placement, c, local, traffic, trans, agg)
                 was = pol.choice

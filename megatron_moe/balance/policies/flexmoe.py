@@ -33,7 +33,7 @@ import numpy as np
 
 from megatron_moe.balance.policies.base import (BalancePolicy, Placement, default_owner,  # noqa: F401
                                                 register_policy, route_tokens)
-from megatron_moe.balance.cost_model import as_planner_cost
+from megatron_moe.balance.cost_model import as_planner_cost, sync_s_vec
 
 __all__ = ["SlotTable", "FlexMoEPolicy", "route_real", "route_tokens", "flex_cost", "balance_ratio",
            "initial_slots", "FREE"]
@@ -139,7 +139,6 @@ def balance_ratio(loads: np.ndarray) -> float:
 
 def flex_cost(origin: np.ndarray, n: np.ndarray, cost, details: bool = False):
     """Eq. 5: max over ranks of compute + all-to-all receive (x4) + replica sync of hosted experts."""
-    from megatron_moe.balance.cost_model import sync_s_vec
     keep, spill, frac = route_real(origin, n)
     processed = keep + spill.sum(axis=1, keepdims=True) * frac        # [E, G]
     load = processed.sum(axis=0)
@@ -164,24 +163,21 @@ def expert_terms(origin_t: np.ndarray, n: np.ndarray, cost) -> np.ndarray:
 
 def _expert_parts(origin_t: np.ndarray, n: np.ndarray, cost):
     """(processed[k, G], seconds[k, G]) of :func:`expert_terms`."""
-    from megatron_moe.balance.cost_model import sync_s_vec
     keep, spill, frac = route_real(origin_t.T, n)
     proc = keep + spill.sum(axis=1, keepdims=True) * frac
     t = cost.compute_s(proc)
     if cost.pair_s_per_input is not None:
         t = t + 4.0 * frac * _pair_product(spill, cost)
     hosts = n > 0
-    return proc, t + sync_s_vec(cost, hosts)[:, None] * hosts
+    return proc, t + _sync_rows(cost, n)[:, None] * hosts
 
 
-def _pair_product(spill: np.ndarray, cost) -> np.ndarray:
-    """``spill @ cost.pair_s_per_input``.  When the per-input link cost is one rate within a node
-    and one between nodes (a simulator cluster without NVLink pairs, or a CostModel's single rate)
-    it is computed from per-node sums, O(E x G x nodes) instead of the O(E x G^2) matmul that
-    dominated FlexMoE at 256-rank groups; the structure is checked once per cost object."""
-    pair = cost.pair_s_per_input
+def _pair_structure(cost):
+    """(c_in, c_out, onehot[G, nodes], node index[G]) when the per-input link cost is one rate
+    within a node and one between nodes, else False; checked once per cost object."""
     st = getattr(cost, "_pair_structure", None)
     if st is None:
+        pair = cost.pair_s_per_input
         st = False
         node = cost.node if cost.node is not None else np.zeros(pair.shape[0], dtype=np.int64)
         _, inv = np.unique(node, return_inverse=True)
@@ -192,25 +188,137 @@ def _pair_product(spill: np.ndarray, cost) -> np.ndarray:
         c_in = float(vin[0]) if len(vin) else 0.0
         c_out = float(vout[0]) if len(vout) else 0.0
         if np.all(vin == c_in) and np.all(vout == c_out) and np.all(pair.diagonal() == 0):
-            st = (c_in, c_out, onehot)
+            st = (c_in, c_out, onehot, inv)
         cost._pair_structure = st
+    return st
+
+
+def _pair_product(spill: np.ndarray, cost) -> np.ndarray:
+    """``spill @ cost.pair_s_per_input``.  When the per-input link cost is one rate within a node
+    and one between nodes (a simulator cluster without NVLink pairs, or a CostModel's single rate)
+    it is computed from per-node sums, O(E x G x nodes) instead of the O(E x G^2) matmul that
+    dominated FlexMoE at 256-rank groups; the structure is checked once per cost object."""
+    st = _pair_structure(cost)
     if st is False:
-        return spill @ pair
-    c_in, c_out, onehot = st
+        return spill @ cost.pair_s_per_input
+    c_in, c_out, onehot, _ = st
     node_sum = (spill @ onehot) @ onehot.T                      # [k, G] spill from g's node
     return c_out * (spill.sum(axis=1, keepdims=True) - node_sum) + c_in * (node_sum - spill)
+
+
+def _sync_value(cost, row: np.ndarray, hs) -> float:
+    """``sync_s_vec`` of one expert whose hosts are ``hs`` (``row`` its count row): it depends only
+    on the number of hosts and on whether they span nodes, so it is computed once per such pair by
+    ``sync_s_vec`` itself and then looked up (the same float)."""
+    cache = cost.__dict__.get("_flex_sync")
+    if cache is None:
+        cache = cost._flex_sync = {}
+        cost._flex_nodes = None if cost.node is None else cost.node.tolist()
+    nodes = cost._flex_nodes
+    key = (len(hs), nodes is not None and len({nodes[h] for h in hs}) > 1)
+    v = cache.get(key)
+    if v is None:
+        v = cache[key] = float(sync_s_vec(cost, (np.asarray(row) > 0)[None])[0])
+    return v
+
+
+def _sync_rows(cost, n_rows: np.ndarray) -> np.ndarray:
+    """``sync_s_vec(cost, n_rows > 0)`` for a few rows, by :func:`_sync_value`."""
+    out = np.empty(len(n_rows))
+    for i, r in enumerate(n_rows):
+        out[i] = _sync_value(cost, r, r.nonzero()[0].tolist())
+    return out
+
+
+def _full_parts(o_t: np.ndarray, n: np.ndarray, cost):
+    """:func:`_expert_parts` of every expert, computed at the hosts (n > 0) only: elsewhere keep,
+    spare, frac, processed inputs and seconds are exactly 0 and spill is the origin count, so the
+    same float operations on the host entries, and the same numpy reductions over the dense rows
+    (scattered back where a reduction needs them), give the same values bit for bit (tests/
+    test_flexmoe_speed.py compares them with the dense pricing).  The dense version made 13+
+    full E x G temporaries per call; at 256-rank groups pricing each step's table dominated.
+    Returns None (caller prices densely) for counts that are negative or not finite."""
+    tot = o_t.sum(axis=1)                                       # route_real's reduction, same view
+    if not np.isfinite(tot).all() or o_t.min() < 0:
+        return None
+    ne = n.sum(axis=1)
+    cap = tot / np.maximum(ne, 1)
+    flat = np.flatnonzero(n > 0)                                # row-major, as np.nonzero
+    he, hg = np.divmod(flat, n.shape[1])
+    cap_h = cap[he] * n.ravel()[flat]                                 # capacity at the hosts
+    o_h = o_t[he, hg]
+    keep_h = np.minimum(cap_h, o_h)
+    spill = np.array(o_t, order="C")                            # o - 0 away from the hosts
+    spill_h = o_h - keep_h
+    spill[he, hg] = spill_h
+    spare = np.zeros(n.shape)
+    spare_h = cap_h - keep_h
+    spare[he, hg] = spare_h
+    s_h = spare.sum(axis=1)[he]
+    frac_h = np.divide(spare_h, s_h, out=np.zeros_like(spare_h), where=s_h > 0)
+    ssum = spill.sum(axis=1)
+    proc_h = keep_h + ssum[he] * frac_h
+    t_h = cost.compute_s(proc_h)
+    if cost.pair_s_per_input is not None:
+        st = _pair_structure(cost)
+        if st is False:
+            pp_h = (spill @ cost.pair_s_per_input)[he, hg]
+        else:
+            c_in, c_out, onehot, inv = st
+            # ((spill @ onehot) @ onehot.T)[e, g] is (spill @ onehot)[e, node of g]: a 0/1 product
+            node_h = (spill @ onehot)[he, inv[hg]]
+            pp_h = c_out * (ssum[he] - node_h) + c_in * (node_h - spill_h)
+        t_h = t_h + 4.0 * frac_h * pp_h
+    sync_e = _sync_hosts(cost, n, he, hg)
+    t_h = t_h + sync_e[he]
+    proc = np.zeros(n.shape)
+    proc[he, hg] = proc_h
+    terms = np.zeros(n.shape)
+    terms[he, hg] = t_h
+    return dict(proc=proc, terms=terms, he=he, hg=hg, keep_h=keep_h, frac_h=frac_h, spill=spill,
+                sync_e=sync_e, tot=tot)
+
+
+def _sync_hosts(cost, n: np.ndarray, he: np.ndarray, hg: np.ndarray) -> np.ndarray:
+    """``sync_s_vec(cost, n > 0)`` from the host list (``he`` ascending, as ``np.nonzero`` gives)."""
+    k = np.bincount(he, minlength=n.shape[0])
+    out = np.zeros(n.shape[0])
+    if cost.grad_bytes <= 0:
+        return out
+    multi = np.zeros(n.shape[0], dtype=bool)
+    if cost.node is not None and len(he):
+        nd = cost.node[hg]
+        rows = np.flatnonzero(k)
+        starts = np.cumsum(k)[rows] - k[rows]
+        multi[rows] = np.minimum.reduceat(nd, starts) != np.maximum.reduceat(nd, starts)
+    keys, first, inv = np.unique(2 * k + multi, return_index=True, return_inverse=True)
+    vals = np.array([_sync_value(cost, n[e], n[e].nonzero()[0].tolist()) for e in first])
+    return vals[inv.reshape(-1)]
 
 
 class _Priced:
     """Per-expert rows of Eq. 5 for one count matrix, updated row by row as the slot table changes
     (the scheduler loop changes two experts per accepted pair; pricing all E x G again per
-    candidate dominated large simulations)."""
+    candidate dominated large simulations).  The first pricing is :func:`_full_parts` (host
+    entries only); a candidate's rows priced by :meth:`trial` are kept and reused when the
+    candidate is accepted (a row's price depends only on its origin and count rows)."""
 
     def __init__(self, origin, n, cost):
-        self.o_t, self.cost = np.asarray(origin, dtype=np.float64).T, cost
+        origin = np.asarray(origin, dtype=np.float64)
+        self.o_t, self.cost = origin.T, cost
         self.n = np.array(n)
-        self.proc, self.terms = _expert_parts(self.o_t, self.n, cost)
+        self.ne = self.n.sum(axis=1)                    # vExperts per expert, kept up to date
+        self.route = _full_parts(self.o_t, self.n, cost)
+        # per-expert inputs (the policy maker's numerator; the router's sum is the same reduction)
+        self.tot = origin.sum(axis=0) if self.route is None else self.route["tot"]
+        if self.route is None:
+            self.proc, self.terms = _expert_parts(self.o_t, self.n, cost)
+            self.sync_e = sync_s_vec(cost, self.n > 0)
+        else:
+            self.proc, self.terms = self.route["proc"], self.route["terms"]
+            self.sync_e = self.route["sync_e"].copy()
         self.base = self.terms.sum(axis=0)
+        self._rows: Dict = {}                           # (expert, count row bytes) -> (proc, seconds)
 
     def time(self) -> float:
         return float(self.base.max())
@@ -220,13 +328,16 @@ class _Priced:
 
     def trial(self, rows, n_rows) -> float:
         """Modelled time with ``rows`` of n replaced by ``n_rows``."""
-        t = expert_terms(self.o_t[rows], n_rows, self.cost)
+        proc, t = _expert_parts(self.o_t[rows], n_rows, self.cost)
+        for i, e in enumerate(rows):
+            self._rows[(int(e), n_rows[i].tobytes())] = (proc[i], t[i])
         return float((self.base - self.terms[rows].sum(axis=0) + t.sum(axis=0)).max())
 
     def update(self, n) -> None:
         rows = np.nonzero((np.asarray(n) != self.n).any(axis=1))[0]
         if len(rows):
             self.n = np.array(n)
+            self.ne = self.n.sum(axis=1)
             self._reprice(rows)
 
     def apply(self, plan) -> None:
@@ -235,14 +346,64 @@ class _Priced:
         for op in plan:
             if op[0] == "shrink":
                 self.n[op[1], op[2]] -= 1
+                self.ne[op[1]] -= 1
             elif op[0] == "expand":
                 self.n[op[1], op[3]] += 1
+                self.ne[op[1]] += 1
             rows.add(op[1])
         self._reprice(sorted(rows))
 
+    def swap(self, e: int, a: int, b: int, f: int) -> None:
+        """Follow a Migrate swap: a vExpert of e moves a -> b, one of f (or FREE) b -> a."""
+        self.n[e, a] -= 1
+        self.n[e, b] += 1
+        if f != FREE:
+            self.n[f, b] -= 1
+            self.n[f, a] += 1
+        self._reprice(sorted({e} | ({f} if f != FREE else set())))
+
     def _reprice(self, rows) -> None:
-        self.proc[rows], self.terms[rows] = _expert_parts(self.o_t[rows], self.n[rows], self.cost)
+        rows = list(rows)
+        hits = [self._rows.get((int(e), self.n[e].tobytes())) for e in rows]
+        if all(h is not None for h in hits):
+            for e, (proc, t) in zip(rows, hits):
+                self.proc[e], self.terms[e] = proc, t
+        else:
+            self.proc[rows], self.terms[rows] = _expert_parts(self.o_t[rows], self.n[rows], self.cost)
+        self._rows.clear()
+        self.sync_e[rows] = _sync_rows(self.cost, self.n[rows])
         self.base = self.terms.sum(axis=0)
+
+    def dispatch(self, local: Optional[np.ndarray] = None, traffic: Optional[np.ndarray] = None):
+        """What the simulator runs for these counts and the table they were priced with (call it
+        before a step moves the table): ``local[G, E]`` inputs computed where they originate,
+        ``traffic[G, G]`` inputs sent (``spill.T @ frac``, summed over the hosts: frac is zero
+        elsewhere, and a rank hosts at most its slot count of experts) and ``agg[G]`` replica-sync
+        seconds per rank.  ``local`` and ``traffic`` may be given to be filled in place."""
+        num_e, num_g = self.n.shape
+        local = np.empty((num_g, num_e)) if local is None else local
+        traffic = np.empty((num_g, num_g)) if traffic is None else traffic
+        if self.route is None:
+            keep, spill, frac = route_real(self.o_t.T, self.n)
+            hosts = self.n > 0
+            local[...], traffic[...] = keep.T, spill.T @ frac
+            return local, traffic, (sync_s_vec(self.cost, hosts)[:, None] * hosts).sum(axis=0)
+        r = self.route
+        he, hg, frac_h, spill = r["he"], r["hg"], r["frac_h"], r["spill"]
+        local.fill(0.0)
+        local[hg, he] = r["keep_h"]
+        sel = np.flatnonzero(frac_h > 0)
+        sel = sel[np.argsort(hg[sel], kind="stable")]            # by destination rank
+        d = hg[sel]
+        pos = np.arange(len(d))
+        nth = pos - np.maximum.accumulate(np.where(np.r_[True, d[1:] != d[:-1]], pos, 0))
+        into = np.zeros((num_g, num_g))                           # [dst, src]
+        for k in range(int(nth.max()) + 1 if len(d) else 0):   # k-th expert hosted by each rank
+            m = sel[nth == k]
+            into[hg[m]] += spill[he[m]] * frac_h[m, None]
+        traffic[...] = into.T
+        agg = np.bincount(hg, weights=r["sync_e"][he], minlength=num_g)
+        return local, traffic, agg
 
 
 @register_policy
@@ -314,15 +475,14 @@ class FlexMoEPolicy(BalancePolicy):
             priced = _Priced(origin, self.table.counts(), self.cost)
         n = priced.n
         t0 = priced.time()
-        tot = np.asarray(origin, dtype=np.float64).sum(axis=0)
-        ne = n.sum(axis=1)
-        cap = tot / ne
+        ne = priced.ne
+        cap = priced.tot / ne
         e_hot = int(np.argmax(cap))                         # argmax returns the lowest id on ties
         hot_hosts = np.nonzero(n[e_hot])[0]
-        free = np.argwhere(slots == FREE)
+        free = np.flatnonzero(slots.ravel() == FREE)         # rank-major, as np.argwhere
         cands = []                                          # (g, s, e_cold or FREE)
         if len(free):
-            cands = [(int(g), int(s), FREE) for g, s in free]
+            cands = [(int(i) // slots.shape[1], int(i) % slots.shape[1], FREE) for i in free]
         else:
             ok = (ne >= 2) & (np.arange(self.num_experts) != e_hot)
             if not ok.any():
@@ -374,29 +534,27 @@ class FlexMoEPolicy(BalancePolicy):
     def migrate(self, origin: np.ndarray, experts: Optional[List[int]] = None,
                 priced: Optional[_Priced] = None) -> List[Tuple]:
         """Greedy swaps for ``experts`` (default: all replicated experts), ascending id."""
-        from megatron_moe.balance.cost_model import sync_s_vec
         ops: List[Tuple] = []
         slots = self.table.slots
         if priced is None:
             priced = _Priced(origin, self.table.counts(), self.cost)
+        n = priced.n                                        # follows the swaps (priced.swap)
+        cands = range(self.num_experts) if experts is None else sorted(set(experts))
         for _ in range(self.max_migrations):
-            n = self.table.counts()
-            priced.update(n)
-            hosts = n > 0
-            sync_e = sync_s_vec(self.cost, hosts)
+            sync_e = priced.sync_e
             sync = sync_e.sum()
             if sync <= 0:
                 break
             t0 = priced.time()
             found = None
-            multi = np.nonzero(hosts.sum(axis=1) > 1)[0]
-            if experts is not None:
-                multi = [e for e in multi if e in experts]
-            for e in multi:
-                hs = np.nonzero(n[e])[0]
-                a = int(min(hs, key=lambda h: (n[e, h], h)))          # e's thinnest host
+            for e in cands:
+                hs = n[e].nonzero()[0].tolist()
+                if len(hs) < 2:
+                    continue
+                ne_row = dict(zip(hs, n[e, hs].tolist()))
+                a = min(hs, key=lambda h: (ne_row[h], h))              # e's thinnest host
                 sa = int(np.nonzero(slots[a] == e)[0][0])
-                for b in sorted(hs, key=lambda h: (-n[e, h], h)):
+                for b in sorted(hs, key=lambda h: (-ne_row[h], h)):
                     if b == a:
                         continue
                     for sb in range(self.slots_per_rank):
@@ -411,7 +569,7 @@ class FlexMoEPolicy(BalancePolicy):
                             r1[1, b] -= 1
                             r1[1, a] += 1
                         # only rows e and f change: price them alone, confirm a hit exactly
-                        s1 = sync - sync_e[rows].sum() + sync_s_vec(self.cost, r1 > 0).sum()
+                        s1 = sync - sync_e[rows].sum() + _sync_rows(self.cost, r1).sum()
                         if not s1 < sync:
                             continue
                         if priced.trial(rows, r1) <= t0 * (1 + 1e-12):   # Eq. 5 does not rise
@@ -425,16 +583,23 @@ class FlexMoEPolicy(BalancePolicy):
                 break
             a, sa, b, sb, e, f = found
             slots[a, sa], slots[b, sb] = f, e
+            priced.swap(e, a, b, f)
             ops.append(("migrate", e, a, sa, f, b, sb))
         return ops
 
     # -- Alg. 1 -----------------------------------------------------------------------------------
-    def step(self, origin: np.ndarray) -> List[Tuple]:
+    def price(self, origin: np.ndarray) -> _Priced:
+        """Eq. 5 of ``origin`` on the current slot table; :meth:`_Priced.dispatch` gives what the
+        simulator runs with it, and ``step(origin, priced)`` starts from it (call dispatch first:
+        the step updates it)."""
+        return _Priced(origin, self.table.counts(), self.cost)
+
+    def step(self, origin: np.ndarray, priced: Optional[_Priced] = None) -> List[Tuple]:
         origin = np.asarray(origin)
         if origin.shape != (self.num_ranks, self.num_experts):
             raise ValueError(f"flexmoe: counts shape {origin.shape} != ({self.num_ranks}, {self.num_experts})")
         ops: List[Tuple] = []
-        priced = _Priced(origin, self.table.counts(), self.cost)
+        priced = self.price(origin) if priced is None else priced
         r = balance_ratio(priced.loads())
         steps = 0
         if r > self.threshold:
