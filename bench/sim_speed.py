@@ -8,14 +8,21 @@ also runs that size and prints measured vs predicted.  Times are CPU seconds of 
 (``time.process_time``, single-threaded numpy): on the shared 2-core machine wall time mostly
 measures the other jobs (the load average is printed with every result, and the wall time too).
 
-    python bench/sim_speed.py --gpus 8192 --experts 256 [--full]
+    python bench/sim_speed.py --gpus 8192 --experts 256 [--full] [--before REV]
+
+``--before REV`` then runs this same bench (same arguments) on git revision REV, checked out in a
+temporary ``git worktree``, in a fresh process, and prints per policy the before / now ms per
+layer-iteration of the fit, the measured target size when ``--full``, and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,7 +55,10 @@ def main(argv=None):
     p.add_argument("--target-layers", type=int, default=4)
     p.add_argument("--target-iterations", type=int, default=100)
     p.add_argument("--full", action="store_true", help="also run the target size")
+    p.add_argument("--before", metavar="REV", help="also run this bench on git revision REV and print "
+                   "the before / now ratios")
     args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes]
     big_l = max([l for l, _ in sizes] + [args.target_layers if args.full else 0])
     big_i = max(i for _, i in sizes + [(0, args.target_iterations if args.full else 0)])
@@ -58,6 +68,7 @@ def main(argv=None):
           f"{time.process_time() - t0:.1f}s CPU (load {os.getloadavg()[0]:.1f})")
     cl = load_cluster(args.gpus)
     target = args.target_layers * args.target_iterations
+    now = {}
     for pol in args.policies:
         secs, wall = [], 0.0
         for l, i in sizes:
@@ -74,6 +85,54 @@ def main(argv=None):
             simulate(trace[:args.target_iterations, :args.target_layers], cl, pol)
             line += f", measured {time.process_time() - t:.1f}s CPU ({time.perf_counter() - w:.1f}s wall)"
         print(line + f" (fit points {wall:.1f}s wall; load {os.getloadavg()[0]:.1f})", flush=True)
+        now[pol] = _parse(line)
+    if args.before:
+        _compare_before(args.before, argv, now, args)
+
+
+_LINE = re.compile(r"^(\S+)\s.*\| fit (-?[\d.]+) \+ (-?[\d.]+) ms x layers x iterations"
+                   r"(?:.*measured ([\d.]+)s CPU)?")
+
+
+def _parse(line):
+    """(ms per layer-iteration of the fit, measured target seconds or None) of one result line."""
+    m = _LINE.match(line)
+    return float(m.group(3)), (float(m.group(4)) if m.group(4) else None)
+
+
+def _compare_before(rev, argv, now, args):
+    """Run this bench at ``rev`` (a temporary detached git worktree, its own process and trace) and
+    print before / now per policy."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rest = [a for i, a in enumerate(argv) if a != "--before" and (i == 0 or argv[i - 1] != "--before")
+            and not a.startswith("--before=")]
+    with tempfile.TemporaryDirectory(prefix="sim_speed_before_") as tmp:
+        wt = os.path.join(tmp, "tree")
+        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", "-q", wt, rev], check=True, timeout=300)
+        try:
+            env = dict(os.environ, PYTHONPATH=wt)
+            print(f"--- the same bench at {rev} ---", flush=True)
+            out = subprocess.run([sys.executable, os.path.join(wt, "bench", "sim_speed.py")] + rest, env=env,
+                                 cwd=wt, capture_output=True, text=True, timeout=6 * 3600)
+            print(out.stdout, end="", flush=True)
+            if out.returncode:
+                raise SystemExit(f"bench at {rev} failed:\n{out.stderr[-2000:]}")
+        finally:
+            subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", wt], timeout=300)
+    before = {}
+    for line in out.stdout.splitlines():
+        if _LINE.match(line):
+            before[line.split()[0]] = _parse(line)
+    tgt = f"{args.target_layers}x{args.target_iterations}"
+    print(f"\n| policy | before: ms per layer-iteration | now | ratio |"
+          + (f" before: {tgt} measured, s CPU | now | ratio |" if args.full else ""))
+    print("|---|---|---|---|" + ("---|---|---|" if args.full else ""))
+    for pol, (ms, full) in now.items():
+        b = before.get(pol)
+        row = f"| {pol} | " + (f"{b[0]:.1f} | {ms:.1f} | {b[0] / ms:.2f}x |" if b else f"- | {ms:.1f} | - |")
+        if args.full:
+            row += (f" {b[1]:.1f} | {full:.1f} | {b[1] / full:.2f}x |" if b and b[1] else f" - | {full:.1f} | - |")
+        print(row, flush=True)
 
 
 if __name__ == "__main__":
