@@ -58,12 +58,25 @@ def test_priced_arrays_equal_the_dense_pricing(name):
         n = _table(rng, e, g, 3, free=3 * (case % 3)).counts()
         origin = _origin(rng, g, e, frac=case % 2)
         new, old = _Priced(origin, n, cost), ref.RefPriced(origin, n, cost)
+        n0 = n.copy()
         assert new.route is not None                           # the host-only path ran
         for k in ("proc", "terms", "base"):
             np.testing.assert_array_equal(getattr(new, k), getattr(old, k), err_msg=k)
         np.testing.assert_array_equal(new.sync_e, sync_s_vec(cost, n > 0))
         np.testing.assert_array_equal(new.tot, np.asarray(origin, dtype=np.float64).sum(axis=0))
+        # one accepted pair, then the next candidate: the same rows, sums and trial price
+        e1 = int(np.flatnonzero(n.sum(axis=1) >= 2)[case % 3])
+        g1 = int(np.flatnonzero(n[e1])[0])
+        plan = [("shrink", e1, g1, 0), ("expand", (e1 + 1) % e, g1, g1, 0)]
+        new.apply(plan), old.apply(plan)
+        n1 = new.n[[e1, 0]].copy()
+        n1[0, g1] += 1
+        assert new.trial([e1, 0], n1) == old.trial([e1, 0], n1)
+        for k in ("proc", "terms", "base"):
+            np.testing.assert_array_equal(getattr(new, k), getattr(old, k), err_msg=k)
+        np.testing.assert_array_equal(new.loads(), old.loads())
         # what the simulator runs: the router's keep and spill.T @ frac, the replica sync per rank
+        n = n0
         keep, spill, frac = route_real(origin, n)
         local, traffic, agg = new.dispatch()
         np.testing.assert_array_equal(local, keep.T)

@@ -147,6 +147,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         pols = {(g, l): cls(num_experts=n_exp, num_ranks=p, cost=cluster.cost_model(ranks[g]), **kw)
                 for g in range(groups) for l in range(layers)}
     prev = {}
+    flex_out = {}
 
     def run_replicas(g, placement, c, local, traffic, trans, agg):
         """Transient replica sets (Pro-Prophet): inputs of a replica rank stay there; Trans/Agg."""
@@ -196,7 +197,11 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 trans[g] = len(plan.shadowed) * bcast[g]
                 agg[g] = len(plan.shadowed) * bcast[g]           # reduce = same ring volume
         elif base == "flexmoe":
-            local = np.empty_like(c); traffic = np.empty((groups, p, p))
+            # one pair of arrays per layer, refilled each iteration (the engine has read them by
+            # the time it asks for the layer's next assignment): no fresh 2 x 16 MiB to fault in
+            if l not in flex_out:
+                flex_out[l] = (np.empty_like(c), np.empty((groups, p, p)))
+            local, traffic = flex_out[l]
             for g in range(groups):
                 pol = pols[(g, l)]
                 priced = pol.price(c[g])                         # this step runs the current table

@@ -230,31 +230,41 @@ def _sync_rows(cost, n_rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _full_parts(o_t: np.ndarray, n: np.ndarray, cost):
+def _full_parts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray, cost):
     """:func:`_expert_parts` of every expert, computed at the hosts (n > 0) only: elsewhere keep,
     spare, frac, processed inputs and seconds are exactly 0 and spill is the origin count, so the
-    same float operations on the host entries, and the same numpy reductions over the dense rows
-    (scattered back where a reduction needs them), give the same values bit for bit (tests/
-    test_flexmoe_speed.py compares them with the dense pricing).  The dense version made 13+
-    full E x G temporaries per call; at 256-rank groups pricing each step's table dominated.
-    Returns None (caller prices densely) for counts that are negative or not finite."""
+    same float operations on the host entries, and the same numpy reductions over dense rows where
+    the order of a sum matters (a row sum of one or two nonzeros is exact in any order), give the
+    same values bit for bit (tests/test_flexmoe_speed.py compares them with the dense pricing).
+    The dense version made 13+ full E x G temporaries per call; at 256-rank groups pricing each
+    step's table dominated.  Returns None (caller prices densely) for counts that are negative or
+    not finite, else the host entries (row-major, as ``np.nonzero``) and what they need."""
     tot = o_t.sum(axis=1)                                       # route_real's reduction, same view
     if not np.isfinite(tot).all() or o_t.min() < 0:
         return None
-    ne = n.sum(axis=1)
+    num_e, num_g = n.shape
     cap = tot / np.maximum(ne, 1)
-    flat = np.flatnonzero(n > 0)                                # row-major, as np.nonzero
-    he, hg = np.divmod(flat, n.shape[1])
-    cap_h = cap[he] * n.ravel()[flat]                                 # capacity at the hosts
+    flat = np.flatnonzero(n > 0)
+    he, hg = np.divmod(flat, num_g)
+    k = np.bincount(he, minlength=num_e)                        # hosts per expert
+    first = np.cumsum(k) - k
+    cap_h = cap[he] * n.ravel()[flat]                           # capacity at the hosts
     o_h = o_t[he, hg]
     keep_h = np.minimum(cap_h, o_h)
     spill = np.array(o_t, order="C")                            # o - 0 away from the hosts
     spill_h = o_h - keep_h
     spill[he, hg] = spill_h
-    spare = np.zeros(n.shape)
     spare_h = cap_h - keep_h
-    spare[he, hg] = spare_h
-    s_h = spare.sum(axis=1)[he]
+    s = np.zeros(num_e)                                         # spare.sum(axis=1)
+    s[k > 0] = spare_h[first[k > 0]]
+    s[k == 2] += spare_h[first[k == 2] + 1]
+    many = np.flatnonzero(k > 2)
+    if len(many):
+        sel = np.flatnonzero(k[he] > 2)
+        dense = np.zeros((len(many), num_g))
+        dense[np.searchsorted(many, he[sel]), hg[sel]] = spare_h[sel]
+        s[many] = dense.sum(axis=1)
+    s_h = s[he]
     frac_h = np.divide(spare_h, s_h, out=np.zeros_like(spare_h), where=s_h > 0)
     ssum = spill.sum(axis=1)
     proc_h = keep_h + ssum[he] * frac_h
@@ -269,31 +279,32 @@ def _full_parts(o_t: np.ndarray, n: np.ndarray, cost):
             node_h = (spill @ onehot)[he, inv[hg]]
             pp_h = c_out * (ssum[he] - node_h) + c_in * (node_h - spill_h)
         t_h = t_h + 4.0 * frac_h * pp_h
-    sync_e = _sync_hosts(cost, n, he, hg)
+    sync_e = _sync_hosts(cost, n, he, hg, k)
     t_h = t_h + sync_e[he]
-    proc = np.zeros(n.shape)
-    proc[he, hg] = proc_h
-    terms = np.zeros(n.shape)
-    terms[he, hg] = t_h
-    return dict(proc=proc, terms=terms, he=he, hg=hg, keep_h=keep_h, frac_h=frac_h, spill=spill,
-                sync_e=sync_e, tot=tot)
+    return dict(he=he, hg=hg, k=k, keep_h=keep_h, frac_h=frac_h, spill=spill, sync_e=sync_e, tot=tot,
+                proc_h=proc_h, t_h=t_h)
 
 
-def _sync_hosts(cost, n: np.ndarray, he: np.ndarray, hg: np.ndarray) -> np.ndarray:
-    """``sync_s_vec(cost, n > 0)`` from the host list (``he`` ascending, as ``np.nonzero`` gives)."""
-    k = np.bincount(he, minlength=n.shape[0])
-    out = np.zeros(n.shape[0])
+def _sync_hosts(cost, n: np.ndarray, he: np.ndarray, hg: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``sync_s_vec(cost, n > 0)`` from the host entries (``he`` ascending, ``k`` hosts per row)."""
     if cost.grad_bytes <= 0:
-        return out
+        return np.zeros(n.shape[0])
     multi = np.zeros(n.shape[0], dtype=bool)
     if cost.node is not None and len(he):
         nd = cost.node[hg]
         rows = np.flatnonzero(k)
-        starts = np.cumsum(k)[rows] - k[rows]
+        starts = (np.cumsum(k) - k)[rows]
         multi[rows] = np.minimum.reduceat(nd, starts) != np.maximum.reduceat(nd, starts)
-    keys, first, inv = np.unique(2 * k + multi, return_index=True, return_inverse=True)
-    vals = np.array([_sync_value(cost, n[e], n[e].nonzero()[0].tolist()) for e in first])
-    return vals[inv.reshape(-1)]
+    key = 2 * k + multi
+    lut = cost.__dict__.get("_flex_sync_lut")
+    if lut is None or len(lut) < 2 * n.shape[1] + 2:
+        lut = cost._flex_sync_lut = np.full(2 * n.shape[1] + 2, np.nan)
+    out = lut[key]
+    for e in np.flatnonzero(np.isnan(out)):                     # first time for this (hosts, spans)
+        if np.isnan(lut[key[e]]):
+            lut[key[e]] = _sync_value(cost, n[e], n[e].nonzero()[0].tolist())
+        out[e] = lut[key[e]]
+    return out
 
 
 class _Priced:
@@ -301,37 +312,75 @@ class _Priced:
     (the scheduler loop changes two experts per accepted pair; pricing all E x G again per
     candidate dominated large simulations).  The first pricing is :func:`_full_parts` (host
     entries only); a candidate's rows priced by :meth:`trial` are kept and reused when the
-    candidate is accepted (a row's price depends only on its origin and count rows)."""
+    candidate is accepted (a row's price depends only on its origin and count rows).  The rows
+    are held sparse (row-major entries: rank, processed inputs, seconds); the per-rank sums are
+    ``np.bincount`` over them in expert order, the same additions as the dense column sum."""
 
     def __init__(self, origin, n, cost):
         origin = np.asarray(origin, dtype=np.float64)
         self.o_t, self.cost = origin.T, cost
         self.n = np.array(n)
         self.ne = self.n.sum(axis=1)                    # vExperts per expert, kept up to date
-        self.route = _full_parts(self.o_t, self.n, cost)
-        # per-expert inputs (the policy maker's numerator; the router's sum is the same reduction)
-        self.tot = origin.sum(axis=0) if self.route is None else self.route["tot"]
-        if self.route is None:
-            self.proc, self.terms = _expert_parts(self.o_t, self.n, cost)
+        self.route = r = _full_parts(self.o_t, self.n, self.ne, cost)
+        if r is None:
+            # per-expert inputs (the policy maker's numerator); the router's sum is the same one
+            self.tot = origin.sum(axis=0)
             self.sync_e = sync_s_vec(cost, self.n > 0)
+            self._ptr = np.zeros(self.n.shape[0] + 1, dtype=np.int64)
+            self._g, self._p, self._t = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
+            self._set_rows(range(self.n.shape[0]), *_expert_parts(self.o_t, self.n, cost))
         else:
-            self.proc, self.terms = self.route["proc"], self.route["terms"]
-            self.sync_e = self.route["sync_e"].copy()
-        self.base = self.terms.sum(axis=0)
+            self.tot, self.sync_e = r["tot"], r["sync_e"].copy()
+            self._ptr = np.concatenate([[0], np.cumsum(r["k"])])
+            self._g, self._p, self._t = r["hg"], r["proc_h"], r["t_h"]
+            self.base = np.bincount(self._g, weights=self._t, minlength=self.n.shape[1])
         self._rows: Dict = {}                           # (expert, count row bytes) -> (proc, seconds)
+
+    def _set_rows(self, rows, proc: np.ndarray, terms: np.ndarray) -> None:
+        """Replace the entries of ``rows`` (ascending) by the nonzeros of their dense rows."""
+        ptr, old, gs, ps, ts, at = self._ptr, self._ptr.copy(), [], [], [], 0
+        for i, e in enumerate(rows):
+            a, b = old[e], old[e + 1]
+            nz = np.flatnonzero((proc[i] != 0) | (terms[i] != 0))
+            gs += [self._g[at:a], nz]
+            ps += [self._p[at:a], proc[i][nz]]
+            ts += [self._t[at:a], terms[i][nz]]
+            ptr[e + 1:] += len(nz) - (b - a)
+            at = b
+        self._g = np.concatenate(gs + [self._g[at:]])
+        self._p = np.concatenate(ps + [self._p[at:]])
+        self._t = np.concatenate(ts + [self._t[at:]])
+        self.base = np.bincount(self._g, weights=self._t, minlength=self.n.shape[1])
+
+    def _dense(self, values: np.ndarray, rows) -> np.ndarray:
+        out = np.zeros((len(rows), self.n.shape[1]))
+        for i, e in enumerate(rows):
+            a, b = self._ptr[e], self._ptr[e + 1]
+            out[i, self._g[a:b]] = values[a:b]
+        return out
+
+    @property
+    def proc(self) -> np.ndarray:
+        """Dense ``[E, G]`` processed inputs (for checks; the planner reads the sparse rows)."""
+        return self._dense(self._p, range(self.n.shape[0]))
+
+    @property
+    def terms(self) -> np.ndarray:
+        """Dense ``[E, G]`` seconds of Eq. 5 per expert and rank."""
+        return self._dense(self._t, range(self.n.shape[0]))
 
     def time(self) -> float:
         return float(self.base.max())
 
     def loads(self) -> np.ndarray:
-        return self.proc.sum(axis=0)
+        return np.bincount(self._g, weights=self._p, minlength=self.n.shape[1])
 
     def trial(self, rows, n_rows) -> float:
         """Modelled time with ``rows`` of n replaced by ``n_rows``."""
         proc, t = _expert_parts(self.o_t[rows], n_rows, self.cost)
         for i, e in enumerate(rows):
             self._rows[(int(e), n_rows[i].tobytes())] = (proc[i], t[i])
-        return float((self.base - self.terms[rows].sum(axis=0) + t.sum(axis=0)).max())
+        return float((self.base - self._dense(self._t, rows).sum(axis=0) + t.sum(axis=0)).max())
 
     def update(self, n) -> None:
         rows = np.nonzero((np.asarray(n) != self.n).any(axis=1))[0]
@@ -363,16 +412,15 @@ class _Priced:
         self._reprice(sorted({e} | ({f} if f != FREE else set())))
 
     def _reprice(self, rows) -> None:
-        rows = list(rows)
-        hits = [self._rows.get((int(e), self.n[e].tobytes())) for e in rows]
+        rows = [int(e) for e in rows]
+        hits = [self._rows.get((e, self.n[e].tobytes())) for e in rows]
         if all(h is not None for h in hits):
-            for e, (proc, t) in zip(rows, hits):
-                self.proc[e], self.terms[e] = proc, t
+            proc, terms = np.array([h[0] for h in hits]), np.array([h[1] for h in hits])
         else:
-            self.proc[rows], self.terms[rows] = _expert_parts(self.o_t[rows], self.n[rows], self.cost)
+            proc, terms = _expert_parts(self.o_t[rows], self.n[rows], self.cost)
         self._rows.clear()
+        self._set_rows(rows, proc, terms)
         self.sync_e[rows] = _sync_rows(self.cost, self.n[rows])
-        self.base = self.terms.sum(axis=0)
 
     def dispatch(self, local: Optional[np.ndarray] = None, traffic: Optional[np.ndarray] = None):
         """What the simulator runs for these counts and the table they were priced with (call it
@@ -397,11 +445,18 @@ class _Priced:
         d = hg[sel]
         pos = np.arange(len(d))
         nth = pos - np.maximum.accumulate(np.where(np.r_[True, d[1:] != d[:-1]], pos, 0))
-        into = np.zeros((num_g, num_g))                           # [dst, src]
+        rest = np.ones(num_g, dtype=bool)
+        into = traffic.T                                          # [dst, src] view
         for k in range(int(nth.max()) + 1 if len(d) else 0):   # k-th expert hosted by each rank
             m = sel[nth == k]
-            into[hg[m]] += spill[he[m]] * frac_h[m, None]
-        traffic[...] = into.T
+            rows = spill[he[m]]
+            rows *= frac_h[m, None]
+            if k == 0:
+                into[hg[m]] = rows
+                rest[hg[m]] = False
+            else:
+                into[hg[m]] += rows
+        into[rest] = 0.0
         agg = np.bincount(hg, weights=r["sync_e"][he], minlength=num_g)
         return local, traffic, agg
 
