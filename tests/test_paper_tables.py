@@ -199,3 +199,24 @@ def test_proprophet_testbeds_carry_the_artifacts_collective_rate():
     cl = papers.paper_cluster("proprophet_lpwnv", "MoE-GPT-M", 8, Efficiency(0.1, 0.5), 1)
     assert cl.bcast_efficiency == pytest.approx(0.15)
     assert papers.paper_cluster("flexmoe_ndv4", "BERT-MoE-S", 32, Efficiency(0.1, 0.5), 2).bcast_efficiency == 1.0
+
+
+def test_proprophet_deepspeed_baseline_pads_to_the_hottest_count(monkeypatch):
+    """models.json papers.proprophet.systems: Pro-Prophet's DeepSpeed-MoE runs DeepSpeed's
+    drop_tokens=False mode (every expert slot padded to the largest count), recorded at the simulator
+    call; other papers' DeepSpeed-MoE mapping is unchanged, and the padding makes it slower."""
+    calls = []
+    real = papers.simulate
+
+    def spy(trace, cl, pol, algo, policy_kwargs=None, degree=1):
+        calls.append((pol, dict(policy_kwargs or {})))
+        return real(trace, cl, pol, algo, policy_kwargs=policy_kwargs, degree=degree)
+
+    monkeypatch.setattr(papers, "simulate", spy)
+    eff = Efficiency(0.1, 0.5)
+    tr = papers.paper_trace("MoE-GPT-S", 8, 1, iterations=2)
+    padded = papers.simulate_system(tr, "proprophet_lpwnv", "MoE-GPT-S", 8, 1, "DeepSpeed-MoE", eff)
+    unpadded = papers.simulate_system(tr, "proprophet_lpwnv", "MoE-GPT-S", 8, 1, "FastMoE", eff)
+    assert calls == [("deepspeed", {}), ("none", {})]
+    assert papers.SYSTEMS["DeepSpeed-MoE"][0] == "none"
+    assert padded > 1.1 * unpadded

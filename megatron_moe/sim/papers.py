@@ -343,8 +343,12 @@ def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_
         raise ValueError(f"published.json: unknown system {system!r}; known: {sorted(SYSTEMS)}")
     pol, kw, smart = SYSTEMS[system]
     kw = dict(kw)
-    # a paper may have run a system without FasterMoE's pipelining (models.json papers.<paper>.systems)
-    smart = bool(_settings(model)[1].get("systems", {}).get(system, {}).get("smart_schedule", smart))
+    # a paper may have run a system without FasterMoE's pipelining, or in another mode (models.json
+    # papers.<paper>.systems: smart_schedule, policy + policy_kwargs)
+    as_run = _settings(model)[1].get("systems", {}).get(system, {})
+    smart = bool(as_run.get("smart_schedule", smart))
+    if "policy" in as_run:
+        pol, kw = as_run["policy"], dict(as_run.get("policy_kwargs", {}))
     if pol == "fastermoe":
         dc = shadow_decision_cost(model, int(_settings(model)[0].get("experts", gpus)))
         if dc is not None:
