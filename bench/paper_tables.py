@@ -39,6 +39,16 @@ def _is_fit(c) -> bool:
     return (c["paper"], c["table"]) == FIT_TABLE
 
 
+def _is_speedup(r) -> bool:
+    return r.get("metric", "speedup") == "speedup"
+
+
+def _fmt(r, v) -> str:
+    """A cell's value in its unit: speed-up (x), absolute iteration time (ms), share of the iteration (%)."""
+    m = r.get("metric", "speedup")
+    return f"{v:.2f}x" if m == "speedup" else f"{v:.0f} ms" if m == "iteration_ms" else f"{100 * v:.1f}%"
+
+
 def _loss(sim: PaperSim, cells) -> float:
     return float(np.mean([math.log(sim.cell(c) / c["published"]) ** 2 for c in cells]))
 
@@ -67,7 +77,7 @@ def order_kept(rows) -> tuple:
     """Rows (same paper/table/row) whose systems keep the published order, counting the baseline
     (speed-up 1.0) as a system: every pair of the row's systems compares the same way."""
     groups = {}
-    for r in rows:
+    for r in filter(_is_speedup, rows):       # absolute / share cells have no order of systems
         groups.setdefault((r["paper"], r["table"], r["row"], r["baseline"]), []).append(r)
     kept = total = 0
     for g in groups.values():
@@ -88,8 +98,8 @@ def format_rows(rows) -> str:
         out.append("|---|---|---|---|---|---|---|---|")
         for r in rows:
             if r["paper"] == paper:
-                out.append(f"| {r['table']} | {r['row']} | {r['system']} | {r['baseline']} | "
-                           f"{r['published']:.2f}x | {r['simulated']:.2f}x | {100 * r['error']:+.0f}% | "
+                out.append(f"| {r['table']} | {r['row']} | {r['system']} | {r['baseline'] or '-'} | "
+                           f"{_fmt(r, r['published'])} | {_fmt(r, r['simulated'])} | {100 * r['error']:+.0f}% | "
                            f"{'yes' if r['fitted'] else 'no'} |")
     return "\n".join(out)
 
@@ -97,16 +107,17 @@ def format_rows(rows) -> str:
 def summary(rows) -> str:
     lines = []
     for label, sel in (("fit (Table IV)", [r for r in rows if r["fitted"]]),
-                       ("predicted (all other tables)", [r for r in rows if not r["fitted"]])):
+                       ("predicted (all other tables)", [r for r in rows if not r["fitted"] and _is_speedup(r)]),
+                       ("absolute / share cells (not speed-ups)", [r for r in rows if not _is_speedup(r)])):
         if not sel:
             continue
         e = np.abs([r["error"] for r in sel])
         kept, total = order_kept(sel)
         lines.append(f"{label}: {len(sel)} cells, median |error| {100 * np.median(e):.0f}%, "
-                     f"max {100 * e.max():.0f}%, cells within 35%: {int((e <= 0.35).sum())}/{len(e)}, "
-                     f"rows keeping the published order of systems: {kept}/{total}")
+                     f"max {100 * e.max():.0f}%, cells within 35%: {int((e <= 0.35).sum())}/{len(e)}"
+                     + (f", rows keeping the published order of systems: {kept}/{total}" if total else ""))
     for paper in dict.fromkeys(r["paper"] for r in rows):
-        e = np.abs([r["error"] for r in rows if r["paper"] == paper and not r["fitted"]])
+        e = np.abs([r["error"] for r in rows if r["paper"] == paper and not r["fitted"] and _is_speedup(r)])
         if len(e):
             lines.append(f"  predicted {paper}: median |error| {100 * np.median(e):.0f}%, max {100 * e.max():.0f}%")
     return "\n".join(lines)
@@ -148,7 +159,7 @@ def main(argv=None):
     for c in cells:
         v = sim.cell(c)
         rows.append({"paper": c["paper"], "table": c["table"], "row": c["row"], "system": c["system"],
-                     "baseline": c["baseline"], "published": float(c["published"]), "simulated": round(v, 4),
+                     "baseline": c["baseline"], "metric": c.get("metric", "speedup"), "published": float(c["published"]), "simulated": round(v, 4),
                      "error": round(v / c["published"] - 1.0, 4), "fitted": _is_fit(c)})
     print(f"Constants: flops = {eff.flops:.3f} of peak, net = {eff.net:.3f} of link bandwidth "
           f"({'fitted on Pro-Prophet Table IV' if args.flops is None else 'given'}); "

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .cluster import Cluster
+from .engine import FIELDS
 from .runner import simulate
 from .traces import synthetic_trace
 
@@ -280,6 +281,12 @@ class PaperSim:
 
     def iter_s(self, testbed: str, model: str, gpus: int, top_k: int, system: str,
                benchmark: Optional[str] = None) -> float:
+        return self.measure(testbed, model, gpus, top_k, system, "iter_s", benchmark)
+
+    def measure(self, testbed: str, model: str, gpus: int, top_k: int, system: str, field: str,
+                benchmark: Optional[str] = None) -> float:
+        """Mean of one engine field (``engine.FIELDS``: iter_s, trans_agg_s, ...) over the measured
+        iterations."""
         key = (testbed, model, gpus, top_k, system, benchmark)
         if key not in self._res:
             warm = steady_state_warmup(model)
@@ -287,8 +294,8 @@ class PaperSim:
             if tk not in self._traces:
                 self._traces[tk] = paper_trace(model, gpus, top_k, self.iterations + warm, self.seed)
             self._res[key] = simulate_system(self._traces[tk], testbed, model, gpus, top_k, system, self.eff,
-                                             benchmark, skip=1 + warm)
-        return self._res[key]
+                                             benchmark, skip=1 + warm, fields=FIELDS)
+        return self._res[key][field]
 
     def speedup(self, testbed: str, model: str, gpus: int, top_k: int, system: str, baseline: str,
                 benchmark: Optional[str] = None) -> float:
@@ -296,15 +303,26 @@ class PaperSim:
                 / self.iter_s(testbed, model, gpus, top_k, system, benchmark))
 
     def cell(self, c: dict) -> float:
-        """Simulated value of one published cell (``stat`` reduces over its models x gpus)."""
+        """Simulated value of one published cell (``stat`` reduces over its models x gpus).  ``metric``
+        (default ``speedup`` of ``system`` over ``baseline``): ``iteration_ms``, the system's absolute
+        iteration time, or ``trans_agg_share``, the share of its iteration its Trans/Agg (shadow
+        broadcast + gradient reduce) traffic takes, as busy time on a rank's link."""
+        metric = c.get("metric", "speedup")
         models = c["model"] if isinstance(c["model"], list) else [c["model"]]
         vals = []
         for m in models:
             g = c["gpus"]
             gs = [g[m]] if isinstance(g, dict) else (g if isinstance(g, list) else [g])
             for gg in gs:
-                vals.append(self.speedup(c["testbed"], m, int(gg), int(c["top_k"]), c["system"], c["baseline"],
-                                         c.get("benchmark")))
+                args = (c["testbed"], m, int(gg), int(c["top_k"]), c["system"])
+                if metric == "speedup":
+                    vals.append(self.speedup(*args, c["baseline"], c.get("benchmark")))
+                elif metric == "iteration_ms":
+                    vals.append(1e3 * self.iter_s(*args, c.get("benchmark")))
+                elif metric == "trans_agg_share":
+                    vals.append(self.measure(*args, "trans_agg_s", c.get("benchmark")) / self.iter_s(*args, c.get("benchmark")))
+                else:
+                    raise ValueError(f"published.json: unknown metric {metric!r}")
         stat = c.get("stat", "value")
         if stat in ("value", "max"):
             return float(max(vals))
@@ -336,9 +354,9 @@ def shadow_decision_cost(model: str, ranks: int):
 
 
 def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_k: int, system: str,
-                    eff: Efficiency, benchmark: Optional[str] = None, skip: int = 1) -> float:
+                    eff: Efficiency, benchmark: Optional[str] = None, skip: int = 1, fields=None):
     """Mean iteration seconds of a paper's ``system`` (``SYSTEMS``), the first ``skip`` iterations
-    (warm-up) excluded."""
+    (warm-up) excluded; with ``fields``, a dict of those engine fields' means instead."""
     if system not in SYSTEMS:
         raise ValueError(f"published.json: unknown system {system!r}; known: {sorted(SYSTEMS)}")
     pol, kw, smart = SYSTEMS[system]
@@ -356,5 +374,8 @@ def simulate_system(trace: np.ndarray, testbed: str, model: str, gpus: int, top_
     cl = paper_cluster(testbed, model, gpus, eff, top_k, benchmark)
     degree = smart_schedule_degree(testbed, gpus, model) if smart else 1
     r = simulate(trace, cl, pol, "flat", policy_kwargs=kw, degree=degree)
-    it = r.values["iter_s"]
-    return float(it[skip:].mean() if len(it) > skip else it[-1:].mean())
+    def mean(v):
+        return float(v[skip:].mean() if len(v) > skip else v[-1:].mean())
+    if fields is None:
+        return mean(r.values["iter_s"])
+    return {f: mean(r.values[f]) for f in fields}
