@@ -124,7 +124,7 @@ def _compare_before(rev, argv, now, args):
         if _LINE.match(line):
             before[line.split()[0]] = _parse(line)
     tgt = f"{args.target_layers}x{args.target_iterations}"
-    print(f"\n| policy | before: ms per layer-iteration | now | ratio |"
+    print("\n| policy | before: ms per layer-iteration | now | ratio |"
           + (f" before: {tgt} measured, s CPU | now | ratio |" if args.full else ""))
     print("|---|---|---|---|" + ("---|---|---|" if args.full else ""))
     for pol, (ms, full) in now.items():
