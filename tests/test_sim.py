@@ -291,3 +291,85 @@ def test_broadcast_efficiency_prices_trans_agg_and_the_planner():
     assert slow.allreduce_time(15e6, ranks) == pytest.approx(full.allreduce_time(15e6, ranks))
     with pytest.raises(ValueError, match="bcast_efficiency"):
         Cluster(**kw, bcast_efficiency=0.0)
+
+
+# ---- top-k routing: every token goes to k distinct experts (traces.synthetic_trace top_k)
+
+def _repeats(trace, tokens):
+    """(largest count one source sends one expert, row sums): with k distinct experts per token the
+    first is <= tokens and the second k x tokens."""
+    return int(trace.max()), np.unique(trace.sum(axis=-1))
+
+
+def test_top2_counts_have_distinct_experts_per_token():
+    from megatron_moe.sim.traces import _multinomial_rows, topk_inclusion
+    tokens, hot = 512, [0.7, 0.1, 0.05, 0.05, 0.05, 0.05]
+    t = synthetic_trace(24, 6, 6, 2, 2 * tokens, popularity=hot, drift_sigma=0.1, seed=3, top_k=2)
+    top, sums = _repeats(t, tokens)
+    assert top <= tokens and list(sums) == [2 * tokens] and t.min() >= 0
+    # the hot expert is in almost every token's pair (Plackett-Luce inclusion ~0.97), not twice in 70%
+    assert top > 0.85 * tokens
+    # the mutation (a token's 2 inputs drawn independently, repeats allowed: the generator before)
+    # gives the hot expert ~1.4 x tokens inputs from one source, which the check rejects
+    p = np.tile(np.array(hot) / sum(hot), (24, 1))
+    iid = _multinomial_rows(np.random.default_rng(0), 2 * tokens, p)
+    assert _repeats(iid, tokens)[0] > tokens
+    # each count's mean is tokens x the inclusion probability of sampling 2 without replacement:
+    # against per-token Gumbel-top-2 (the exact per-token law), 200k tokens
+    rng = np.random.default_rng(7)
+    q = rng.dirichlet(np.full(8, 0.4))
+    pair = np.argsort(-(np.log(q) + rng.gumbel(size=(200_000, 8))), axis=1)[:, :2]
+    mc = np.bincount(pair.ravel(), minlength=8) / 200_000
+    pi = topk_inclusion(q[None], 2)[0]
+    assert np.abs(pi - mc).max() < 0.006 and pi.sum() == pytest.approx(2.0) and pi.max() <= 1.0
+    from megatron_moe.sim.traces import _distinct_topk_rows
+    c = _distinct_topk_rows(np.random.default_rng(1), 1000, np.tile(q, (4000, 1)), 2)
+    assert np.abs(c.mean(axis=0) / 1000 - pi).max() < 0.003
+    # binomial spread (tokens pick independently): var = tokens pi (1 - pi)
+    assert np.allclose(c.var(axis=0), 1000 * pi * (1 - pi), rtol=0.15, atol=1.0)
+    with pytest.raises(ValueError, match="top_k=3"):
+        synthetic_trace(4, 8, 1, 1, 3 * 64, top_k=3)
+    with pytest.raises(ValueError, match="divide"):
+        synthetic_trace(4, 8, 1, 1, 101, top_k=2)
+
+
+def test_top1_stream_is_bit_identical_to_the_generator_before_top_k():
+    """k = 1 takes the same random stream as before distinct top-k existed (sha256 of the trace
+    bytes, computed from main 258513b's traces.py on both venvs), so every k=1 cell is unchanged."""
+    import hashlib
+    cases = [(dict(num_sources=16, num_experts=16, iterations=4, layers=3, inputs_per_source=1024,
+                   zipf_s=1.106, seed=0), "c012eedb6442d4be"),
+             (dict(num_sources=8, num_experts=8, iterations=3, layers=2, inputs_per_source=2048,
+                   zipf_s=1.2, drift_sigma=0.1, seed=5), "b07438a83bd749ba"),
+             (dict(num_sources=4, num_experts=6, iterations=2, layers=2, inputs_per_source=600,
+                   popularity=[0.3, 0.3, 0.1, 0.1, 0.1, 0.1], seed=2), "e7a6883bde47d7d8")]
+    for kw, digest in cases:
+        for extra in ({}, {"top_k": 1}):
+            t = synthetic_trace(**kw, **extra)
+            assert hashlib.sha256(np.ascontiguousarray(t, dtype="<i8").tobytes()).hexdigest()[:16] == digest
+
+
+def test_smart_schedule_is_the_two_stream_makespan():
+    """engine._pipelined against a step-by-step replay of FasterMoE's two streams (comm: S_0..S_{n-1}
+    then R_0..R_{n-1}, R_j after C_j; compute: C_j after S_j), compute- and communication-bound."""
+    from megatron_moe.sim.engine import _pipelined
+
+    def replay(a, c, n):
+        s_end = [(j + 1) * a / n for j in range(n)]
+        c_end, t = [], 0.0
+        for j in range(n):
+            t = max(t, s_end[j]) + c / n
+            c_end.append(t)
+        r = s_end[-1]
+        for j in range(n):
+            r = max(r, c_end[j]) + a / n
+        return r
+
+    a = np.array([1.0, 1.0, 1.0, 1.0, 0.2, 3.0])
+    c = np.array([0.3, 1.5, 2.0, 5.0, 4.0, 0.1])
+    for n in (1, 2, 8, 32):
+        want = [replay(x, y, n) for x, y in zip(a, c)]
+        assert _pipelined(a, c, n) == pytest.approx(want, rel=1e-12)
+    # communication-bound: the segment is the two all-to-alls, no compute share exposed
+    assert _pipelined(np.array([1.0]), np.array([1.5]), 8)[0] == pytest.approx(2.0)
+    assert _pipelined(np.array([1.0]), np.array([1.5]), 1)[0] == pytest.approx(3.5)

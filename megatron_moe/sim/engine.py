@@ -75,12 +75,17 @@ def _gmax(x: np.ndarray) -> np.ndarray:
 
 
 def _pipelined(a2a: np.ndarray, comp: np.ndarray, degree: int) -> np.ndarray:
-    """Seconds of a dispatch + expert compute + combine segment split into ``degree`` chunks on two
-    streams (FasterMoE 2.6): the larger of comm (2 all-to-alls) and compute runs end to end and
-    the first send / last return of the other one is exposed, 1/degree of it.  degree 1 gives the
-    synchronous 2 a2a + comp; degree -> inf the bound max(2 a2a, comp)."""
+    """Seconds of a dispatch + expert compute + combine segment split into ``degree`` = n equal steps on
+    two streams, as FasterMoE's smart schedule runs it (paper Sec. 4; thu-pacman/FasterMoE
+    ``smart_schedule.h``): the communication stream issues every send S_0..S_{n-1} (a/n each) and then
+    every return R_0..R_{n-1} (a/n each), R_j after C_j; the compute stream runs C_0..C_{n-1} (comp/n
+    each), C_j after S_j.  The makespan is ``max(2a, comp + 2a/n)``: compute-bound, the first S and
+    the last R are exposed (the paper's "only the first S and the last R"); communication-bound, the
+    comm stream runs end to end (its R_0 waits for S_{n-1} anyway).  n = 1 gives the synchronous
+    2a + comp.  (The form max(2a, comp) + min(2a, comp)/n used before agrees when comp >= 2a and
+    over-charges comp/n when communication dominates.)"""
     c2 = 2.0 * np.asarray(a2a, dtype=np.float64)
-    return np.maximum(c2, comp) + np.minimum(c2, comp) / float(degree)
+    return np.maximum(c2, comp + c2 / float(degree))
 
 
 def simulate_iterations(cluster: Cluster, assign_fn: Callable[[int, int], Assignment],

@@ -239,13 +239,16 @@ def paper_cluster(testbed: str, model: str, gpus: int, eff: Efficiency, top_k: i
 
 def paper_trace(model: str, gpus: int, top_k: int, iterations: int, seed: int = 0,
                 source_sigma: float = 0.3) -> np.ndarray:
-    """Routing trace with the imbalance the model's paper reports (models.json ``imbalance``)."""
+    """Routing trace with the imbalance the model's paper reports (models.json ``imbalance``); at k = 2
+    every token goes to 2 distinct experts (``synthetic_trace(top_k=...)``), the reported popularity
+    being that of a token's first choice."""
     cfg, run = _settings(model)
     e = int(cfg.get("experts", gpus))
     zs, pop = _popularity(run["imbalance"], e)
     layers = int(cfg["layers"]) // int(cfg.get("moe_every", 1))
     return synthetic_trace(gpus, e, iterations, layers, top_k * _tokens_per_gpu(run, gpus, cfg), zs,
-                           drift_sigma=0.05, source_sigma=source_sigma, seed=seed, popularity=pop)
+                           drift_sigma=0.05, source_sigma=source_sigma, seed=seed, popularity=pop,
+                           top_k=top_k)
 
 
 def smart_schedule_degree(testbed: str, gpus: int, model: Optional[str] = None) -> int:

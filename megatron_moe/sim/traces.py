@@ -1,8 +1,8 @@
 """Routing traces for the simulator: synthetic (Zipf popularity drifting by a random walk) or recorded.
 
 A trace is an int64 array ``counts[iteration, layer, source_rank, expert]``: how many (token, expert)
-inputs that originate on ``source_rank`` the gate sends to ``expert`` (top-k duplicates counted, as in
-the design notes).  Source ranks are global ranks; the simulator splits them into EP groups.
+inputs that originate on ``source_rank`` the gate sends to ``expert`` (a token routed to k experts
+counts once at each of its k distinct experts, as in the design notes).  Source ranks are global ranks; the simulator splits them into EP groups.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import List, Optional
 
 import numpy as np
 
-__all__ = ["synthetic_trace", "balanced_trace", "load_trace_dir", "tile_sources"]
+__all__ = ["synthetic_trace", "balanced_trace", "load_trace_dir", "tile_sources", "topk_inclusion"]
 
 
 def synthetic_trace(num_sources: int, num_experts: int, iterations: int, layers: int = 1,
                     inputs_per_source: int = 8192, zipf_s: float = 1.2, drift_sigma: float = 0.05,
                     source_sigma: float = 0.3, seed: int = 0,
-                    popularity: Optional[np.ndarray] = None) -> np.ndarray:
+                    popularity: Optional[np.ndarray] = None, top_k: int = 1) -> np.ndarray:
     """Zipf-skewed expert popularity that drifts by a log-normal random walk between iterations.
 
     * Each layer starts from Zipf(``zipf_s``) (or the given ``popularity`` vector, e.g. a paper's
@@ -30,8 +30,12 @@ def synthetic_trace(num_sources: int, num_experts: int, iterations: int, layers:
       drift, the "locality" both FlexMoE and Pro-Prophet rely on).
     * Each source rank sees the global popularity times a fixed per-source log-normal preference
       (``source_sigma``), so sources differ, as real data-parallel shards do.
-    * Counts are Poisson draws around ``inputs_per_source * p`` with every row fixed up to sum to
-      ``inputs_per_source`` (top-k duplicates drawn independently: the simulator needs counts only).
+    * ``top_k`` = 1: counts are Poisson draws around ``inputs_per_source * p`` with every row fixed up
+      to sum to ``inputs_per_source``.
+    * ``top_k`` = k > 1: ``inputs_per_source`` = k x tokens, and every token goes to k DISTINCT experts
+      (an expert gets at most one copy of a token, as top-k routing does), drawn without replacement
+      in proportion to the popularity (:func:`_distinct_topk_rows`): ``p`` is then the distribution of
+      a token's first choice, and no expert ever receives more than the source's tokens.
     """
     for name, v in (("num_sources", num_sources), ("num_experts", num_experts),
                     ("iterations", iterations), ("layers", layers),
@@ -40,6 +44,9 @@ def synthetic_trace(num_sources: int, num_experts: int, iterations: int, layers:
             raise ValueError(f"synthetic_trace: {name}={v} must be >= 1")
     if zipf_s < 0 or drift_sigma < 0 or source_sigma < 0:
         raise ValueError("synthetic_trace: zipf_s, drift_sigma and source_sigma must be >= 0")
+    if top_k < 1 or top_k > num_experts or inputs_per_source % top_k:
+        raise ValueError(f"synthetic_trace: top_k={top_k} must be in [1, num_experts={num_experts}] and "
+                         f"divide inputs_per_source={inputs_per_source}")
     rng = np.random.default_rng(seed)
     out = np.empty((iterations, layers, num_sources, num_experts), dtype=np.int64)
     ranks = np.arange(1, num_experts + 1, dtype=np.float64)
@@ -57,7 +64,10 @@ def synthetic_trace(num_sources: int, num_experts: int, iterations: int, layers:
             lp = logp[None, :] + pref
             p = np.exp(lp - lp.max(axis=1, keepdims=True))
             p /= p.sum(axis=1, keepdims=True)
-            out[it, layer] = _multinomial_rows(rng, inputs_per_source, p)
+            if top_k == 1:
+                out[it, layer] = _multinomial_rows(rng, inputs_per_source, p)
+            else:
+                out[it, layer] = _distinct_topk_rows(rng, inputs_per_source // top_k, p, top_k)
     return out
 
 
@@ -74,6 +84,56 @@ def _multinomial_rows(rng, n: int, p: np.ndarray) -> np.ndarray:
     if short.any():
         out[r, j] += short
     return out
+
+
+def topk_inclusion(p: np.ndarray, k: int) -> np.ndarray:
+    """Probability that a token picks each expert among its ``k`` distinct ones when it draws them one
+    after another without replacement, each in proportion to ``p`` (rows of ``p`` sum to 1): the
+    Plackett-Luce / Gumbel-top-k law, i.e. top-k of log-popularity + Gumbel noise.  Rows sum to k,
+    every entry <= 1.  k = 2 in closed form, pi_j = p_j + sum_{i != j} p_i p_j / (1 - p_i); larger k
+    have no closed form (the papers' runs use k <= 2) and are refused."""
+    p = np.asarray(p, dtype=np.float64)
+    if k == 1:
+        return p.copy()
+    if k != 2:
+        raise ValueError(f"synthetic_trace: top_k={k}: distinct top-k counts are implemented for k <= 2 "
+                         f"(the Plackett-Luce inclusion probability has a closed form there)")
+    rest = np.maximum(1.0 - p, np.finfo(np.float64).tiny)      # 1 - p_i = sum of the others
+    a = (p / rest).sum(axis=-1, keepdims=True)
+    pi = np.minimum(p * (1.0 + a - p / rest), 1.0)
+    return pi * (k / pi.sum(axis=-1, keepdims=True))
+
+
+def _distinct_topk_rows(rng, tokens: int, p: np.ndarray, k: int) -> np.ndarray:
+    """Per-row expert counts of ``tokens`` tokens that each go to ``k`` distinct experts, expert j with
+    probability ``pi_j`` = :func:`topk_inclusion` (so E[count_j] = tokens x pi_j, as sampling every
+    token's k experts without replacement would give), at count level: O(experts) per row instead of
+    O(tokens x experts) for per-token Gumbel-top-k (8192 sources x 8192 tokens x 256 experts is 17 G
+    draws per layer and iteration).
+
+    Systematic sampling realises the k-subsets: lay the experts' pi_j end to end on [0, k); a token
+    with offset u ~ U[0, 1) takes the experts under u, u + 1, ..., u + k - 1.  Every pi_j <= 1, so no
+    expert is hit twice by one token, and exactly k are hit.  Counting the tokens per offset interval
+    (one exact multinomial per row over the E + 1 pieces that the folded breakpoints cut [0, 1) into;
+    numpy's vectorised multinomial costs about what the k=1 Poisson draws do) gives
+    count_j = G(C_j) - G(C_{j-1}), with C the cumulative pi and G(x) = floor(x) x tokens +
+    #(offsets < frac(x)), so by construction 0 <= count_j <= tokens and the row sums to k x tokens.
+    Each count is exactly Binomial(tokens, pi_j), as with per-token sampling; which experts share a
+    token (the joint law of the k-subset) is the systematic design's, not Plackett-Luce's, and the
+    simulator reads only per-expert counts."""
+    pi = topk_inclusion(p, k)
+    c = np.cumsum(pi, axis=1)
+    c[:, -1] = float(k)                                   # exact total: the last expert ends at k
+    fl = np.floor(c)
+    fr = c - fl
+    order = np.argsort(fr, axis=1, kind="stable")
+    srt = np.take_along_axis(fr, order, axis=1)
+    pieces = np.diff(srt, axis=1, prepend=0.0, append=1.0)   # [0, b_1), [b_1, b_2), ..., [b_E, 1)
+    n = rng.multinomial(tokens, np.maximum(pieces, 0.0))
+    below = np.empty_like(n[:, :-1])                      # offsets below each breakpoint
+    np.put_along_axis(below, order, np.cumsum(n, axis=1)[:, :-1], axis=1)
+    g = fl.astype(np.int64) * tokens + below
+    return np.diff(g, axis=1, prepend=0)
 
 
 def balanced_trace(num_sources: int, num_experts: int, iterations: int, layers: int = 1,
