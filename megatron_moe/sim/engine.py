@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -64,6 +64,7 @@ class Assignment:
 @dataclasses.dataclass
 class IterationBreakdown:
     values: Dict[str, np.ndarray]      # field -> [iterations]
+    group_iter_s: Optional[np.ndarray] = None   # [iterations, EP groups]: when each group ends (the iteration waits for the last)
 
     def mean(self) -> Dict[str, float]:
         return {k: float(v.mean()) for k, v in self.values.items()}
@@ -96,6 +97,7 @@ def simulate_iterations(cluster: Cluster, assign_fn: Callable[[int, int], Assign
     pipelines each all-to-all / expert-compute / all-to-all segment in that many chunks (FasterMoE's
     smart schedule, :func:`_pipelined`)."""
     out = {k: np.zeros(iterations) for k in FIELDS}
+    group_end = None
     fwd = 1.0 / cluster.expert_tokens_per_s
     bpi = cluster.bytes_per_input
     for it in range(iterations):
@@ -215,6 +217,9 @@ def simulate_iterations(cluster: Cluster, assign_fn: Callable[[int, int], Assign
         exposed_adj = np.maximum(0.0, adj - idle)
         end = end + exposed_adj
         iter_s = float(end.max())
+        if group_end is None:
+            group_end = np.zeros((iterations, end.shape[0]))
+        group_end[it] = end.max(axis=1)
         out["iter_s"][it] = iter_s
         out["a2a_s"][it] = a2a_tot
         out["expert_s"][it] = float(expert_busy.max())
@@ -229,4 +234,4 @@ def simulate_iterations(cluster: Cluster, assign_fn: Callable[[int, int], Assign
         ld = np.stack(loads)
         out["max_load"][it] = float(ld.max(axis=2).mean())
         out["mean_load"][it] = float(ld.mean())
-    return IterationBreakdown(out)
+    return IterationBreakdown(out, group_end)

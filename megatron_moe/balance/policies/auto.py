@@ -170,7 +170,7 @@ class AutoPolicy(BalancePolicy):
                     ratio = self._base(C, p) / predicted
                     self.factor[c] = (1 - self.drift_ema) * self.factor[c] + self.drift_ema * ratio
         self._prev_counts = C.copy()
-        plans, times = {}, {}
+        plans, times, raw = {}, {}, {}
         for c, pol in self.cands.items():
             p = pol.plan(C, None)          # flexmoe: its own (shadow) table, stepped every re-plan
             ops = list(getattr(pol, "last_ops", None) or [])
@@ -178,6 +178,7 @@ class AutoPolicy(BalancePolicy):
             self._prev[c] = (p, self._base(C, p))
             plans[c] = (p, ops)
             if t is not None:
+                raw[c] = t
                 times[c] = t * self.factor[c]
         if self.choice == "flexmoe" and times.get("flexmoe") is not None:
             # leaving drops the persistent replicas: coming back pays their rebuild, so the others
@@ -188,7 +189,7 @@ class AutoPolicy(BalancePolicy):
             for c in times:
                 if c != "flexmoe":
                     times[c] += max(0.0, back)
-        self.last_times = times
+        self.last_times, self.last_price = times, raw     # chosen-by and unscaled predictions
         choice = self.force if self.force is not None else min(times, key=lambda c: (times[c], c))
         self.choice = choice
         self.choices[choice] += 1
