@@ -129,7 +129,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         pols = {(g, l): FlexMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
     elif base == "auto":
         # per group and layer the cost model picks none / proprophet (transient) / flexmoe (persistent)
-        from megatron_moe.balance.policies.auto import AutoPolicy
+        from megatron_moe.balance.policies.auto import AutoPolicy, plan_groups
         for k, v in _training_planner_defaults().items():
             kw.setdefault(k, v)
         pols = {(g, l): AutoPolicy(n_exp, p, cost=cluster.cost_model(ranks[g]), planner_cost=costs[g], **kw)
@@ -213,21 +213,25 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 charge_moves(g, pol.adjustment_bytes(ops), adj)
         elif base == "auto":
             # as flexmoe: the plan from this iteration's counts applies from the next one, its state
-            # moves (when it picks flexmoe) are charged now, best effort
+            # moves (when it picks flexmoe) are charged now, best effort. One choice per layer over
+            # all EP groups (auto.plan_groups: the iteration waits for the slowest group)
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
+            layer_pols = [pols[(g, l)] for g in range(groups)]
             for g in range(groups):
-                pol = pols[(g, l)]
                 placement = prev.get((g, l)) or Placement.plain(n_exp, p)
                 if placement.vexperts is not None:
                     run_flex(g, _Priced(c[g], np.asarray(placement.vexperts, dtype=np.float64), costs[g]),
                              local, traffic, agg)
                 else:
                     run_replicas(g, placement, c, local, traffic, trans, agg)
-                was = pol.choice
-                prev[(g, l)], plan_h[g] = timer(pol.plan, c[g])
+            was = [pol.choice for pol in layer_pols]
+            planned, dt = timer(plan_groups, layer_pols, list(c))
+            plan_h[:] = dt / groups
+            for g, pol in enumerate(layer_pols):
+                prev[(g, l)] = planned[g]
                 if pol.choice == "flexmoe":
-                    if was != "flexmoe":                         # switching in: replicas built from owners
-                        n = np.asarray(prev[(g, l)].vexperts)
+                    if was[g] != "flexmoe":                      # switching in: replicas built from owners
+                        n = np.asarray(planned[g].vexperts)
                         moves = [(int(owner[e]), int(r), float(costs[g].state_bytes))
                                  for e, r in zip(*np.nonzero(n)) if r != owner[e]]
                     else:

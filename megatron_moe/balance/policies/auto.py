@@ -34,7 +34,7 @@ candidate is chosen (a shadow table), so switching to it starts from a table ada
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, 
                                                 make_policy, register_policy)
 from megatron_moe.balance.policies.flexmoe import route_real
 
-__all__ = ["AutoPolicy", "CANDIDATES"]
+__all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
 
 CANDIDATES = ("none", "proprophet", "flexmoe")
 
@@ -78,7 +78,9 @@ class AutoPolicy(BalancePolicy):
                 self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.pc, **(flexmoe_kwargs or {}))
             else:
                 raise ValueError(f"--moe-balance-policy auto: unknown candidate {c!r}; choose from {CANDIDATES}")
-        self.choice = "none"
+        # before the first plan every placement is plain, so the persistent regime's table (plain)
+        # is in sync: it starts there and grows by FlexMoE's own ops (paid as FlexMoE pays them)
+        self.choice = "flexmoe" if "flexmoe" in self.cands and self.persistent else "none"
         self.factor = {c: 1.0 for c in self.cands}     # drift factors (realised / predicted)
         self._prev: Dict[str, tuple] = {}              # candidate -> (placement, predicted base time)
         self._prev_counts: Optional[np.ndarray] = None
@@ -114,8 +116,9 @@ class AutoPolicy(BalancePolicy):
         return 2.0 * t
 
     def _persistent_s(self, p: Placement, ops, switching: bool):
-        """Per rank: (replica-group gradient sync per iteration, state-move seconds of this re-plan,
-        the iterations they are spread over); None if the extra replicas do not fit the memory left."""
+        """Per rank: (replica-group gradient sync per iteration, state-move seconds of this re-plan);
+        None if the extra replicas do not fit the memory left. ``switching``: FlexMoE's replicas are
+        built now from their owners (every non-owner replica moves), else only its ops move."""
         hosts = np.asarray(p.vexperts) > 0                # [E, D]
         extra = hosts.sum(axis=0) - np.bincount(self.owner, hosts[np.arange(self.num_experts), self.owner],
                                                 self.num_ranks)
@@ -130,37 +133,53 @@ class AutoPolicy(BalancePolicy):
         for a, b in moves:
             t = self.pc.state_move_s(a, b)
             move[a] += t; move[b] += t
-        # moves of a re-plan are paid once per interval; building the replicas when switching in is
-        # paid once per expected stay, ~1/drift re-plans (the placement decays at the observed drift)
-        stay = self.expected_stay() if switching else 1.0
-        return sync, move, self.interval * stay
+        return sync, move
 
     def expected_stay(self) -> float:
         """Re-plans a persistent placement is expected to stay useful: 1 / observed drift, capped."""
         return float(min(self.max_stay, 1.0 / max(self.drift, 1.0 / self.max_stay)))
 
+    def _flex_parts(self, counts: np.ndarray, p: Placement, ops, switching: bool):
+        """FlexMoE's plan per rank: (steady seconds = compute + all-to-alls + replica sync, seconds
+        its links are busy with them, state-move seconds); None if it does not fit the memory left."""
+        base, fec = self._ranks(counts, p)
+        parts = self._persistent_s(p, ops, switching)
+        if parts is None:
+            return None
+        sync, move = parts
+        busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) + sync
+        return base + sync, busy, move
+
+    def exposed_moves_s(self, busy: np.ndarray, move: np.ndarray, iteration_s: float) -> float:
+        """Best effort (FlexMoE, as the simulator runs it): the state moves fill each rank's idle
+        link time of an iteration lasting ``iteration_s``; the slowest rank's excess is exposed.
+        Without ``moves_overlap`` every move is exposed."""
+        if not self.moves_overlap:
+            return float(move.max())
+        return float(np.maximum(0.0, move - (iteration_s - busy)).max())
+
     def price(self, name: str, counts: np.ndarray, p: Placement, ops=(), switching: Optional[bool] = None):
-        """Predicted seconds of one layer iteration under candidate ``name``'s placement ``p``
-        (``switching``: FlexMoE's replicas are built now; default: unless FlexMoE is the current choice)."""
+        """Predicted seconds of one layer iteration of this EP group alone under candidate ``name``'s
+        placement ``p`` (``switching``: FlexMoE's replicas are built now; default: unless FlexMoE is
+        the current choice). Moves of a re-plan are paid once per interval; building the replicas
+        when switching in once per expected stay (~1/drift re-plans)."""
         base, fec = self._ranks(counts, p)
         if name == "none" or p.is_plain():
             return float(base.max())
         if name == "flexmoe" and self.persistent:
-            parts = self._persistent_s(p, ops, self.choice != "flexmoe" if switching is None else switching)
+            switching = self.choice != "flexmoe" if switching is None else switching
+            parts = self._flex_parts(counts, p, ops, switching)
             if parts is None:
                 return None
-            sync, move, spread = parts
-            t = base + sync
-            if not self.moves_overlap:
-                return float(t.max() + move.max() / spread)
-            # best effort (FlexMoE): the moves of one re-plan fill the link's idle time of that
-            # iteration; only the excess is exposed (then spread over the interval / expected stay)
-            idle = t.max() - (base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) + sync)
-            return float(t.max() + np.maximum(0.0, move - idle).max() / spread)
+            steady, busy, move = parts
+            spread = self.interval * (self.expected_stay() if switching else 1.0)
+            return float(steady.max() + self.exposed_moves_s(busy, move, steady.max()) / spread)
         return float((base + self._transient_s(p, fec)).max())
 
     # -- the policy -----------------------------------------------------------------------------
-    def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+    def propose(self, counts) -> Dict[str, float]:
+        """Step every candidate planner on ``counts`` and price its plan (this group alone); the
+        choice is made by :func:`choose` (over all EP groups of the layer) and :meth:`commit`."""
         C = np.asarray(counts, dtype=np.float64)
         # drift: how each candidate's previous plan priced on the counts that really came
         if self._prev_counts is not None:
@@ -170,33 +189,45 @@ class AutoPolicy(BalancePolicy):
                     ratio = self._base(C, p) / predicted
                     self.factor[c] = (1 - self.drift_ema) * self.factor[c] + self.drift_ema * ratio
         self._prev_counts = C.copy()
-        plans, times, raw = {}, {}, {}
+        prop, times, raw = {}, {}, {}
         for c, pol in self.cands.items():
             p = pol.plan(C, None)          # flexmoe: its own (shadow) table, stepped every re-plan
             ops = list(getattr(pol, "last_ops", None) or [])
-            t = self.price(c, C, p, ops)
             self._prev[c] = (p, self._base(C, p))
-            plans[c] = (p, ops)
+            entry = {"placement": p, "ops": ops}
+            if c == "flexmoe" and self.persistent and not p.is_plain():
+                switching = self.choice != "flexmoe"
+                parts = self._flex_parts(C, p, ops, False)
+                t = None
+                if parts is not None:        # as price(): this group alone
+                    steady, busy, move = parts
+                    build = self._persistent_s(p, ops, True)[1]
+                    spread = self.interval * (self.expected_stay() if switching else 1.0)
+                    t = float(steady.max() + self.exposed_moves_s(busy, build if switching else move,
+                                                                  steady.max()) / spread)
+                    entry.update(steady=float(steady.max()) * self.factor[c], busy=busy, move=move, build=build)
+            else:
+                t = self.price(c, C, p, ops)
+                entry["steady"] = t * self.factor[c]
+            prop[c] = entry
             if t is not None:
                 raw[c] = t
                 times[c] = t * self.factor[c]
-        if self.choice == "flexmoe" and times.get("flexmoe") is not None:
-            # leaving drops the persistent replicas: coming back pays their rebuild, so the others
-            # are charged what re-entering would add (hysteresis priced by the same model)
-            p, ops = plans["flexmoe"]
-            back = (self.price("flexmoe", C, p, ops, switching=True)
-                    - self.price("flexmoe", C, p, (), switching=False)) * self.factor["flexmoe"]
-            for c in times:
-                if c != "flexmoe":
-                    times[c] += max(0.0, back)
-        self.last_times, self.last_price = times, raw     # chosen-by and unscaled predictions
-        choice = self.force if self.force is not None else min(times, key=lambda c: (times[c], c))
+        self._proposal = prop
+        self.last_times, self.last_price = times, raw     # this group alone: scaled and unscaled
+        return times
+
+    def commit(self, choice: str) -> Placement:
+        """Adopt candidate ``choice``'s proposed placement."""
         self.choice = choice
         self.choices[choice] += 1
-        p, self.last_ops = plans[choice]
-        if choice != "flexmoe":
-            self.last_ops = []
-        return p
+        entry = self._proposal[choice]
+        self.last_ops = entry["ops"] if choice == "flexmoe" else []
+        return entry["placement"]
+
+    def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+        self.propose(counts)
+        return self.commit(choose([self])[0])
 
     def state_dict(self) -> Dict:
         fx = self.cands.get("flexmoe")
@@ -208,6 +239,78 @@ class AutoPolicy(BalancePolicy):
         self.factor.update({k: float(v) for k, v in d.get("factor", {}).items() if k in self.factor})
         fx = self.cands.get("flexmoe")
         return fx.load_state_dict(d["flexmoe"]) if fx is not None and d.get("flexmoe") else True
+
+
+def choose(policies: Sequence[AutoPolicy]) -> List[str]:
+    """One layer's choice over its EP groups (one ``AutoPolicy`` each, after ``propose``).
+
+    The groups are synchronised: the iteration ends with the slowest group, so a layer's time under
+    a choice is the maximum over groups, and a group that switches into FlexMoE alone pays the
+    replica build on everybody's iteration while its gain counts only if it was the slowest. So the
+    regime is chosen for all groups together:
+
+    * transient: each group takes the cheapest stateless candidate (no replication, Pro-Prophet's
+      transient replicas; neither keeps state, so per-group, per-iteration choices cost nothing to
+      change); the regime's time is the slowest group's;
+    * persistent (FlexMoE in every group): the slowest group's steady time (compute, all-to-alls,
+      replica sync) + the state moves of its re-plan per interval, best effort against each rank's
+      idle link time (slowest group's excess).
+
+    Entering FlexMoE builds every replica (the same best-effort rule, once); leaving drops them
+    (free), and coming back builds them again. A one-iteration prediction under drift is noisy,
+    the build is paid at once and its pay-back time is unknown, so entering is decided as in ski
+    rental: the advantage of the persistent regime (transient minus persistent time) is summed
+    over the iterations since it last was not positive (``regret``), and FlexMoE is entered when
+    that sum reaches the build's exposed time (the price of switching is never more than what
+    staying has already lost). It is left when the smoothed advantage (EMA, weight ``drift_ema``)
+    is negative.
+    Returns each group's choice; ``force`` (a test's mutation) overrides it."""
+    p0 = policies[0]
+    if p0.force is not None:
+        return [p0.force] * len(policies)
+    props = [pol._proposal for pol in policies]
+    stateless = [c for c in CANDIDATES if c in p0.cands and "steady" in props[0][c] and "busy" not in props[0][c]]
+    per_group = [min((c for c in stateless if "steady" in pr[c]), key=lambda c: (pr[c]["steady"], c))
+                 for pr in props]
+    t_tr = max(pr[c]["steady"] for pr, c in zip(props, per_group))
+    flex = [pr.get("flexmoe", {}) for pr in props]
+    p0.last_joint = {"transient": t_tr}
+    if not all("busy" in f for f in flex):          # no persistent candidate (or it does not fit)
+        p0.adv = None
+        return per_group
+    steady = max(f["steady"] for f in flex)
+    ops_s = max(pol.exposed_moves_s(f["busy"], f["move"], steady) for pol, f in zip(policies, flex))
+    t_flex = steady + ops_s / p0.interval
+    w = p0.drift_ema
+    adv = t_tr - t_flex
+    p0.last_joint.update(flexmoe=t_flex)
+    if p0._prev_counts is None or getattr(p0, "planned", 0) == 0:
+        # first re-plan: no earlier prediction has been checked against real counts yet, and the
+        # persistent table (one FlexMoE step from plain) is no steady state: keep the regime
+        p0.planned = 1
+        return ["flexmoe"] * len(policies) if p0.choice == "flexmoe" else per_group
+    p0.adv = adv if getattr(p0, "adv", None) is None else (1 - w) * p0.adv + w * adv
+    p0.last_joint["advantage"] = p0.adv
+    if p0.choice == "flexmoe":
+        stay_in = p0.adv > 0
+        p0.regret = 0.0
+    else:
+        # the build runs while the current (transient) placement does: its idle links hide part
+        build = max(pol.exposed_moves_s(f["busy"], f["build"], t_tr) for pol, f in zip(policies, flex))
+        p0.regret = max(0.0, getattr(p0, "regret", 0.0) + adv)
+        p0.last_joint.update(build=build, regret=p0.regret)
+        stay_in = p0.regret > 0 and p0.regret >= build
+        if stay_in:
+            p0.regret = 0.0
+    return ["flexmoe"] * len(policies) if stay_in else per_group
+
+
+def plan_groups(policies: Sequence[AutoPolicy], counts: Sequence[np.ndarray]) -> List[Placement]:
+    """Plan one layer for all its EP groups together (:func:`choose`): the simulator's entry point,
+    where every group's counts are at hand."""
+    for pol, c in zip(policies, counts):
+        pol.propose(c)
+    return [pol.commit(c) for pol, c in zip(policies, choose(policies))]
 
 
 register_policy(AutoPolicy)
