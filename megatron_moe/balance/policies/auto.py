@@ -15,13 +15,20 @@ takes the slowest rank:
   backward compute and the non-MoE time, Eq. 8);
 * persistent (FlexMoE): + the per-iteration replica-group gradient sync (``sync_s_vec``) + the
   state moves of its Expand/Migrate ops (``PlannerCost.state_move_s``) divided by the re-plan
-  ``interval``; switching INTO FlexMoE from another candidate builds every non-owner replica, a cost
-  spread over the expected stay (1 / observed drift re-plans, at most ``max_stay``);
-  with ``moves_overlap`` (FlexMoE's best-effort transfers, as the simulator runs them) only the part
-  of the moves exceeding the rank's idle link time is charged; a plan whose extra replicas need
-  more than ``memory_left_bytes`` on some rank is not eligible.
+  ``interval``; with ``moves_overlap`` (FlexMoE's best-effort transfers, as the simulator runs them)
+  only the part of the moves exceeding the rank's idle link time is charged; a plan whose extra
+  replicas need more than ``memory_left_bytes`` on some rank is not eligible.
   With ``persistent=False`` (training runs FlexMoE's placement with transient replicas under auto)
   FlexMoE is priced with Trans + Agg like Pro-Prophet.
+
+The choice (:func:`choose`) is made per layer over all EP groups together (their iteration ends
+with the slowest group): each group picks its cheapest stateless candidate (none / Pro-Prophet),
+or every group runs FlexMoE. Switching into FlexMoE builds every non-owner replica at once (its
+exposed part is priced by the same best-effort rule); it is done when the advantage FlexMoE would
+have had, summed since it last was not positive, reaches that build (ski rental), and FlexMoE is
+left when its smoothed advantage turns negative. The regime starts persistent (all tables are
+plain before the first plan, so nothing needs building) and the first re-plan keeps it (no
+prediction has been checked yet).
 
 Drift: every candidate's previous plan was priced on the counts it was planned from; at the next
 re-plan the same plan is priced on the counts that really came. The ratio (EMA) is that candidate's
@@ -284,14 +291,14 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     w = p0.drift_ema
     adv = t_tr - t_flex
     p0.last_joint.update(flexmoe=t_flex)
-    if p0._prev_counts is None or getattr(p0, "planned", 0) == 0:
+    if getattr(p0, "adv", None) is None:
         # first re-plan: no earlier prediction has been checked against real counts yet, and the
         # persistent table (one FlexMoE step from plain) is no steady state: keep the regime
-        p0.planned = 1
+        p0.adv = 0.0
         return ["flexmoe"] * len(policies) if p0.choice == "flexmoe" else per_group
-    p0.adv = adv if getattr(p0, "adv", None) is None else (1 - w) * p0.adv + w * adv
+    p0.adv = (1 - w) * p0.adv + w * adv
     p0.last_joint["advantage"] = p0.adv
-    if p0.choice == "flexmoe":
+    if p0.choice == "flexmoe":      # leaving is free (coming back builds again)
         stay_in = p0.adv > 0
         p0.regret = 0.0
     else:
@@ -299,7 +306,7 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
         build = max(pol.exposed_moves_s(f["busy"], f["build"], t_tr) for pol, f in zip(policies, flex))
         p0.regret = max(0.0, getattr(p0, "regret", 0.0) + adv)
         p0.last_joint.update(build=build, regret=p0.regret)
-        stay_in = p0.regret > 0 and p0.regret >= build
+        stay_in = p0.adv > 0 and p0.regret >= build
         if stay_in:
             p0.regret = 0.0
     return ["flexmoe"] * len(policies) if stay_in else per_group
