@@ -194,6 +194,7 @@ class PlannerCost:
     intra_bw: float = float("inf")
     inter_bw: float = float("inf")
     lat: float = 0.0
+    a2a_lat_s: float = 0.0              # fixed latency of one all-to-all round (one message per peer)
 
     @classmethod
     def from_cluster(cls, cl, ranks: np.ndarray) -> "PlannerCost":
@@ -202,12 +203,18 @@ class PlannerCost:
         link = cl.link_seconds_per_byte(ranks)
         bw = cl.bottleneck_bw(ranks)
         a2a = cl.bytes_per_input / bw if np.isfinite(bw) else 0.0
+        node = cl.node_of(ranks)
+        n = len(np.unique(node))
+        local = len(ranks) // max(1, n)
+        # one message per peer, on one stream (the simulator's flat all-to-all): the local peers at
+        # the intra-node latency, the peers on other nodes at the inter-node one
+        a2a_lat = (local - 1) * cl.intra_lat + (n - 1) * local * cl.inter_lat if len(ranks) > 1 else 0.0
         return cls(fwd_s_per_input=1.0 / cl.expert_tokens_per_s, a2a_s_per_input=a2a,
                    param_collective_s=cl.broadcast_time(cl.expert_param_bytes, ranks),
                    pair_s_per_input=link * cl.bytes_per_input, grad_bytes=cl.expert_param_bytes,
                    state_bytes=cl.expert_state_bytes, link_s_per_byte=link,
-                   node=cl.node_of(ranks), intra_bw=cl.intra_bw, inter_bw=cl.inter_bw,
-                   lat=cl.max_lat(ranks))
+                   node=node, intra_bw=cl.intra_bw, inter_bw=cl.inter_bw,
+                   lat=cl.max_lat(ranks), a2a_lat_s=float(a2a_lat))
 
     @classmethod
     def from_paper(cls, hidden: int, alpha: float, flops: float, net_elems_per_s: float,
@@ -269,13 +276,14 @@ def rank_time_s(cost: PlannerCost, processed, traffic) -> np.ndarray:
     """Per-rank seconds of one MoE layer without replica upkeep: forward + backward compute of the
     ``processed[g]`` inputs plus 4 all-to-alls of ``traffic[src, dst]`` inputs. An all-to-all is a
     collective, so every rank waits for the slowest one: its time is the largest per-rank send or
-    receive time over the links (as the simulator's flat model, without its per-node NIC sharing).
+    receive time over the links plus the round's fixed per-peer latency ``a2a_lat_s`` (as the
+    simulator's flat model, without its per-node NIC sharing).
     ``--moe-balance-policy auto`` prices every candidate with it (plus each candidate's replica
     terms), so they compare on one scale."""
     t = cost.compute_s(processed)
     if cost.pair_s_per_input is not None:
         w = np.asarray(traffic, dtype=np.float64) * cost.pair_s_per_input
-        t = t + 4.0 * float(max(w.sum(axis=0).max(), w.sum(axis=1).max()))
+        t = t + 4.0 * (float(max(w.sum(axis=0).max(), w.sum(axis=1).max())) + cost.a2a_lat_s)
     return t
 
 

@@ -107,7 +107,9 @@ class AutoPolicy(BalancePolicy):
         else:
             H = loads(counts, p)[0]
             traffic = np.where(p.mask(), 0.0, counts) @ self._to_owner   # [src, owner]
-        return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
+        # + the block's non-MoE forward and backward (no all-to-all then: idle link time)
+        t = rank_time_s(self.pc, H, traffic) + self.cost.t_fnec + self.cost.t_bnec
+        return t, self.pc.fwd_s_per_input * H
 
     def _base(self, counts: np.ndarray, p: Placement) -> float:
         return float(self._ranks(counts, p)[0].max())
@@ -154,7 +156,7 @@ class AutoPolicy(BalancePolicy):
         if parts is None:
             return None
         sync, move = parts
-        busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) + sync
+        busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) - self.cost.t_fnec - self.cost.t_bnec + sync
         return base + sync, busy, move
 
     def exposed_moves_s(self, busy: np.ndarray, move: np.ndarray, iteration_s: float) -> float:
@@ -291,19 +293,22 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     w = p0.drift_ema
     adv = t_tr - t_flex
     p0.last_joint.update(flexmoe=t_flex)
+    # the build runs while the current (transient) placement does: its idle links hide part
+    build = max(pol.exposed_moves_s(f["busy"], f["build"], t_tr) for pol, f in zip(policies, flex))
     if getattr(p0, "adv", None) is None:
-        # first re-plan: no earlier prediction has been checked against real counts yet, and the
-        # persistent table (one FlexMoE step from plain) is no steady state: keep the regime
+        # first re-plan: one prediction, none checked against real counts yet, and the persistent
+        # table (one FlexMoE step from plain) is no steady state; the smoothed advantage starts at
+        # 0 and the regime is left only if this one loss already exceeds the rebuild (ski rental)
         p0.adv = 0.0
-        return ["flexmoe"] * len(policies) if p0.choice == "flexmoe" else per_group
+        p0.last_joint.update(build=build)
+        keep = p0.choice == "flexmoe" and -adv < build
+        return ["flexmoe"] * len(policies) if keep else per_group
     p0.adv = (1 - w) * p0.adv + w * adv
     p0.last_joint["advantage"] = p0.adv
     if p0.choice == "flexmoe":      # leaving is free (coming back builds again)
         stay_in = p0.adv > 0
         p0.regret = 0.0
     else:
-        # the build runs while the current (transient) placement does: its idle links hide part
-        build = max(pol.exposed_moves_s(f["busy"], f["build"], t_tr) for pol, f in zip(policies, flex))
         p0.regret = max(0.0, getattr(p0, "regret", 0.0) + adv)
         p0.last_joint.update(build=build, regret=p0.regret)
         stay_in = p0.adv > 0 and p0.regret >= build
