@@ -94,3 +94,39 @@ def test_training_loop_auto_logs_choice(capfd):
         assert [c.split("=")[0] for c in choice] == ["L1", "L2"], l
         assert all(c.split("=")[1] in ("none", "proprophet", "flexmoe") for c in choice), l
     assert ours["lm_loss"] == pytest.approx(base["lm_loss"], rel=1e-4, abs=1e-5)   # it trains as plain EP
+
+
+def _group_choices(coordinate: bool):
+    """Each plan_groups call's choices (one per EP group) in a 2-group simulation (64 GPUs, 32
+    experts: EP groups of 32), and how often plan_groups ran."""
+    from megatron_moe.balance.policies import auto as auto_mod
+    from megatron_moe.sim.cluster import load_cluster
+    from megatron_moe.sim.runner import simulate
+    from megatron_moe.sim.traces import synthetic_trace
+
+    calls = []
+    orig = auto_mod.plan_groups
+
+    def spy(policies, counts):
+        out = orig(policies, counts)
+        calls.append([p.choice for p in policies])
+        return out
+    auto_mod.plan_groups = spy
+    try:
+        tr = synthetic_trace(64, 32, 12, 1, zipf_s=1.0, drift_sigma=0.5, seed=1)
+        simulate(tr, load_cluster(64), "auto", policy_kwargs={"coordinate": coordinate})
+    finally:
+        auto_mod.plan_groups = orig
+    return calls
+
+
+def test_auto_one_regime_over_ep_groups():
+    """The EP groups of a layer are synchronised, so FlexMoE (persistent replicas, built at once on
+    entry) is run by all groups of a layer or by none; with coordination off (mutation) the
+    groups choose alone and do mix it with the others."""
+    joint = _group_choices(True)
+    assert len(joint) == 12 and all(len(c) == 2 for c in joint)
+    assert all(("flexmoe" in c) == (set(c) == {"flexmoe"}) for c in joint), joint
+    alone = _group_choices(False)
+    assert len(alone) == 12
+    assert any("flexmoe" in c and set(c) != {"flexmoe"} for c in alone), alone

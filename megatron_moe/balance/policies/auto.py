@@ -63,7 +63,8 @@ class AutoPolicy(BalancePolicy):
                  eq8: bool = False, interval: int = 1, persistent: bool = True,
                  memory_left_bytes: Optional[float] = None, candidates=CANDIDATES,
                  drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
-                 moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, **_ignored):
+                 moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, coordinate: bool = True,
+                 **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
@@ -72,6 +73,7 @@ class AutoPolicy(BalancePolicy):
         self.drift_ema, self.max_stay = float(drift_ema), float(max_stay)
         self.moves_overlap = bool(moves_overlap)
         self.force = force                       # tests' mutation: always this candidate
+        self.coordinate = bool(coordinate)       # tests' mutation (False): every EP group chooses alone
         self.owner = default_owner(num_experts, num_ranks)
         self._to_owner = np.zeros((num_experts, num_ranks))
         self._to_owner[np.arange(num_experts), self.owner] = 1.0
@@ -191,12 +193,14 @@ class AutoPolicy(BalancePolicy):
         choice is made by :func:`choose` (over all EP groups of the layer) and :meth:`commit`."""
         C = np.asarray(counts, dtype=np.float64)
         # drift: how each candidate's previous plan priced on the counts that really came
+        self._checked = {}                 # candidate -> (previous plan priced on the counts that came, as predicted)
         if self._prev_counts is not None:
             self.drift = float(np.abs(C - self._prev_counts).sum() / max(1.0, self._prev_counts.sum()))
             for c, (p, predicted) in self._prev.items():
                 if predicted > 0:
-                    ratio = self._base(C, p) / predicted
-                    self.factor[c] = (1 - self.drift_ema) * self.factor[c] + self.drift_ema * ratio
+                    real = self._base(C, p)
+                    self._checked[c] = (real, predicted)
+                    self.factor[c] = (1 - self.drift_ema) * self.factor[c] + self.drift_ema * real / predicted
         self._prev_counts = C.copy()
         prop, times, raw = {}, {}, {}
         for c, pol in self.cands.items():
@@ -214,10 +218,11 @@ class AutoPolicy(BalancePolicy):
                     spread = self.interval * (self.expected_stay() if switching else 1.0)
                     t = float(steady.max() + self.exposed_moves_s(busy, build if switching else move,
                                                                   steady.max()) / spread)
-                    entry.update(steady=float(steady.max()) * self.factor[c], busy=busy, move=move, build=build)
+                    entry.update(steady=float(steady.max()) * self.factor[c], busy=busy, move=move, build=build,
+                                 raw=float(steady.max()))
             else:
                 t = self.price(c, C, p, ops)
-                entry["steady"] = t * self.factor[c]
+                entry["steady"], entry["raw"] = t * self.factor[c], t
             prop[c] = entry
             if t is not None:
                 raw[c] = t
@@ -281,13 +286,27 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     stateless = [c for c in CANDIDATES if c in p0.cands and "steady" in props[0][c] and "busy" not in props[0][c]]
     per_group = [min((c for c in stateless if "steady" in pr[c]), key=lambda c: (pr[c]["steady"], c))
                  for pr in props]
-    t_tr = max(pr[c]["steady"] for pr, c in zip(props, per_group))
+    # regime-level drift factors: the slowest group's realised time over the slowest group's
+    # predicted one, for the plans each regime had last time. Over many groups the maximum of
+    # noisy realisations exceeds the maximum of the predictions, more for the noisier candidate,
+    # which the groups' own factors (ratios of means) do not see.
+    jf = getattr(p0, "joint_factor", None) or {"transient": 1.0, "flexmoe": 1.0}
+    last = getattr(p0, "_last_stateless", None)
+    if last is not None and all(pol._checked for pol in policies):
+        w = p0.drift_ema
+        for regime, cs in (("transient", last), ("flexmoe", ["flexmoe"] * len(policies))):
+            pairs = [pol._checked.get(c) for pol, c in zip(policies, cs)]
+            if all(pq is not None for pq in pairs):
+                ratio = max(r for r, _ in pairs) / max(q for _, q in pairs)
+                jf[regime] = (1 - w) * jf[regime] + w * ratio
+    p0.joint_factor, p0._last_stateless = jf, per_group
+    t_tr = max(pr[c]["raw"] for pr, c in zip(props, per_group)) * jf["transient"]
     flex = [pr.get("flexmoe", {}) for pr in props]
     p0.last_joint = {"transient": t_tr}
     if not all("busy" in f for f in flex):          # no persistent candidate (or it does not fit)
         p0.adv = None
         return per_group
-    steady = max(f["steady"] for f in flex)
+    steady = max(f["raw"] for f in flex) * jf["flexmoe"]
     ops_s = max(pol.exposed_moves_s(f["busy"], f["move"], steady) for pol, f in zip(policies, flex))
     t_flex = steady + ops_s / p0.interval
     w = p0.drift_ema
@@ -320,6 +339,8 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
 def plan_groups(policies: Sequence[AutoPolicy], counts: Sequence[np.ndarray]) -> List[Placement]:
     """Plan one layer for all its EP groups together (:func:`choose`): the simulator's entry point,
     where every group's counts are at hand."""
+    if not all(pol.coordinate for pol in policies):
+        return [pol.plan(c) for pol, c in zip(policies, counts)]
     for pol, c in zip(policies, counts):
         pol.propose(c)
     return [pol.commit(c) for pol, c in zip(policies, choose(policies))]
