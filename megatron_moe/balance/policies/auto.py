@@ -161,6 +161,19 @@ class AutoPolicy(BalancePolicy):
         busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) - self.cost.t_fnec - self.cost.t_bnec + sync
         return base + sync, busy, move
 
+    def _link_busy(self, name: str, counts: np.ndarray, p: Placement) -> np.ndarray:
+        """Per rank: seconds its links are busy in one iteration of a stateless candidate's plan
+        (4 all-to-alls, + Trans and Agg for transient replicas): a FlexMoE build issued during that
+        iteration only has the rest."""
+        base, fec = self._ranks(counts, p)
+        busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) - self.cost.t_fnec - self.cost.t_bnec
+        if name == "none" or p.is_plain():
+            return busy
+        t = np.zeros(self.num_ranks)
+        for e in p.replicated():
+            t[p.replica_sets[e]] += self.pc.param_collective_s
+        return busy + 2.0 * t
+
     def exposed_moves_s(self, busy: np.ndarray, move: np.ndarray, iteration_s: float) -> float:
         """Best effort (FlexMoE, as the simulator runs it): the state moves fill each rank's idle
         link time of an iteration lasting ``iteration_s``; the slowest rank's excess is exposed.
@@ -223,6 +236,7 @@ class AutoPolicy(BalancePolicy):
             else:
                 t = self.price(c, C, p, ops)
                 entry["steady"], entry["raw"] = t * self.factor[c], t
+                entry["link"] = self._link_busy(c, C, p)
             prop[c] = entry
             if t is not None:
                 raw[c] = t
@@ -313,7 +327,8 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     adv = t_tr - t_flex
     p0.last_joint.update(flexmoe=t_flex)
     # the build runs while the current (transient) placement does: its idle links hide part
-    build = max(pol.exposed_moves_s(f["busy"], f["build"], t_tr) for pol, f in zip(policies, flex))
+    build = max(pol.exposed_moves_s(pr[c]["link"], f["build"], t_tr)
+                for pol, pr, c, f in zip(policies, props, per_group, flex))
     if getattr(p0, "adv", None) is None:
         # first re-plan: one prediction, none checked against real counts yet, and the persistent
         # table (one FlexMoE step from plain) is no steady state; the smoothed advantage starts at
