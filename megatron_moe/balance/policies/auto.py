@@ -27,8 +27,8 @@ or every group runs FlexMoE. Switching into FlexMoE builds every non-owner repli
 exposed part is priced by the same best-effort rule); it is done when the advantage FlexMoE would
 have had, summed since it last was not positive, reaches that build (ski rental), and FlexMoE is
 left when its smoothed advantage turns negative. The regime starts persistent (all tables are
-plain before the first plan, so nothing needs building) and the first re-plan keeps it (no
-prediction has been checked yet).
+plain before the first plan, so nothing needs building: FlexMoE's first ops move during the plain
+iteration, as FlexMoE's own do) and the first re-plan keeps it if FlexMoE is predicted faster.
 
 Drift: every candidate's previous plan was priced on the counts it was planned from; at the next
 re-plan the same plan is priced on the counts that really came. The ratio (EMA) is that candidate's
@@ -290,8 +290,8 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     rental: the advantage of the persistent regime (transient minus persistent time) is summed
     over the iterations since it last was not positive (``regret``), and FlexMoE is entered when
     that sum reaches the build's exposed time (the price of switching is never more than what
-    staying has already lost). It is left when the smoothed advantage (EMA, weight ``drift_ema``)
-    is negative.
+    staying has already lost). It is left when the smoothed advantage (EMA, weight ``drift_ema``,
+    from 0) is negative, and at the first re-plan when FlexMoE is predicted slower.
     Returns each group's choice; ``force`` (a test's mutation) overrides it."""
     p0 = policies[0]
     if p0.force is not None:
@@ -330,12 +330,13 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     build = max(pol.exposed_moves_s(pr[c]["link"], f["build"], t_tr)
                 for pol, pr, c, f in zip(policies, props, per_group, flex))
     if getattr(p0, "adv", None) is None:
-        # first re-plan: one prediction, none checked against real counts yet, and the persistent
-        # table (one FlexMoE step from plain) is no steady state; the smoothed advantage starts at
-        # 0 and the regime is left only if this one loss already exceeds the rebuild (ski rental)
+        # first re-plan: nothing to smooth and no prediction checked yet; the persistent table is
+        # one FlexMoE step from plain (moved in the plain iteration's idle time): keep it if it is
+        # predicted faster. (Keeping it unless the loss exceeded the rebuild was tried: FlexMoE's
+        # first table runs far slower than predicted under drift, 1.17x at 8192 GPUs.)
         p0.adv = 0.0
         p0.last_joint.update(build=build)
-        keep = p0.choice == "flexmoe" and -adv < build
+        keep = p0.choice == "flexmoe" and adv > 0
         return ["flexmoe"] * len(policies) if keep else per_group
     p0.adv = (1 - w) * p0.adv + w * adv
     p0.last_joint["advantage"] = p0.adv
