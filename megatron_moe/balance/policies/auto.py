@@ -109,9 +109,7 @@ class AutoPolicy(BalancePolicy):
         else:
             H = loads(counts, p)[0]
             traffic = np.where(p.mask(), 0.0, counts) @ self._to_owner   # [src, owner]
-        # + the block's non-MoE forward and backward (no all-to-all then: idle link time)
-        t = rank_time_s(self.pc, H, traffic) + self.cost.t_fnec + self.cost.t_bnec
-        return t, self.pc.fwd_s_per_input * H
+        return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
 
     def _base(self, counts: np.ndarray, p: Placement) -> float:
         return float(self._ranks(counts, p)[0].max())
@@ -158,7 +156,7 @@ class AutoPolicy(BalancePolicy):
         if parts is None:
             return None
         sync, move = parts
-        busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) - self.cost.t_fnec - self.cost.t_bnec + sync
+        busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) + sync
         return base + sync, busy, move
 
     def _link_busy(self, name: str, counts: np.ndarray, p: Placement) -> np.ndarray:
@@ -166,7 +164,7 @@ class AutoPolicy(BalancePolicy):
         (4 all-to-alls, + Trans and Agg for transient replicas): a FlexMoE build issued during that
         iteration only has the rest."""
         base, fec = self._ranks(counts, p)
-        busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input) - self.cost.t_fnec - self.cost.t_bnec
+        busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input)
         if name == "none" or p.is_plain():
             return busy
         t = np.zeros(self.num_ranks)
@@ -180,7 +178,9 @@ class AutoPolicy(BalancePolicy):
         Without ``moves_overlap`` every move is exposed."""
         if not self.moves_overlap:
             return float(move.max())
-        return float(np.maximum(0.0, move - (iteration_s - busy)).max())
+        # the block's non-MoE forward and backward have no all-to-all: idle link time too
+        idle = iteration_s + self.cost.t_fnec + self.cost.t_bnec - busy
+        return float(np.maximum(0.0, move - idle).max())
 
     def price(self, name: str, counts: np.ndarray, p: Placement, ops=(), switching: Optional[bool] = None):
         """Predicted seconds of one layer iteration of this EP group alone under candidate ``name``'s
