@@ -114,12 +114,17 @@ class AutoPolicy(BalancePolicy):
     def _base(self, counts: np.ndarray, p: Placement) -> float:
         return float(self._ranks(counts, p)[0].max())
 
-    def _transient_s(self, p: Placement, fec: np.ndarray) -> np.ndarray:
-        """Per rank: Trans + Agg (one broadcast and one reduce of each expert it holds a replica of
-        or owns; Eq. 8's exposed parts with ``eq8``)."""
+    def _member_collectives_s(self, p: Placement) -> np.ndarray:
+        """Per rank: one broadcast of every replicated expert it is a member of."""
         t = np.zeros(self.num_ranks)
         for e in p.replicated():
             t[p.replica_sets[e]] += self.pc.param_collective_s
+        return t
+
+    def _transient_s(self, p: Placement, fec: np.ndarray) -> np.ndarray:
+        """Per rank: Trans + Agg (one broadcast and one reduce of each expert it holds a replica of
+        or owns; Eq. 8's exposed parts with ``eq8``)."""
+        t = self._member_collectives_s(p)
         if self.eq8:
             return np.maximum(0.0, t - fec - self.cost.t_fnec) + np.maximum(0.0, t - 2 * fec - self.cost.t_bnec)
         return 2.0 * t
@@ -167,10 +172,7 @@ class AutoPolicy(BalancePolicy):
         busy = base - self.pc.compute_s(fec / self.pc.fwd_s_per_input)
         if name == "none" or p.is_plain():
             return busy
-        t = np.zeros(self.num_ranks)
-        for e in p.replicated():
-            t[p.replica_sets[e]] += self.pc.param_collective_s
-        return busy + 2.0 * t
+        return busy + 2.0 * self._member_collectives_s(p)
 
     def exposed_moves_s(self, busy: np.ndarray, move: np.ndarray, iteration_s: float) -> float:
         """Best effort (FlexMoE, as the simulator runs it): the state moves fill each rank's idle
