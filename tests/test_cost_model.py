@@ -65,7 +65,7 @@ def test_one_module_everyone_imports():
 def test_calibration_writes_what_everything_reads(tmp_path):
     prof = {"a2a_bandwidth": [[65536, 1e9], [None, 4e9]], "trans_bandwidth": 2e9, "throughput": 5e5,
             "input_bytes": 512, "expert_bytes": 2 * 128 * 512 * 4, "t_fnec": 1e-3, "t_bnec": 2e-3,
-            "meta": {"source": "test"}}
+            "a2a_latency": 2e-4, "meta": {"source": "test"}}
     path = tmp_path / "p.json"
     save_profile(str(path), prof)
     cm = CostModel.from_profile(str(path))
@@ -74,6 +74,7 @@ def test_calibration_writes_what_everything_reads(tmp_path):
     pc = cm.planner_cost(4)
     assert pc.fwd_s_per_input == pytest.approx(1 / 5e5)
     assert pc.param_collective_s == pytest.approx(cm.t_trans(1, 0, 4))
+    assert pc.a2a_lat_s == pytest.approx(3 * 2e-4)        # one round: one message per peer
     from megatron_moe.sim.cluster import load_cluster
     cl = load_cluster(4, profile=str(path))
     assert cl.cost_model(np.arange(4)).throughput == pytest.approx(5e5)
@@ -84,3 +85,40 @@ def test_calibration_writes_what_everything_reads(tmp_path):
         save_profile(str(tmp_path / "bad.json"), dict(prof, throughput=0))
     assert not (tmp_path / "bad.json").exists()
     assert json.loads(path.read_text())["meta"] == {"source": "test"}
+
+
+def test_an_all_to_all_that_crosses_no_rank_is_priced_zero():
+    """The runtime skips an all-to-all whose EP-group matrix has no off-diagonal traffic
+    (balance/layer.py), so the one cost model prices it at zero, latency included; any crossing
+    input pays the bandwidth and the per-peer latency of all 4 rounds."""
+    from megatron_moe.balance.cost_model import a2a_crosses, rank_time_s
+    from megatron_moe.balance.layer import crosses_ranks
+    from megatron_moe.balance.policies.auto import AutoPolicy
+    from megatron_moe.balance.policies.base import Placement
+
+    cm = CostModel.from_dict({"throughput": 1e5, "input_bytes": 512, "a2a_latency": 3e-4})
+    pc = cm.planner_cost(2)
+    processed = np.array([1000.0, 1000.0])
+    local = np.array([[600.0, 0.0], [0.0, 400.0]])          # diagonal only: nothing crosses
+    crossing = np.array([[600.0, 1.0], [0.0, 400.0]])       # one input crosses
+    assert not a2a_crosses(local) and a2a_crosses(crossing)
+    assert list(a2a_crosses(np.stack([local, crossing]))) == [False, True]
+    np.testing.assert_allclose(rank_time_s(pc, processed, local), pc.compute_s(processed))
+    extra = rank_time_s(pc, processed, crossing) - pc.compute_s(processed)
+    assert extra == pytest.approx(4 * (pc.pair_s_per_input[0, 1] + 3e-4))
+    # the runtime's rule is this rule: send[e, src, dst] summed over experts
+    send = np.zeros((2, 2, 2))
+    send[0] = local
+    assert not crosses_ranks(send)
+    send[1, 0, 1] = 1
+    assert crosses_ranks(send)
+    # auto's price: every hot expert replicated where its inputs are (Pro-Prophet at skew) runs no
+    # all-to-all; moving one expert away (FlexMoE's placement) pays the latency of all 4 rounds
+    counts = np.array([[512.0, 512.0, 0, 0], [512.0, 512.0, 0, 0]])
+    auto = AutoPolicy(4, 2, cost=cm, persistent=False)
+    everywhere = Placement([[0, 1], [0, 1], [1], [1]], 2)
+    base, fec = auto._ranks(counts, everywhere)
+    np.testing.assert_allclose(base, 3 * fec)
+    moved = Placement([[0], [0, 1], [1], [1]], 2, vexperts=[[4, 0], [0, 2], [0, 1], [0, 1]])
+    base, fec = auto._ranks(counts, moved)
+    assert base.max() - 3 * fec.max() >= 4 * 3e-4

@@ -373,3 +373,16 @@ def test_smart_schedule_is_the_two_stream_makespan():
     # communication-bound: the segment is the two all-to-alls, no compute share exposed
     assert _pipelined(np.array([1.0]), np.array([1.5]), 8)[0] == pytest.approx(2.0)
     assert _pipelined(np.array([1.0]), np.array([1.5]), 1)[0] == pytest.approx(3.5)
+
+
+@pytest.mark.parametrize("algo", ["flat", "hierarchical", "pipe"])
+def test_alltoall_that_crosses_no_rank_costs_nothing(algo):
+    """As the runtime (balance/layer.py skips it) and the cost model (``a2a_crosses``): an EP
+    group whose matrix has only diagonal bytes runs no all-to-all, so not even its latency;
+    another group in the same call with one crossing byte pays at least the latency."""
+    cl = load_cluster(16)
+    t = np.zeros((2, 16, 16))
+    t[:, np.arange(16), np.arange(16)] = 1e6
+    t[1, 0, 9] = 1.0
+    got = alltoall_time(t, cl, algo)
+    assert got[0] == 0.0 and got[1] >= cl.intra_lat

@@ -9,6 +9,10 @@ it with ``save_profile`` and reads it with ``CostModel.from_profile`` in trainin
 * ``a2a_bandwidth``: a bandwidth-by-message-size table from timed point-to-point messages between two
   gloo ranks (the backend the layer's all-to-all, Trans and Agg use here);
 * ``trans_bandwidth``: the table's value at one expert's size;
+* ``a2a_latency``: the fixed time of one all-to-all round of the balanced layer (tokens and probs,
+  two collectives issued together, one row per peer), the median of timed rounds between two gloo
+  ranks: on a shared CPU host each collective costs a synchronisation the bandwidth table's best
+  point-to-point times do not show;
 * ``t_fnec``/``t_bnec``: forward/backward of one dense attention block of the given shape
   (seq x batch tokens), measured; BNEC from a real backward, not 2x.
 """
@@ -79,12 +83,32 @@ def _bandwidth_rank(rank, world, sizes, reps):
     return table
 
 
+def _latency_rank(rank, world, reps, hidden):
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    x, p = torch.zeros(world, hidden), torch.zeros(world)
+    ones = [1] * world
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        hx = dist.all_to_all_single(torch.empty_like(x), x, ones, ones, async_op=True)
+        hp = dist.all_to_all_single(torch.empty_like(p), p, ones, ones, async_op=True)
+        hx.wait(); hp.wait()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / (world - 1)      # per peer
+
+
 def calibrate(hidden, ffn, tokens, seq, sizes=None, reps=3):
     from megatron_moe.testing import run_distributed
 
     sizes = sizes or [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
     prof = measure_compute(hidden, ffn, tokens, seq, reps=reps)
     table = run_distributed(_bandwidth_rank, 2, sizes, reps, timeout_s=300)[0]
+    prof["a2a_latency"] = max(run_distributed(_latency_rank, 2, 10 * reps + 1, hidden, timeout_s=300))
     expert_bytes = 2 * hidden * ffn * 4
     rows = [[m, bw] for m, bw in table[:-1]] + [[None, table[-1][1]]]
     trans = next((bw for m, bw in rows if m is None or expert_bytes <= m), rows[-1][1])

@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["CostModel", "DEFAULT_PROFILE", "PlannerCost", "save_profile", "as_planner_cost", "sync_s_vec",
-           "a2a_s", "planner_cost_from_cost_model", "OffloadCost", "rank_time_s"]
+           "a2a_s", "planner_cost_from_cost_model", "OffloadCost", "rank_time_s", "a2a_crosses"]
 
 # Documented defaults (docs/balance.md): the paper artifact's A2A bandwidth table (Gb/s by message
 # size), 15 Gb/s for Trans/Agg, and a d_model=1024/d_ffn=2048 fp32 expert at 35.7 TFLOP/s.
@@ -47,6 +47,7 @@ DEFAULT_PROFILE = {
     "expert_bytes": 2 * 1024 * 2048 * 4,
     "t_fnec": 0.0,
     "t_bnec": 0.0,
+    "a2a_latency": 0.0,
 }
 
 
@@ -71,6 +72,7 @@ class CostModel:
     trans_bandwidth: Optional[float] = None  # B_x for Trans/Agg (None: the A2A table at expert size)
     t_fnec: float = 0.0                     # non-MoE forward seconds per block (Eq. 8)
     t_bnec: float = 0.0                     # non-MoE backward seconds per block (Eq. 8)
+    a2a_latency: float = 0.0                # fixed seconds per peer of one all-to-all round (calibrated)
 
     def __post_init__(self):
         self._a2a = _table(self.a2a_bandwidth)
@@ -135,7 +137,7 @@ class CostModel:
         return cls(input_bytes=float(merged["input_bytes"]), expert_bytes=float(merged["expert_bytes"]),
                    throughput=float(merged["throughput"]), a2a_bandwidth=merged["a2a_bandwidth"],
                    trans_bandwidth=merged["trans_bandwidth"], t_fnec=float(merged["t_fnec"]),
-                   t_bnec=float(merged["t_bnec"]))
+                   t_bnec=float(merged["t_bnec"]), a2a_latency=float(merged["a2a_latency"]))
 
     @classmethod
     def from_profile(cls, path: Optional[str], **overrides) -> "CostModel":
@@ -161,7 +163,8 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"a2a_bandwidth": [[m, b] for m, b in self._a2a], "trans_bandwidth": self.trans_bandwidth,
                 "throughput": self.throughput, "input_bytes": self.input_bytes,
-                "expert_bytes": self.expert_bytes, "t_fnec": self.t_fnec, "t_bnec": self.t_bnec}
+                "expert_bytes": self.expert_bytes, "t_fnec": self.t_fnec, "t_bnec": self.t_bnec,
+                "a2a_latency": self.a2a_latency}
 
 
 def save_profile(path: str, profile: dict) -> dict:
@@ -277,20 +280,32 @@ def rank_time_s(cost: PlannerCost, processed, traffic) -> np.ndarray:
     ``processed[g]`` inputs plus 4 all-to-alls of ``traffic[src, dst]`` inputs. An all-to-all is a
     collective, so every rank waits for the slowest one: its time is the largest per-rank send or
     receive time over the links plus the round's fixed per-peer latency ``a2a_lat_s`` (as the
-    simulator's flat model, without its per-node NIC sharing).
+    simulator's flat model, without its per-node NIC sharing); zero when no input crosses ranks
+    (``a2a_crosses``: the runtime skips such all-to-alls).
     ``--moe-balance-policy auto`` prices every candidate with it (plus each candidate's replica
     terms), so they compare on one scale."""
     t = cost.compute_s(processed)
-    if cost.pair_s_per_input is not None:
+    if cost.pair_s_per_input is not None and a2a_crosses(traffic):
         w = np.asarray(traffic, dtype=np.float64) * cost.pair_s_per_input
         t = t + 4.0 * (float(max(w.sum(axis=0).max(), w.sum(axis=1).max())) + cost.a2a_lat_s)
     return t
 
 
+def a2a_crosses(traffic):
+    """Whether an all-to-all with the EP group's matrix ``traffic[..., src, dst]`` (non-negative)
+    moves anything between two ranks (one bool per leading index). When it does not, the runtime
+    skips it (``balance/layer.py``: every rank holds the same all-gathered counts, so all skip
+    together) and the simulator (``sim/alltoall.py``) charges nothing for it, so it is priced at
+    zero here, latency included."""
+    w = np.asarray(traffic, dtype=np.float64)
+    return w.sum(axis=(-2, -1)) - np.trace(w, axis1=-2, axis2=-1) > 0
+
+
 def planner_cost_from_cost_model(cm, num_ranks: int) -> PlannerCost:
     """PlannerCost priced by a ``CostModel`` (the one training uses):
     forward compute 1/t, all-to-all via ``cm.t_a2a`` (bandwidth by message size), one expert's
-    parameter broadcast = ``cm.t_trans(1, 0, D)`` (and the gradient reduce = ``cm.t_agg``)."""
+    parameter broadcast = ``cm.t_trans(1, 0, D)`` (and the gradient reduce = ``cm.t_agg``); one
+    all-to-all round's fixed time = ``cm.a2a_latency`` per peer (as ``PlannerCost.from_cluster``)."""
     big = cm.bandwidth(float("inf"))
     pair = np.full((num_ranks, num_ranks), cm.input_bytes / big)
     np.fill_diagonal(pair, 0.0)
@@ -299,7 +314,8 @@ def planner_cost_from_cost_model(cm, num_ranks: int) -> PlannerCost:
                      grad_bytes=float(cm.expert_bytes), state_bytes=4.0 * float(cm.expert_bytes),
                      link_s_per_byte=pair / cm.input_bytes, node=np.zeros(num_ranks, dtype=np.int64),
                      intra_bw=cm._trans_bw() if hasattr(cm, "_trans_bw") else big,
-                     inter_bw=cm._trans_bw() if hasattr(cm, "_trans_bw") else big)
+                     inter_bw=cm._trans_bw() if hasattr(cm, "_trans_bw") else big,
+                     a2a_lat_s=(num_ranks - 1) * float(getattr(cm, "a2a_latency", 0.0)))
     pc.cost_model = cm
     return pc
 

@@ -36,6 +36,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megatron_moe import comm
+from megatron_moe.balance.cost_model import a2a_crosses
 from megatron_moe.balance.placement import LayerBalance
 
 __all__ = ["BalancedMoELayer"]
@@ -199,8 +200,7 @@ class BalancedMoELayer(MoELayer):
 
 def crosses_ranks(send: np.ndarray) -> bool:
     """Whether the dispatch matrix ``send[e, src, dst]`` moves any pair between two ranks."""
-    D = send.shape[1]
-    return bool((send.sum(axis=0) * (1 - np.eye(D, dtype=send.dtype))).any())
+    return bool(a2a_crosses(send.sum(axis=0)))   # the cost model's rule: it prices a skipped exchange as 0
 
 
 def _dispatch(group, send_x, send_p, out_splits, in_splits, st, xc):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_moe.balance.cost_model import a2a_crosses
+
 __all__ = ["ALGORITHMS", "alltoall_time"]
 
 ALGORITHMS = ("flat", "hierarchical", "pipe")
@@ -75,9 +77,15 @@ def _flat_linear(t4: np.ndarray, cluster, algorithm: str, n: int, l: int) -> np.
 
 
 def alltoall_time(traffic: np.ndarray, cluster, algorithm: str = "flat") -> np.ndarray:
-    """Seconds per EP group for one all-to-all with the given byte matrix."""
+    """Seconds per EP group for one all-to-all with the given byte matrix; 0 for a group whose
+    matrix moves nothing between ranks (the runtime skips that exchange, and the cost model's
+    ``a2a_crosses`` prices it at zero)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"sim: unknown all-to-all algorithm {algorithm!r}; choose from {ALGORITHMS}")
+    return np.where(a2a_crosses(traffic), _alltoall_time(traffic, cluster, algorithm), 0.0)
+
+
+def _alltoall_time(traffic: np.ndarray, cluster, algorithm: str) -> np.ndarray:
     g, p, _ = traffic.shape
     n, l = _layout(p, cluster.ranks_per_node)
     t4 = traffic.reshape(g, n, l, n, l)                      # [g, src node, src local, dst node, dst local]

@@ -114,6 +114,9 @@ class Cluster:
         table.  Link rates default to the table's large-message bandwidth (no topology file)."""
         table = [[m, b] for m, b in cm.to_dict()["a2a_bandwidth"]]
         big = float(table[-1][1])
+        if cm.a2a_latency > 0:            # the calibrated per-peer all-to-all latency (gloo here)
+            kw.setdefault("intra_lat", float(cm.a2a_latency))
+            kw.setdefault("inter_lat", float(cm.a2a_latency))
         return cls(num_gpus=num_gpus, ranks_per_node=min(ranks_per_node, num_gpus),
                    intra_bw=intra_bw or big, inter_bw=inter_bw or big,
                    expert_tokens_per_s=float(cm.throughput), bytes_per_input=float(cm.input_bytes),
