@@ -1,0 +1,68 @@
+"""auto's speed work changes no decision: on seeded simulator cells (tests/_auto_speed_cases.py,
+32/64/256 GPUs, 1-4 EP groups) every EP group's choice and committed placement per layer and
+iteration are equal to the outputs recorded from the code before it (tests/data/
+auto_speed_reference.json), auto's unscaled prices and the simulator's per-iteration results equal
+at rtol 1e-12 (the recording's numpy may differ from this venv's in the last bit of a sum)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests import _auto_speed_cases as cases
+
+with open(cases.PATH) as f:
+    RECORDED = json.load(f)
+
+
+def _diff(got, want):
+    """First difference between a live record and a recorded one (None when equal)."""
+    if len(got["steps"]) != len(want["steps"]):
+        return f"{len(got['steps'])} re-plans vs {len(want['steps'])}"
+    for i, (g, w) in enumerate(zip(got["steps"], want["steps"])):
+        if g["choice"] != w["choice"]:
+            return f"re-plan {i}: choices {g['choice']} vs {w['choice']}"
+        if g["placement"] != w["placement"]:
+            return f"re-plan {i}: placements differ"
+        for gp, wp in zip(g["price"], w["price"]):
+            if sorted(gp) != sorted(wp) or not all(
+                    (gp[c] is None) == (wp[c] is None) and (gp[c] is None or np.isclose(gp[c], wp[c], rtol=1e-12,
+                                                                                        atol=0))
+                    for c in wp):
+                return f"re-plan {i}: prices {gp} vs {wp}"
+    for k, w in want["values"].items():
+        if not np.allclose(got["values"][k], w, rtol=1e-12, atol=0):
+            return f"result {k} differs"
+    return None
+
+
+@pytest.mark.parametrize("i", range(len(cases.CELLS)))
+def test_auto_decisions_equal_recorded(i):
+    cell = cases.CELLS[i]
+    want = RECORDED[i]
+    assert want["cell"] == json.loads(json.dumps(list(cell))), "recorded cells out of date"
+    n = {}
+    got = cases.record(cell, n)
+    gpus, experts, *_, layers, iters, _ = cell
+    groups = gpus // min(gpus, experts)
+    # it ran: one joint plan per layer and iteration, one proposal per EP group
+    assert n["plan_groups"] == layers * iters and n["groups"] == layers * iters * groups
+    assert _diff(got, want) is None, _diff(got, want)
+
+
+def test_recorded_cells_exercise_every_regime():
+    """The recorded cells have FlexMoE, Pro-Prophet, a switch into FlexMoE and groups that differ."""
+    seqs = [[tuple(s["choice"]) for s in r["steps"]] for r in RECORDED]
+    flat = {c for seq in seqs for ch in seq for c in ch}
+    assert {"flexmoe", "proprophet"} <= flat
+    assert any(a != b for seq in seqs for a, b in zip(seq, seq[1:]))
+
+
+@pytest.mark.parametrize("i,mutation,where", [(6, {"max_stay": 2.0}, "prices"),
+                                              (4, {"coordinate": False}, "choices")])
+def test_a_changed_decision_is_caught(i, mutation, where):
+    """Mutations: a shorter expected stay changes FlexMoE's price in the switching cell; groups
+    choosing alone change the choices in the mixed one. The check sees each."""
+    gpus, experts, z, d, layers, iters, kw = cases.CELLS[i]
+    diff = _diff(cases.record((gpus, experts, z, d, layers, iters, dict(kw, **mutation))), RECORDED[i])
+    assert diff is not None and where in diff, diff
