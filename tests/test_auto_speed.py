@@ -66,3 +66,55 @@ def test_a_changed_decision_is_caught(i, mutation, where):
     gpus, experts, z, d, layers, iters, kw = cases.CELLS[i]
     diff = _diff(cases.record((gpus, experts, z, d, layers, iters, dict(kw, **mutation))), RECORDED[i])
     assert diff is not None and where in diff, diff
+
+
+def test_placement_fast_paths_equal_the_loops():
+    """base.Placement: the vectorised mask and validate agree with the per-expert rules on valid
+    and broken placements (a broken one still gets the per-expert one-line error)."""
+    from megatron_moe.balance.policies.base import Placement
+
+    rng = np.random.default_rng(0)
+    E, D = 8, 4
+    owner = Placement.plain(E, D).owner
+    checked = {True: 0, False: 0}
+    for _ in range(300):
+        sets = [sorted({int(owner[e])} | set(rng.choice(D, rng.integers(0, 3)).tolist())) for e in range(E)]
+        vx = None
+        if rng.random() < 0.5:
+            vx = [[int(rng.integers(1, 3)) if g in s else 0 for g in range(D)] for s in sets]
+        kind = rng.integers(0, 7)          # break it in one of six ways (0: leave it valid)
+        e = int(rng.integers(E))
+        if kind == 1:
+            sets[e] = sets[e][::-1] if len(sets[e]) > 1 else []
+        elif kind == 2:
+            sets[e] = sets[e] + [D]
+        elif kind == 3:
+            sets[e] = [g for g in range(D) if g != owner[e]][:1]
+        elif kind == 4:
+            sets[e] = [np.int64(g) for g in sets[e]]      # valid, but not Python ints: the loop decides
+        elif kind == 5 and vx is not None:
+            vx[e] = [1] * D
+        elif kind == 6 and vx is not None:
+            vx[e] = [0] * D
+        p = Placement(sets, D, vx)
+        if kind != 2:                                      # (a rank out of range: no mask)
+            want = np.zeros((D, E), dtype=bool)
+            for k, s in enumerate(sets):
+                want[s, k] = True
+            assert (p.mask() == want).all()
+        try:
+            slow_ok = True
+            q = Placement(sets, D, vx)
+            q._valid_fast = lambda *a: False               # the per-expert loop alone
+            q.validate()
+        except ValueError:
+            slow_ok = False
+        assert p._valid_fast() <= slow_ok                   # fast says valid only if it is
+        assert (p._valid_fast() == slow_ok) or kind == 4
+        try:
+            p.validate()
+            assert slow_ok
+        except ValueError:
+            assert not slow_ok
+        checked[slow_ok] += 1
+    assert min(checked.values()) > 50, checked

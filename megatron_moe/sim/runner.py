@@ -220,7 +220,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
             for g in range(groups):
                 placement = prev.get((g, l)) or Placement.plain(n_exp, p)
                 if placement.vexperts is not None:
-                    run_flex(g, _Priced(c[g], np.asarray(placement.vexperts, dtype=np.float64), costs[g]),
+                    run_flex(g, _Priced(c[g], layer_pols[g].vexperts_array(placement), costs[g]),
                              local, traffic, agg)
                 else:
                     run_replicas(g, placement, c, local, traffic, trans, agg)
@@ -231,7 +231,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 prev[(g, l)] = planned[g]
                 if pol.choice == "flexmoe":
                     if was[g] != "flexmoe":                      # switching in: replicas built from owners
-                        n = np.asarray(planned[g].vexperts)
+                        n = pol.vexperts_array(planned[g])
                         moves = [(int(owner[e]), int(r), float(costs[g].state_bytes))
                                  for e, r in zip(*np.nonzero(n)) if r != owner[e]]
                     else:

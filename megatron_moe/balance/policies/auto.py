@@ -41,6 +41,7 @@ candidate is chosen (a shadow table), so switching to it starts from a table ada
 
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -97,18 +98,56 @@ class AutoPolicy(BalancePolicy):
         self.last_times: Dict[str, float] = {}
         self.last_ops: List = []
         self.choices: Dict[str, int] = {c: 0 for c in self.cands}
+        self._memo: Optional[Dict] = None      # during propose(): per-placement arrays and prices
+        self._kept: Dict = {}                  # the arrays of the plans in _prev, for the next propose()
+
+    # -- speed: per-placement arrays and prices computed once per propose() ------------------------
+    # (a pure cache: every value is what the uncached call returns; tests/test_auto_speed.py)
+    def _cached(self, key, objs, fn):
+        """``fn()``, remembered under ``key`` while :meth:`propose` runs (the placements and counts
+        it prices are not changed meanwhile, nor the plans it keeps in ``_prev`` afterwards;
+        ``objs`` are kept alive so their ids stay theirs)."""
+        if self._memo is None:
+            return fn()
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = (objs, fn())
+        return hit[1]
+
+    def _vx(self, p: Placement) -> np.ndarray:
+        """FlexMoE vExpert counts of ``p`` as a float [E, D] array."""
+        return self._cached(("vx", id(p)), p, lambda: np.asarray(p.vexperts, dtype=np.float64))
+
+    def _mask(self, p: Placement) -> np.ndarray:
+        return self._cached(("mask", id(p)), p, p.mask)
+
+    def _content(self, p: Placement) -> bytes:
+        """What ``_ranks`` reads of ``p``: its vExperts, else its locality mask (the owners are
+        fixed), as bytes: equal plans of different objects (this plan and the last) price once."""
+        return self._cached(("content", id(p)), p, lambda: (b"v" + self._vx(p).tobytes()) if p.vexperts is not None
+                            else (b"m" + self._mask(p).tobytes()))
+
+    def vexperts_array(self, p: Placement) -> np.ndarray:
+        """``np.asarray(p.vexperts, float64)``; free for the plans this policy proposed last (the
+        simulator runs them)."""
+        hit = self._kept.get(("vx", id(p)))
+        return hit[1] if hit is not None and hit[0] is p else np.asarray(p.vexperts, dtype=np.float64)
 
     # -- the cost model's price of one placement ------------------------------------------------
     def _ranks(self, counts: np.ndarray, p: Placement):
         """Per-rank (compute + 4 all-to-alls) seconds of ``p`` on ``counts`` (``rank_time_s``)
         and per-rank forward compute seconds. FlexMoE placements route by the real-number router."""
+        return self._cached(("ranks", id(counts), self._content(p)), counts, lambda: self._ranks_now(counts, p))
+
+    def _ranks_now(self, counts: np.ndarray, p: Placement):
         if p.vexperts is not None:
-            keep, spill, frac = route_real(counts, np.asarray(p.vexperts, dtype=np.float64))
+            keep, spill, frac = route_real(counts, self._vx(p))
             traffic = spill.T @ frac                     # [src, dst]; a source never spills to itself
             H = keep.sum(axis=0) + traffic.sum(axis=0)
         else:
-            H = loads(counts, p)[0]
-            traffic = np.where(p.mask(), 0.0, counts) @ self._to_owner   # [src, owner]
+            m = self._mask(p)
+            H = loads(counts, p, m)[0]
+            traffic = np.where(m, 0.0, counts) @ self._to_owner   # [src, owner]
         return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
 
     def _base(self, counts: np.ndarray, p: Placement) -> float:
@@ -117,8 +156,9 @@ class AutoPolicy(BalancePolicy):
     def _member_collectives_s(self, p: Placement) -> np.ndarray:
         """Per rank: one broadcast of every replicated expert it is a member of."""
         t = np.zeros(self.num_ranks)
-        for e in p.replicated():
-            t[p.replica_sets[e]] += self.pc.param_collective_s
+        rep = [p.replica_sets[e] for e in p.replicated()]
+        if rep:     # one addition per (expert, member) in expert order, as a loop over experts would
+            np.add.at(t, np.fromiter(itertools.chain.from_iterable(rep), dtype=np.int64), self.pc.param_collective_s)
         return t
 
     def _transient_s(self, p: Placement, fec: np.ndarray) -> np.ndarray:
@@ -133,21 +173,29 @@ class AutoPolicy(BalancePolicy):
         """Per rank: (replica-group gradient sync per iteration, state-move seconds of this re-plan);
         None if the extra replicas do not fit the memory left. ``switching``: FlexMoE's replicas are
         built now from their owners (every non-owner replica moves), else only its ops move."""
-        hosts = np.asarray(p.vexperts) > 0                # [E, D]
+        hosts = self._vx(p) > 0                           # [E, D]
         extra = hosts.sum(axis=0) - np.bincount(self.owner, hosts[np.arange(self.num_experts), self.owner],
                                                 self.num_ranks)
         if self.memory_left_bytes is not None and extra.max() * self.pc.state_bytes > self.memory_left_bytes:
             return None
-        sync = (sync_s_vec(self.pc, hosts)[:, None] * hosts).sum(axis=0)
+        sync = self._cached(("sync", id(p)), p, lambda: (sync_s_vec(self.pc, hosts)[:, None] * hosts).sum(axis=0))
         if switching:                                    # switching in: every non-owner replica is new
-            moves = [(int(self.owner[e]), int(g)) for e, g in zip(*np.nonzero(hosts)) if g != self.owner[e]]
+            e, g = np.nonzero(hosts)
+            keep = g != self.owner[e]
+            a, b = self.owner[e[keep]], g[keep]
         else:
-            moves = [(a, b) for a, b, nb in self.cands["flexmoe"].adjustment_bytes(ops) if nb > 0]
+            ab = [(a, b) for a, b, nb in self.cands["flexmoe"].adjustment_bytes(ops) if nb > 0]
+            a, b = (np.array(v, dtype=np.int64).reshape(-1) for v in (zip(*ab) if ab else ((), ())))
+        return sync, self._move_s(a, b)
+
+    def _move_s(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Per rank: state-move seconds of the moves a[i] -> b[i] (``PlannerCost.state_move_s``
+        each, added to both ends in move order, as a loop over the moves would)."""
         move = np.zeros(self.num_ranks)
-        for a, b in moves:
-            t = self.pc.state_move_s(a, b)
-            move[a] += t; move[b] += t
-        return sync, move
+        if len(a) and self.pc.link_s_per_byte is not None:
+            t = np.where(a == b, 0.0, self.pc.state_bytes * self.pc.link_s_per_byte[a, b] + self.pc.lat)
+            np.add.at(move, np.stack([a, b], axis=1).ravel(), np.repeat(t, 2))
+        return move
 
     def expected_stay(self) -> float:
         """Re-plans a persistent placement is expected to stay useful: 1 / observed drift, capped."""
@@ -206,6 +254,15 @@ class AutoPolicy(BalancePolicy):
     def propose(self, counts) -> Dict[str, float]:
         """Step every candidate planner on ``counts`` and price its plan (this group alone); the
         choice is made by :func:`choose` (over all EP groups of the layer) and :meth:`commit`."""
+        self._memo = dict(self._kept)
+        try:
+            return self._propose(counts)
+        finally:
+            kept = {id(p) for p, _ in self._prev.values()}
+            self._kept = {k: v for k, v in self._memo.items() if k[0] in ("vx", "mask", "content", "sync") and k[1] in kept}
+            self._memo = None
+
+    def _propose(self, counts) -> Dict[str, float]:
         C = np.asarray(counts, dtype=np.float64)
         # drift: how each candidate's previous plan priced on the counts that really came
         self._checked = {}                 # candidate -> (previous plan priced on the counts that came, as predicted)
@@ -220,6 +277,8 @@ class AutoPolicy(BalancePolicy):
         prop, times, raw = {}, {}, {}
         for c, pol in self.cands.items():
             p = pol.plan(C, None)          # flexmoe: its own (shadow) table, stepped every re-plan
+            if p.vexperts is not None and hasattr(pol, "table"):    # the counts p was made from
+                self._cached(("vx", id(p)), p, lambda: pol.table.counts().astype(np.float64))
             ops = list(getattr(pol, "last_ops", None) or [])
             self._prev[c] = (p, self._base(C, p))
             entry = {"placement": p, "ops": ops}

@@ -16,6 +16,7 @@ room. ``dispatch_matrix`` gives either rule as ``send[e, src, dst]``; the layer 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Dict, List, Optional, Sequence, Type
 
 import numpy as np
@@ -61,7 +62,41 @@ class Placement:
     def owner(self) -> np.ndarray:
         return default_owner(self.num_experts, self.num_ranks)
 
-    def validate(self) -> "Placement":
+    def _valid_fast(self, vexperts_array=None) -> bool:
+        """Vectorised ``validate`` for the common case (replica sets of Python ints, integer
+        vExperts): True only if the placement is valid; anything else goes through the per-expert
+        checks below, which raise the one-line error."""
+        sets, E, D = self.replica_sets, self.num_experts, self.num_ranks
+        lens = np.fromiter(map(len, sets), dtype=np.int64, count=E)
+        if E == 0 or lens.min() < 1:
+            return False
+        flat = list(itertools.chain.from_iterable(sets))
+        if not all(type(x) is int for x in flat):
+            return False
+        a = np.asarray(flat, dtype=np.int64)
+        if a.min() < 0 or a.max() >= D:
+            return False
+        inner = np.ones(len(a) - 1, dtype=bool)           # consecutive entries of one set
+        inner[np.cumsum(lens)[:-1] - 1] = False
+        if (np.diff(a)[inner] <= 0).any():
+            return False
+        m = np.zeros((D, E), dtype=bool)
+        m[a, np.repeat(np.arange(E), lens)] = True
+        if not m[self.owner, np.arange(E)].all():
+            return False
+        if self.vexperts is not None:
+            n = np.asarray(self.vexperts) if vexperts_array is None else vexperts_array
+            if n.shape != (E, D) or n.dtype.kind not in "iu" or (n < 0).any() or (n.sum(axis=1) < 1).any():
+                return False
+            if ((n != 0) & ~m.T).any():
+                return False
+        return True
+
+    def validate(self, vexperts_array: Optional[np.ndarray] = None) -> "Placement":
+        """Raise a one-line ValueError unless the placement is well formed; ``vexperts_array``: the
+        caller's array holding the same counts as ``vexperts`` (spares converting the lists)."""
+        if self._valid_fast(vexperts_array):
+            return self
         owner = self.owner
         for e, s in enumerate(self.replica_sets):
             if len(s) == 1 and type(s[0]) is int and s[0] == owner[e]:
@@ -90,8 +125,9 @@ class Placement:
     def mask(self) -> np.ndarray:
         """[D, E] bool: rank d computes its own inputs for expert e."""
         m = np.zeros((self.num_ranks, self.num_experts), dtype=bool)
-        for e, s in enumerate(self.replica_sets):
-            m[s, e] = True
+        lens = np.fromiter(map(len, self.replica_sets), dtype=np.int64, count=self.num_experts)
+        ranks = np.fromiter(itertools.chain.from_iterable(self.replica_sets), dtype=np.int64, count=int(lens.sum()))
+        m[ranks, np.repeat(np.arange(self.num_experts), lens)] = True
         return m
 
     def is_plain(self) -> bool:
@@ -185,8 +221,9 @@ def dispatch_matrix(counts, placement: Placement) -> np.ndarray:
     return send
 
 
-def loads(counts, placement: Placement):
-    """ReplaceInputs: per-rank computed inputs H and A2A-received inputs R under ``placement``."""
+def loads(counts, placement: Placement, mask: Optional[np.ndarray] = None):
+    """ReplaceInputs: per-rank computed inputs H and A2A-received inputs R under ``placement``
+    (``mask``: its ``placement.mask()`` when the caller has it already)."""
     if placement.vexperts is not None:
         send = dispatch_matrix(np.rint(np.asarray(counts, dtype=np.float64)), placement)
         H = send.sum(axis=(0, 1)).astype(np.float64)
@@ -194,7 +231,7 @@ def loads(counts, placement: Placement):
         return H, R
     C = np.asarray(counts, dtype=np.float64)
     D, E = C.shape
-    m = placement.mask()
+    m = placement.mask() if mask is None else mask
     owner = placement.owner
     H = (C * m).sum(axis=1)
     remote = np.where(m, 0.0, C).sum(axis=0)          # per expert: inputs shipped to its owner

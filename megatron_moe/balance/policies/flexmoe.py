@@ -678,8 +678,12 @@ class FlexMoEPolicy(BalancePolicy):
     def placement(self) -> Placement:
         owner = default_owner(self.num_experts, self.num_ranks)
         n = self.table.counts()
-        sets = [sorted(set(np.nonzero(n[e])[0].tolist()) | {int(owner[e])}) for e in range(self.num_experts)]
-        return Placement(sets, self.num_ranks, n.tolist()).validate()
+        hosts = n != 0
+        hosts[np.arange(self.num_experts), owner] = True     # the owner keeps the master copy
+        ranks = np.nonzero(hosts)[1].tolist()                 # row by row: each expert's sorted ranks
+        end = np.cumsum(hosts.sum(axis=1)).tolist()
+        sets = [ranks[a:b] for a, b in zip([0] + end[:-1], end)]
+        return Placement(sets, self.num_ranks, n.tolist()).validate(n)
 
     @staticmethod
     def _key(placement: Placement):
