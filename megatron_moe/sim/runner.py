@@ -8,6 +8,7 @@ of the trace and runs its own policy instance; all groups run concurrently on th
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -152,10 +153,13 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     def run_replicas(g, placement, c, local, traffic, trans, agg):
         """Transient replica sets (Pro-Prophet): inputs of a replica rank stay there; Trans/Agg."""
         s = own_mask.copy()
-        for e in placement.replicated():
-            rs = placement.replica_sets[e]
-            s[rs, e] = True
-            trans[g, rs] += bcast_of(g, rs)
+        rep = placement.replicated()
+        if rep:     # every replica rank of every replicated expert at once; Trans summed in expert order
+            sets = [placement.replica_sets[e] for e in rep]
+            lens = [len(rs) for rs in sets]
+            flat = np.fromiter(itertools.chain.from_iterable(sets), dtype=np.int64, count=sum(lens))
+            s[flat, np.repeat(rep, lens)] = True
+            np.add.at(trans[g], flat, np.repeat([bcast_of(g, rs) for rs in sets], lens))
         agg[g] = trans[g]
         local[g] = c[g] * s
         traffic[g] = to_owner((c[g] * ~s)[None])[0]

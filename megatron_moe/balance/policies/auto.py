@@ -147,7 +147,10 @@ class AutoPolicy(BalancePolicy):
         else:
             m = self._mask(p)
             H = loads(counts, p, m)[0]
-            traffic = np.where(m, 0.0, counts) @ self._to_owner   # [src, owner]
+            traffic = np.where(m, 0.0, counts)             # [src, expert] -> [src, owner]
+            # (an owner of one or two contiguous experts: the one-hot matmul's sum is this one exactly)
+            k = self.num_experts // self.num_ranks
+            traffic = traffic.reshape(self.num_ranks, self.num_ranks, k).sum(axis=2) if k <= 2 else traffic @ self._to_owner
         return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
 
     def _base(self, counts: np.ndarray, p: Placement) -> float:

@@ -687,8 +687,8 @@ class FlexMoEPolicy(BalancePolicy):
 
     @staticmethod
     def _key(placement: Placement):
-        vx = None if placement.vexperts is None else tuple(tuple(r) for r in placement.vexperts)
-        return tuple(tuple(s) for s in placement.replica_sets), vx
+        vx = None if placement.vexperts is None else tuple(map(tuple, placement.vexperts))
+        return tuple(map(tuple, placement.replica_sets)), vx
 
     def plan(self, counts, current: Optional[Placement] = None) -> Placement:
         """One scheduler step from ``counts``.  With ``current`` (the placement the layer ran), the
