@@ -39,8 +39,10 @@ def _digest(p) -> str:
 
 
 def record(cell, counter=None):
-    """Run one cell; ``counter`` (a dict) gets the number of plan_groups calls and proposals."""
+    """Run one cell; ``counter`` (a dict) gets the number of plan_groups calls and proposals, and
+    of FlexMoE steps that started from the simulator's pricing of the running table (shared)."""
     from megatron_moe.balance.policies import auto as auto_mod
+    from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy
     from megatron_moe.sim.cluster import load_cluster
     from megatron_moe.sim.runner import simulate
     from megatron_moe.sim.traces import synthetic_trace
@@ -59,11 +61,18 @@ def record(cell, counter=None):
             counter["groups"] = counter.get("groups", 0) + len(policies)
         return out
 
-    auto_mod.plan_groups = plan_groups
+    step = FlexMoEPolicy.step
+
+    def counted_step(self, origin, priced=None):     # FlexMoE steps from the simulator's pricing
+        if counter is not None and priced is not None:
+            counter["shared"] = counter.get("shared", 0) + 1
+        return step(self, origin, priced)
+
+    auto_mod.plan_groups, FlexMoEPolicy.step = plan_groups, counted_step
     try:
         res = simulate(trace, load_cluster(gpus), "auto", policy_kwargs=dict(kw))
     finally:
-        auto_mod.plan_groups = orig
+        auto_mod.plan_groups, FlexMoEPolicy.step = orig, step
     values = {k: np.asarray(v, dtype=np.float64).ravel().tolist() for k, v in sorted(res.values.items())}
     return {"cell": [gpus, experts, z, d, layers, iters, kw], "steps": steps, "values": values}
 

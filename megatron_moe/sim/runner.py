@@ -76,7 +76,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
     ``degree`` > 1 pipelines each all-to-all / expert / all-to-all segment (FasterMoE's smart schedule).
     """
     from megatron_moe.balance.policies.fastermoe import FasterMoEPolicy, default_owner
-    from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy, _Priced
+    from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy
     from megatron_moe.balance.policies.base import Placement
 
     if policy not in POLICIES:
@@ -224,8 +224,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
             for g in range(groups):
                 placement = prev.get((g, l)) or Placement.plain(n_exp, p)
                 if placement.vexperts is not None:
-                    run_flex(g, _Priced(c[g], layer_pols[g].vexperts_array(placement), costs[g]),
-                             local, traffic, agg)
+                    run_flex(g, layer_pols[g].run_priced(c[g], placement), local, traffic, agg)
                 else:
                     run_replicas(g, placement, c, local, traffic, trans, agg)
             was = [pol.choice for pol in layer_pols]

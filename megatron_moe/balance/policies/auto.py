@@ -49,7 +49,7 @@ import numpy as np
 from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s, sync_s_vec
 from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, Placement, default_owner, loads,
                                                 make_policy, register_policy)
-from megatron_moe.balance.policies.flexmoe import route_real
+from megatron_moe.balance.policies.flexmoe import _Priced, route_real
 
 __all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
 
@@ -100,6 +100,7 @@ class AutoPolicy(BalancePolicy):
         self.choices: Dict[str, int] = {c: 0 for c in self.cands}
         self._memo: Optional[Dict] = None      # during propose(): per-placement arrays and prices
         self._kept: Dict = {}                  # the arrays of the plans in _prev, for the next propose()
+        self._shared = None                    # (counts, FlexMoE's pricing of them on its table): run_priced
 
     # -- speed: per-placement arrays and prices computed once per propose() ------------------------
     # (a pure cache: every value is what the uncached call returns; tests/test_auto_speed.py)
@@ -126,6 +127,20 @@ class AutoPolicy(BalancePolicy):
         fixed), as bytes: equal plans of different objects (this plan and the last) price once."""
         return self._cached(("content", id(p)), p, lambda: (b"v" + self._vx(p).tobytes()) if p.vexperts is not None
                             else (b"m" + self._mask(p).tobytes()))
+
+    def run_priced(self, counts: np.ndarray, p: Placement):
+        """FlexMoE's pricing (``_Priced``) of counts on the vExpert placement ``p`` that runs now,
+        for the simulator's router. When ``p`` is the shadow table's last plan (FlexMoE chosen),
+        it is that table's own ``price(counts)``, and the next :meth:`propose` of the same
+        ``counts`` array steps the table from it (as the flexmoe policy shares it with its step)."""
+        fx = self.cands.get("flexmoe")
+        last = self._prev.get("flexmoe")
+        if fx is not None and last is not None and last[0] is p \
+                and np.array_equal(fx.table.counts(), self.vexperts_array(p)):
+            pr = fx.price(counts)
+            self._shared = (counts, pr)
+            return pr
+        return _Priced(counts, self.vexperts_array(p), self.pc)
 
     def vexperts_array(self, p: Placement) -> np.ndarray:
         """``np.asarray(p.vexperts, float64)``; free for the plans this policy proposed last (the
@@ -279,7 +294,13 @@ class AutoPolicy(BalancePolicy):
         self._prev_counts = C.copy()
         prop, times, raw = {}, {}, {}
         for c, pol in self.cands.items():
-            p = pol.plan(C, None)          # flexmoe: its own (shadow) table, stepped every re-plan
+            if c == "flexmoe":             # its table priced on these counts already (run_priced)
+                sh, self._shared = self._shared, None
+                same = sh is not None and sh[0].dtype == C.dtype and np.array_equal(sh[0], C)
+                priced = sh[1] if same else None
+                p = pol.plan(C, None, priced)
+            else:
+                p = pol.plan(C, None)      # flexmoe: its own (shadow) table, stepped every re-plan
             if p.vexperts is not None and hasattr(pol, "table"):    # the counts p was made from
                 self._cached(("vx", id(p)), p, lambda: pol.table.counts().astype(np.float64))
             ops = list(getattr(pol, "last_ops", None) or [])

@@ -71,7 +71,7 @@ class Placement:
         if E == 0 or lens.min() < 1:
             return False
         flat = list(itertools.chain.from_iterable(sets))
-        if not all(type(x) is int for x in flat):
+        if not set(map(type, flat)) <= {int}:
             return False
         a = np.asarray(flat, dtype=np.int64)
         if a.min() < 0 or a.max() >= D:

@@ -690,16 +690,17 @@ class FlexMoEPolicy(BalancePolicy):
         vx = None if placement.vexperts is None else tuple(map(tuple, placement.vexperts))
         return tuple(map(tuple, placement.replica_sets)), vx
 
-    def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+    def plan(self, counts, current: Optional[Placement] = None, priced: Optional[_Priced] = None) -> Placement:
         """One scheduler step from ``counts``.  With ``current`` (the placement the layer ran), the
         layer's slot table is the one that produced ``current`` (an unknown placement, e.g. plain
-        EP at the start, begins from the initial table); without it the policy's own table is used."""
+        EP at the start, begins from the initial table); without it the policy's own table is used.
+        ``priced``: this table's :meth:`price` of ``counts`` when the caller has it (as ``step``)."""
         if current is not None:
             t = self._by_placement.get(self._key(current))
             self.table = (SlotTable(t.slots.copy(), t.num_experts, t.version) if t is not None else
                           SlotTable(initial_slots(self.num_experts, self.num_ranks, self.slots_per_rank),
                                     self.num_experts))
-        self.last_ops = self.step(np.asarray(counts))     # the balance manager counts them
+        self.last_ops = self.step(np.asarray(counts), priced)     # the balance manager counts them
         p = self.placement()
         k = self._key(p)
         self._by_placement[k] = SlotTable(self.table.slots.copy(), self.num_experts, self.table.version)
