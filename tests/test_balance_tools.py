@@ -145,6 +145,16 @@ def test_calibration_compute_part_feeds_the_cost_model(tmp_path):
     assert cm.bandwidth(1000) == 1e8 and cm.bandwidth(1 << 20) == 1e9 and cm.t_fnec == prof["t_fnec"]
 
 
+def test_calibrated_bandwidth_table_is_monotone():
+    """A best-of-N point-to-point time disturbed by other processes must not price one message size
+    (the 1 MB row: one expert's Trans) below the smaller and larger ones."""
+    from tools.calibrate_balance import monotone_table
+
+    noisy = [[1 << 14, 2.5e8], [1 << 18, 2.0e9], [1 << 20, 5.2e8], [1 << 22, 2.3e9]]
+    assert monotone_table(noisy) == [[1 << 14, 2.5e8], [1 << 18, 2.0e9], [1 << 20, 2.0e9], [1 << 22, 2.3e9]]
+    assert monotone_table(noisy[:2]) == noisy[:2]
+
+
 def test_routing_report_follows_flexmoe_vexperts(tmp_path):
     """With a trace row's vexperts, the 'after' load is FlexMoE's router split, not locality."""
     from tools import routing_report

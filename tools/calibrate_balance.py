@@ -7,12 +7,15 @@ it with ``save_profile`` and reads it with ``CostModel.from_profile`` in trainin
 
 * ``throughput``: expert forward inputs/s (a 2-GEMM GELU MLP of the given shape, one rank's threads);
 * ``a2a_bandwidth``: a bandwidth-by-message-size table from timed point-to-point messages between two
-  gloo ranks (the backend the layer's all-to-all, Trans and Agg use here);
+  gloo ranks (the backend the layer's all-to-all, Trans and Agg use here), made non-decreasing in the
+  message size (``monotone_table``);
 * ``trans_bandwidth``: the table's value at one expert's size;
 * ``a2a_latency``: the fixed time of one all-to-all round of the balanced layer (tokens and probs,
   two collectives issued together, one row per peer), the median of timed rounds between two gloo
-  ranks: on a shared CPU host each collective costs a synchronisation the bandwidth table's best
-  point-to-point times do not show;
+  ranks, each issued as the layer issues it: after the rank's own expert compute, not after a
+  barrier, so it includes the wait for the peer. On this shared CPU host that synchronisation is
+  ~2.4 ms a round against ~0.25 ms after a barrier; it is what the runtime saves by skipping an
+  exchange that crosses no rank, and the bandwidth table's best point-to-point times do not show it;
 * ``t_fnec``/``t_bnec``: forward/backward of one dense attention block of the given shape
   (seq x batch tokens), measured; BNEC from a real backward, not 2x.
 """
@@ -83,7 +86,7 @@ def _bandwidth_rank(rank, world, sizes, reps):
     return table
 
 
-def _latency_rank(rank, world, reps, hidden):
+def _latency_rank(rank, world, reps, hidden, ffn, tokens):
     import statistics
 
     import torch
@@ -91,9 +94,10 @@ def _latency_rank(rank, world, reps, hidden):
 
     x, p = torch.zeros(world, hidden), torch.zeros(world)
     ones = [1] * world
+    inp, w1, w2 = torch.randn(tokens, hidden), torch.randn(ffn, hidden) * 0.02, torch.randn(hidden, ffn) * 0.02
     times = []
     for _ in range(reps + 1):
-        dist.barrier()
+        torch.nn.functional.gelu(inp @ w1.t()) @ w2.t()       # the expert compute before a dispatch
         t0 = time.perf_counter()
         hx = dist.all_to_all_single(torch.empty_like(x), x, ones, ones, async_op=True)
         hp = dist.all_to_all_single(torch.empty_like(p), p, ones, ones, async_op=True)
@@ -102,13 +106,26 @@ def _latency_rank(rank, world, reps, hidden):
     return statistics.median(times[1:]) / (world - 1)      # per peer
 
 
+def monotone_table(table):
+    """``[[bytes, bytes/s], ...]`` by increasing size, each bandwidth raised to the best of the smaller
+    sizes: a larger message is never slower per byte on one link, so a lower best-of-N value is
+    another process's interference on this shared host (one such row priced a 1 MB Trans at a
+    quarter of the 256 KB and 4 MB rates, 4x the real Trans/Agg time, and made auto pick the
+    wrong placement in bench/imbalance_training.py)."""
+    out, best = [], 0.0
+    for nbytes, bw in table:
+        best = max(best, bw)
+        out.append([nbytes, best])
+    return out
+
+
 def calibrate(hidden, ffn, tokens, seq, sizes=None, reps=3):
     from megatron_moe.testing import run_distributed
 
     sizes = sizes or [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
     prof = measure_compute(hidden, ffn, tokens, seq, reps=reps)
-    table = run_distributed(_bandwidth_rank, 2, sizes, reps, timeout_s=300)[0]
-    prof["a2a_latency"] = max(run_distributed(_latency_rank, 2, 10 * reps + 1, hidden, timeout_s=300))
+    table = monotone_table(run_distributed(_bandwidth_rank, 2, sizes, reps, timeout_s=300)[0])
+    prof["a2a_latency"] = max(run_distributed(_latency_rank, 2, 10 * reps + 1, hidden, ffn, tokens, timeout_s=300))
     expert_bytes = 2 * hidden * ffn * 4
     rows = [[m, bw] for m, bw in table[:-1]] + [[None, table[-1][1]]]
     trans = next((bw for m, bw in rows if m is None or expert_bytes <= m), rows[-1][1])
