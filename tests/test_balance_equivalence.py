@@ -16,6 +16,8 @@ CASES4 = [
     dict(topk=1, iters=2, plans=["random", "planned"], n=1),
     dict(topk=2, iters=2, plans=["all", "planned"], n=0, overlap=True, split=True),
     dict(topk=2, iters=2, plans=["random", "planned"], n=1, overlap=True),
+    # --moe-balance-n cost: only planned placements, so the replicas counted are the planner's
+    dict(topk=2, iters=3, plans=["empty", "planned", "planned"], n="cost"),
 ]
 
 

@@ -191,3 +191,16 @@ def test_flags_doc_is_current():
         assert f.read() == text, "docs/flags.md is stale: run python tools/gen_flags_doc.py"
     for flag in flags.all_megatron_flags():
         assert f"| `{flag}` |" in text
+
+
+def test_moe_balance_n_accepts_an_int_or_cost(capsys):
+    """--moe-balance-n: an integer >= 0 (default 0) or 'cost'; anything else one line naming it."""
+    assert parse_args(BASE, world_size=1).moe_balance_n == 0
+    assert parse_args(BASE + ["--moe-balance-n", "2"], world_size=1).moe_balance_n == 2
+    assert parse_args(BASE + ["--moe-balance-n", "cost"], world_size=1).moe_balance_n == "cost"
+    for bad in ("many", "-1", "1.5"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(BASE + ["--moe-balance-n", bad], world_size=1)
+        assert exc.value.code == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "--moe-balance-n" in errors[0], errors

@@ -18,6 +18,7 @@ Integration (the training loop calls exactly these):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Dict, List, Optional
@@ -51,8 +52,10 @@ def add_arguments(parser):
     g.add_argument("--moe-balance-alpha", type=float, default=1.0,
                    help="Balance tolerance alpha of Eq. 7: stop the search when max H - min H < alpha*I/E "
                         "(default 1.0; the paper artifact hard-codes 3, which never triggers for few experts).")
-    g.add_argument("--moe-balance-n", type=int, default=0,
-                   help="Ranks a selected expert is NOT replicated to (0 = all ranks get a replica).")
+    g.add_argument("--moe-balance-n", type=_balance_n, default=0,
+                   help="Ranks a selected expert is NOT replicated to (0 = all ranks get a replica), or "
+                        "'cost': per replicated expert the planner picks n = D-k, k in {D, D/2, ..., 2}, "
+                        "by the Eq. 6/8 cost (its k heaviest senders keep a replica; docs/balance.md).")
     g.add_argument("--moe-balance-interval", type=int, default=1, help="Re-plan every N iterations.")
     g.add_argument("--moe-balance-overlap", action="store_true",
                    help="Block-wise scheduler (next iteration planned under the dispatch all-to-all, "
@@ -72,14 +75,24 @@ def add_arguments(parser):
     return parser
 
 
+def _balance_n(text):
+    """``--moe-balance-n``: an integer >= 0 or ``cost`` (argparse reports the one-line error)."""
+    if text == "cost":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--moe-balance-n {text!r}: must be an integer >= 0 or 'cost'") from None
+
+
 def _check_args(args):
     _with_defaults(args)
     if args.moe_balance_interval < 1:
         raise ValueError(f"--moe-balance-interval {args.moe_balance_interval}: must be >= 1")
     if args.moe_balance_alpha < 0:
         raise ValueError(f"--moe-balance-alpha {args.moe_balance_alpha}: must be >= 0")
-    if args.moe_balance_n < 0:
-        raise ValueError(f"--moe-balance-n {args.moe_balance_n}: must be >= 0")
+    from megatron_moe.balance.policies.proprophet import check_n
+    check_n(args.moe_balance_n)
 
 
 def validate_args(args):

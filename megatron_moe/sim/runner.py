@@ -20,7 +20,8 @@ from .traces import tile_sources
 
 __all__ = ["POLICIES", "available_policies", "simulate", "compare", "ep_layout"]
 
-POLICIES = ("none", "deepspeed", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap", "auto")
+POLICIES = ("none", "deepspeed", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap", "auto",
+            "proprophet-ncost", "proprophet-ncost+overlap")
 
 
 def _proprophet_cls():
@@ -118,6 +119,9 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         return x.reshape(x.shape[0], p, p, per_rank).sum(axis=3)
     base = policy.split("+")[0]
     overlap = policy.endswith("+overlap")
+    if base == "proprophet-ncost":          # Pro-Prophet with --moe-balance-n cost (fan-out per expert)
+        base = "proprophet"
+        kw.setdefault("n", "cost")
     pols = {}
     ds_cf = kw.pop("capacity_factor", None) if base == "deepspeed" else None
     if base == "fastermoe":

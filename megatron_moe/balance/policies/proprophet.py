@@ -10,6 +10,14 @@ nothing beats plain EP.
 Generalisation to E > D experts (ours, docs/balance.md): the heaviest rank picks, among its experts
 not yet selected, the one with the largest ``sum_{d != owner} C[d, e]`` (ties -> lowest expert); a
 rank counts as "used" once all its experts are selected. With E == D this is the paper's rule.
+
+``n="cost"`` (ours, opt-in, ``--moe-balance-n cost``): n is chosen per step by the same Eq. 6/8
+cost. For the expert the step selects, each fan-out k in {D, D/2, D/4, ..., 2} (the owner plus the
+k-1 non-owner ranks sending it the most inputs, i.e. n = D-k via BottomK) is priced with Trans/Agg
+summed per replicated expert (T_Trans = sum_j (D-n_j)/D * P/B, Eq. 4 per expert); the cheapest
+(ties -> the larger k, so n = 0 when nothing is saved) is taken and the greedy continues as before.
+The paper ran 8-32 GPUs with n in {0, 1}; at hundreds of ranks a full broadcast sends the hot expert
+to ranks that route it a handful of inputs.
 """
 
 from __future__ import annotations
@@ -23,7 +31,39 @@ from megatron_moe.balance.cost_model import CostModel
 from megatron_moe.balance.policies.base import (BalancePolicy, Placement, balance_degree, default_owner,
                                                 register_policy)
 
-__all__ = ["ProProphetPolicy", "SearchResult", "search"]
+__all__ = ["ProProphetPolicy", "SearchResult", "search", "check_n"]
+
+N_COST = "cost"
+
+
+def check_n(n, num_ranks: Optional[int] = None):
+    """``--moe-balance-n``: an int >= 0 (< num_ranks when known) or ``"cost"``; ValueError names the flag."""
+    if isinstance(n, str) and n == N_COST:
+        return n
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise ValueError(f"--moe-balance-n {n!r}: must be an integer >= 0 or 'cost'")
+    if n < 0 or (num_ranks is not None and n >= num_ranks):
+        hi = f"[0, {num_ranks - 1}] for {num_ranks} EP ranks" if num_ranks is not None else ">= 0"
+        raise ValueError(f"--moe-balance-n {n}: must be in {hi} (or 'cost')")
+    return int(n)
+
+
+def _bottom_k(col, o: int, n: int) -> List[int]:
+    """BottomK(n): the n non-owner ranks holding the fewest inputs of the expert (ties -> lowest rank)."""
+    if not n:
+        return []
+    others = np.delete(np.arange(len(col)), o)
+    order = np.lexsort((others, col[others]))
+    return sorted(int(d) for d in others[order[:n]])
+
+
+def _fanouts(D: int) -> List[int]:
+    """Candidate n of the cost mode: n = D - k for k = D, D/2, D/4, ..., 2 (k = replica ranks)."""
+    out, k = [], D
+    while k >= 2:
+        out.append(D - k)
+        k //= 2
+    return out or [0]
 
 
 @dataclasses.dataclass
@@ -54,8 +94,10 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
     if C.ndim != 2:
         raise ValueError(f"proprophet: counts must be [ranks, experts], got shape {C.shape}")
     D, E = C.shape
-    if not 0 <= n < D:
-        raise ValueError(f"--moe-balance-n {n}: must be in [0, {D - 1}] for {D} EP ranks")
+    n = check_n(n, D)
+    cost_mode = n == N_COST
+    fan = _fanouts(D) if cost_mode else [n]
+    s_eff = 0.0                                                # cost mode: sum_j (D - n_j) / D
     owner = default_owner(E, D)
     I = float(C.sum()) if num_inputs is None else float(num_inputs)
     colsum = C.sum(axis=0)                                     # plain EP loads (ReplaceInputs)
@@ -88,22 +130,26 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
             used[i] = True
         o = int(owner[e])
         col = C[:, e]
-        members = np.ones(D, dtype=bool)
-        nb: List[int] = []
-        if n:
-            others = np.delete(np.arange(D), o)
-            order = np.lexsort((others, col[others]))            # by count, ties -> lowest rank
-            nb = sorted(int(d) for d in others[order[:n]])       # BottomK
-            members[nb] = False
-        # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
-        moved = np.where(members, col, 0.0)
-        moved[o] = 0.0
-        H = H + moved
-        H[o] -= moved.sum()
-        R = R.copy()
-        R[o] -= moved.sum()
+        cand = None
+        for nn in fan:
+            nb = _bottom_k(col, o, nn)
+            # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
+            moved = col.copy()
+            moved[nb] = 0.0
+            moved[o] = 0.0
+            H2 = H + moved
+            H2[o] -= moved.sum()
+            R2 = R.copy()
+            R2[o] -= moved.sum()
+            if cost_mode:   # Eq. 4/5 per replicated expert: t_trans(s, 0, D) = s * P / B, s = sum (D-n_j)/D
+                t = cost.layer_time(R2, H2, s_eff + (D - nn) / D, 0, D, eq8)
+            else:
+                t = cost.layer_time(R2, H2, len(steps) + 1, n, D, eq8)
+            if cand is None or t < cand[0]:                    # strict: ties keep the larger fan-out
+                cand = (t, nn, nb, H2, R2)
+        t, nn, nb, H, R = cand
+        s_eff += (D - nn) / D
         steps.append((e, nb))
-        t = cost.layer_time(R, H, len(steps), n, D, eq8)
         times.append(t)
         if t < t_best:                                         # strict: ties keep the shorter prefix
             t_best, cnt, best_H, best_R = t, len(steps), H, R
@@ -117,14 +163,12 @@ class ProProphetPolicy(BalancePolicy):
     name = "proprophet"
 
     def __init__(self, num_experts: int, num_ranks: int, cost: Optional[CostModel] = None,
-                 alpha: float = 3.0, n: int = 0, eq8: bool = False, num_inputs: Optional[float] = None):
+                 alpha: float = 3.0, n=0, eq8: bool = False, num_inputs: Optional[float] = None):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
-        self.alpha, self.n, self.eq8, self.num_inputs = float(alpha), int(n), bool(eq8), num_inputs
+        self.alpha, self.n, self.eq8, self.num_inputs = float(alpha), check_n(n, num_ranks), bool(eq8), num_inputs
         if self.alpha < 0:
             raise ValueError(f"--moe-balance-alpha {alpha}: must be >= 0")
-        if not 0 <= self.n < num_ranks:
-            raise ValueError(f"--moe-balance-n {n}: must be in [0, {num_ranks - 1}] for {num_ranks} EP ranks")
         self.last: Optional[SearchResult] = None
 
     def plan(self, counts, current: Optional[Placement] = None) -> Placement:
