@@ -211,7 +211,7 @@ def test_stats_peek_equals_add_then_predict():
 
 
 def test_cost_mode_picks_the_fanout():
-    """n='cost': at D=256 with one hot expert sent by 7 ranks the step keeps the owner + those 7
+    """n="cost": at D=256 with one hot expert sent by 7 ranks the plan keeps the owner + those 7
     (n = 248, a proper subset) and is cheaper than n = 0; at D=4 with uniform sources it keeps n = 0."""
     cm = gold_cost(trans_bandwidth=15e9 / 8)
     D = 256
@@ -220,7 +220,7 @@ def test_cost_mode_picks_the_fanout():
     full, sub = search(C, cm, 1.0, 0), search(C, cm, 1.0, "cost")
     assert full.plan == [(0, [])]
     assert sub.plan and sub.plan[0][0] == 0
-    assert sub.plan[0][1] == list(range(8, D))                   # BottomK(248): all but the 7 senders
+    assert sub.n == 248 and sub.plan[0][1] == list(range(8, D))     # BottomK(248): all but the 7 senders
     assert sub.time_s < full.time_s < sub.noop_time_s
     p = ProProphetPolicy(D, D, cost=cm, alpha=1.0, n="cost").plan(C)
     assert p.replica_sets[0] == list(range(8))
@@ -228,6 +228,6 @@ def test_cost_mode_picks_the_fanout():
     C = np.full((D, D), 100.0)
     C[:, 0] = 30000.0
     r0, rc = search(C, cm, 1.0, 0), search(C, cm, 1.0, "cost")
-    assert rc.plan == r0.plan == [(0, [])] and rc.time_s == r0.time_s
+    assert rc.n == 0 and rc.plan == r0.plan == [(0, [])] and rc.time_s == r0.time_s
     with pytest.raises(ValueError, match="--moe-balance-n"):
         ProProphetPolicy(4, 4, n="all")

@@ -11,13 +11,13 @@ Generalisation to E > D experts (ours, docs/balance.md): the heaviest rank picks
 not yet selected, the one with the largest ``sum_{d != owner} C[d, e]`` (ties -> lowest expert); a
 rank counts as "used" once all its experts are selected. With E == D this is the paper's rule.
 
-``n="cost"`` (ours, opt-in, ``--moe-balance-n cost``): n is chosen per step by the same Eq. 6/8
-cost. For the expert the step selects, each fan-out k in {D, D/2, D/4, ..., 2} (the owner plus the
-k-1 non-owner ranks sending it the most inputs, i.e. n = D-k via BottomK) is priced with Trans/Agg
-summed per replicated expert (T_Trans = sum_j (D-n_j)/D * P/B, Eq. 4 per expert); the cheapest
-(ties -> the larger k, so n = 0 when nothing is saved) is taken and the greedy continues as before.
-The paper ran 8-32 GPUs with n in {0, 1}; at hundreds of ranks a full broadcast sends the hot expert
-to ranks that route it a handful of inputs.
+``n="cost"`` (ours, opt-in, ``--moe-balance-n cost``): each plan runs Alg. 1 once per fan-out
+k in {D, D/2, D/4, ..., 2} (n = D - k via BottomK: the owner plus the k-1 ranks sending the expert
+the most inputs keep a replica) and keeps the plan with the smallest Eq. 6/8 time (ties -> larger k,
+so n = 0 when nothing is saved). The paper ran 8-32 GPUs with n in {0, 1}; at hundreds of ranks a
+full broadcast sends every hot expert to ranks that route it few inputs. A per-step choice of k
+inside one greedy was tried first and lost: a partly replicated owner becomes the heaviest rank
+again and the greedy stops on "used" after 2-3 experts (docs/sim.md).
 """
 
 from __future__ import annotations
@@ -48,17 +48,8 @@ def check_n(n, num_ranks: Optional[int] = None):
     return int(n)
 
 
-def _bottom_k(col, o: int, n: int) -> List[int]:
-    """BottomK(n): the n non-owner ranks holding the fewest inputs of the expert (ties -> lowest rank)."""
-    if not n:
-        return []
-    others = np.delete(np.arange(len(col)), o)
-    order = np.lexsort((others, col[others]))
-    return sorted(int(d) for d in others[order[:n]])
-
-
-def _fanouts(D: int) -> List[int]:
-    """Candidate n of the cost mode: n = D - k for k = D, D/2, D/4, ..., 2 (k = replica ranks)."""
+def fanouts(D: int) -> List[int]:
+    """The n tried by ``n="cost"``: n = D - k for k = D, D/2, D/4, ..., 2 (k = ranks holding the expert)."""
     out, k = [], D
     while k >= 2:
         out.append(D - k)
@@ -77,6 +68,7 @@ class SearchResult:
     H_after: np.ndarray
     R_after: np.ndarray
     stop: str                               # "balanced" | "used" | "exhausted"
+    n: int = 0                              # the n the plan was searched with
 
     @property
     def balance_before(self) -> float:
@@ -89,15 +81,15 @@ class SearchResult:
 
 def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float] = None,
            eq8: bool = False) -> SearchResult:
-    """Algorithm 1 on the count matrix ``C[d, e]``; ``num_inputs`` = I (default: C.sum())."""
+    """Algorithm 1 on the count matrix ``C[d, e]``; ``num_inputs`` = I (default: C.sum()).
+    ``n="cost"``: the cheapest of the searches over ``fanouts(D)`` (first = n 0 wins ties)."""
     C = np.asarray(C, dtype=np.float64)
     if C.ndim != 2:
         raise ValueError(f"proprophet: counts must be [ranks, experts], got shape {C.shape}")
     D, E = C.shape
     n = check_n(n, D)
-    cost_mode = n == N_COST
-    fan = _fanouts(D) if cost_mode else [n]
-    s_eff = 0.0                                                # cost mode: sum_j (D - n_j) / D
+    if n == N_COST:
+        return min((search(C, cost, alpha, k, num_inputs, eq8) for k in fanouts(D)), key=lambda r: r.time_s)
     owner = default_owner(E, D)
     I = float(C.sum()) if num_inputs is None else float(num_inputs)
     colsum = C.sum(axis=0)                                     # plain EP loads (ReplaceInputs)
@@ -130,30 +122,26 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
             used[i] = True
         o = int(owner[e])
         col = C[:, e]
-        cand = None
-        for nn in fan:
-            nb = _bottom_k(col, o, nn)
-            # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
-            moved = col.copy()
-            moved[nb] = 0.0
-            moved[o] = 0.0
-            H2 = H + moved
-            H2[o] -= moved.sum()
-            R2 = R.copy()
-            R2[o] -= moved.sum()
-            if cost_mode:   # Eq. 4/5 per replicated expert: t_trans(s, 0, D) = s * P / B, s = sum (D-n_j)/D
-                t = cost.layer_time(R2, H2, s_eff + (D - nn) / D, 0, D, eq8)
-            else:
-                t = cost.layer_time(R2, H2, len(steps) + 1, n, D, eq8)
-            if cand is None or t < cand[0]:                    # strict: ties keep the larger fan-out
-                cand = (t, nn, nb, H2, R2)
-        t, nn, nb, H, R = cand
-        s_eff += (D - nn) / D
+        members = np.ones(D, dtype=bool)
+        nb: List[int] = []
+        if n:
+            others = np.delete(np.arange(D), o)
+            order = np.lexsort((others, col[others]))            # by count, ties -> lowest rank
+            nb = sorted(int(d) for d in others[order[:n]])       # BottomK
+            members[nb] = False
+        # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
+        moved = np.where(members, col, 0.0)
+        moved[o] = 0.0
+        H = H + moved
+        H[o] -= moved.sum()
+        R = R.copy()
+        R[o] -= moved.sum()
         steps.append((e, nb))
+        t = cost.layer_time(R, H, len(steps), n, D, eq8)
         times.append(t)
         if t < t_best:                                         # strict: ties keep the shorter prefix
             t_best, cnt, best_H, best_R = t, len(steps), H, R
-    return SearchResult(steps[:cnt], steps, times, t_best, t_noop, H0, best_H, best_R, stop)
+    return SearchResult(steps[:cnt], steps, times, t_best, t_noop, H0, best_H, best_R, stop, n)
 
 
 @register_policy
