@@ -141,5 +141,8 @@ def test_equivalence_ep2(tmp_path):
 def test_equivalence_ep4_and_plan_determinism():
     out = run_distributed(_balance_cases.equivalence_rank, 4, CASES4, timeout_s=300)
     _check(CASES4, out)
+    # --moe-balance-n cost ran a proper-subset replica set (the planner chose n = 2 of 4 ranks)
+    cost = next(i for i, c in enumerate(CASES4) if c.get("n") == "cost")
+    assert any(1 < len(s) < 4 for it in out[0][cost]["placements"] for p in it for s in p["replica_sets"])
     plans = [r[-1]["plans"] for r in out]
     assert all(p == plans[0] for p in plans) and plans[0]
