@@ -264,9 +264,14 @@ class AutoPolicy(BalancePolicy):
             if parts is None:
                 return None
             steady, busy, move = parts
-            spread = self.interval * (self.expected_stay() if switching else 1.0)
-            return float(steady.max() + self.exposed_moves_s(busy, move, steady.max()) / spread)
+            return self._flex_time(steady, busy, move, switching)
         return float((base + self._transient_s(p, fec)).max())
+
+    def _flex_time(self, steady: np.ndarray, busy: np.ndarray, move: np.ndarray, switching: bool) -> float:
+        """FlexMoE's layer seconds: the slowest rank's steady time plus the exposed part of the
+        re-plan's moves, paid once per interval (a build when switching in: once per expected stay)."""
+        spread = self.interval * (self.expected_stay() if switching else 1.0)
+        return float(steady.max() + self.exposed_moves_s(busy, move, steady.max()) / spread)
 
     # -- the policy -----------------------------------------------------------------------------
     def propose(self, counts) -> Dict[str, float]:
@@ -313,9 +318,7 @@ class AutoPolicy(BalancePolicy):
                 if parts is not None:        # as price(): this group alone
                     steady, busy, move = parts
                     build = self._persistent_s(p, ops, True)[1]
-                    spread = self.interval * (self.expected_stay() if switching else 1.0)
-                    t = float(steady.max() + self.exposed_moves_s(busy, build if switching else move,
-                                                                  steady.max()) / spread)
+                    t = self._flex_time(steady, busy, build if switching else move, switching)
                     entry.update(steady=float(steady.max()) * self.factor[c], busy=busy, move=move, build=build,
                                  raw=float(steady.max()))
             else:
