@@ -31,6 +31,14 @@ import numpy as np
 __all__ = ["Cluster", "load_cluster"]
 
 
+def _by_size(table, nbytes: np.ndarray) -> np.ndarray:
+    """The value of ``table`` ([[max_bytes or None, value], ...], ascending, None = any size) for each
+    size in ``nbytes``: the first row whose limit is at least the size."""
+    limits = np.array([np.inf if m is None else m for m, _ in table])
+    values = np.array([v for _, v in table], dtype=np.float64)
+    return values[np.minimum(np.searchsorted(limits, nbytes, side="left"), len(values) - 1)]
+
+
 @dataclasses.dataclass
 class Cluster:
     num_gpus: int
@@ -90,9 +98,7 @@ class Cluster:
         nbytes = np.asarray(nbytes, dtype=np.float64)
         if not self.msg_efficiency:
             return np.ones_like(nbytes)
-        limits = np.array([np.inf if m is None else m for m, _ in self.msg_efficiency])
-        frac = np.array([f for _, f in self.msg_efficiency], dtype=np.float64)
-        return frac[np.minimum(np.searchsorted(limits, nbytes, side="left"), len(frac) - 1)]
+        return _by_size(self.msg_efficiency, nbytes)
 
     # -- bandwidth by message size (the calibration table caps the link rate for small messages)
     def transfer_time(self, nbytes, intra) -> np.ndarray:
@@ -100,10 +106,7 @@ class Cluster:
         nbytes = np.asarray(nbytes, dtype=np.float64)
         bw = np.where(intra, self.intra_bw, self.inter_bw)
         if self.a2a_bw_table:
-            limits = np.array([np.inf if m is None else m for m, _ in self.a2a_bw_table])
-            rates = np.array([b for _, b in self.a2a_bw_table], dtype=np.float64)
-            idx = np.minimum(np.searchsorted(limits, nbytes, side="left"), len(rates) - 1)
-            bw = np.minimum(bw, rates[idx])
+            bw = np.minimum(bw, _by_size(self.a2a_bw_table, nbytes))
         return nbytes / bw
 
     @classmethod
