@@ -93,8 +93,11 @@ def calibrate(args, path):
     h, f = 128, 512
     # per-message latency folded into the bandwidth-by-size table the CostModel reads
     table = [[m, m / (m / bw + lat)] for m in (4096, 65536, 1 << 20)] + [[None, bw]]
+    # a2a_latency: the per-peer round time the FlexMoE / FasterMoE / auto pricing adds to the
+    # large-message rate (PlannerCost.a2a_lat_s); Eq. 1 reads the table above, which already holds it
     profile = {"a2a_bandwidth": table, "trans_bandwidth": bcast, "throughput": 3.0 / fwd_bwd,
                "input_bytes": h * 4, "expert_bytes": 2 * h * f * 4, "t_fnec": 0.0, "t_bnec": 0.0,
+               "a2a_latency": lat,
                "meta": {"source": "bench/policies.py calibrate, 2 gloo ranks, 1 thread each",
                         "a2a_latency_s": lat}}
     save_profile(path, profile)

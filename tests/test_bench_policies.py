@@ -23,6 +23,9 @@ def test_short_run(tmp_path, capsys):
     prof = res["profile"]
     cm = CostModel.from_dict({k: v for k, v in prof.items() if k != "meta"})
     assert cm.throughput > 0 and prof["meta"]["a2a_latency_s"] > 0
+    # the planners' per-peer round latency comes from the same calibration as the table
+    assert cm.a2a_latency == prof["meta"]["a2a_latency_s"]
+    assert cm.planner_cost(2).a2a_lat_s == cm.a2a_latency
 
     skewed = res["measured"][True]
     trace = load_trace_dir(skewed["trace_dir"])          # [iterations, layers, src, experts]
