@@ -65,7 +65,7 @@ def test_one_module_everyone_imports():
 def test_calibration_writes_what_everything_reads(tmp_path):
     prof = {"a2a_bandwidth": [[65536, 1e9], [None, 4e9]], "trans_bandwidth": 2e9, "throughput": 5e5,
             "input_bytes": 512, "expert_bytes": 2 * 128 * 512 * 4, "t_fnec": 1e-3, "t_bnec": 2e-3,
-            "a2a_latency": 2e-4, "meta": {"source": "test"}}
+            "a2a_latency": 2e-4, "trans_latency": 3e-5, "trans_ring": False, "meta": {"source": "test"}}
     path = tmp_path / "p.json"
     save_profile(str(path), prof)
     cm = CostModel.from_profile(str(path))
@@ -74,6 +74,8 @@ def test_calibration_writes_what_everything_reads(tmp_path):
     pc = cm.planner_cost(4)
     assert pc.fwd_s_per_input == pytest.approx(1 / 5e5)
     assert pc.param_collective_s == pytest.approx(cm.t_trans(1, 0, 4))
+    assert pc.param_collective_s == pytest.approx(cm.expert_bytes / 2e9 + 3 * 3e-5)   # 3 hops
+    assert pc.lat == 3e-5
     assert pc.a2a_lat_s == pytest.approx(3 * 2e-4)        # one round: one message per peer
     from megatron_moe.sim.cluster import load_cluster
     cl = load_cluster(4, profile=str(path))

@@ -288,9 +288,58 @@ def test_broadcast_efficiency_prices_trans_agg_and_the_planner():
     ranks = np.arange(8)
     assert slow.broadcast_time(15e6, ranks) == pytest.approx(full.broadcast_time(15e6, ranks) / 0.15)
     assert slow.cost_model(ranks).t_trans(1, 0, 8) == pytest.approx(full.cost_model(ranks).t_trans(1, 0, 8) / 0.15)
+    lat = Cluster(**dict(kw, inter_lat=1e-5, intra_lat=1e-5), bcast_efficiency=0.15)
+    assert lat.cost_model(ranks).t_trans(1, 0, 8) == pytest.approx(slow.cost_model(ranks).t_trans(1, 0, 8) + 7e-5)
     assert slow.allreduce_time(15e6, ranks) == pytest.approx(full.allreduce_time(15e6, ranks))
     with pytest.raises(ValueError, match="bcast_efficiency"):
         Cluster(**kw, bcast_efficiency=0.0)
+
+
+@pytest.mark.parametrize("gpus", [32, 256])
+def test_proprophet_planner_prices_trans_agg_as_the_simulator_charges(gpus):
+    """Pro-Prophet's Eq. 4/5 (``Cluster.cost_model``) is the simulator's ring broadcast: the
+    bottleneck link at the broadcast efficiency plus D - n - 1 hop latencies (3.22 ms per expert
+    over 256 default ranks, against the 0.67 ms of P / B alone that the planner priced before), so
+    the Trans/Agg the planner priced for its plan is what the simulated iteration is charged.
+    Mutations that fail it: ``trans_latency=self.max_lat(ranks)`` dropped from ``Cluster.cost_model``;
+    the ``(k - 1) * hop_latency`` term dropped from ``cost_model.broadcast_s`` in t_trans only."""
+    from megatron_moe.balance.policies.proprophet import search
+
+    cl = load_cluster(gpus)
+    ranks = np.arange(gpus)
+    cm = cl.cost_model(ranks)
+    P = cl.expert_param_bytes
+    assert cl.inter_lat > 0 and cm.trans_latency == cl.inter_lat
+    for n in (0, 1, gpus // 2):
+        members = ranks[n:]                                    # spans nodes, as the whole group
+        assert cm.t_trans(3, n, gpus) == pytest.approx(3 * cl.broadcast_time(P, members), rel=1e-12)
+        assert cm.t_trans(3, n, gpus) > 3 * P / (cl.inter_bw * cl.bcast_efficiency) + 3 * (gpus - n - 2) * cl.inter_lat
+    # end to end: iteration 1 runs the plan made from iteration 0's counts (1 layer, n = 0)
+    trace = synthetic_trace(gpus, gpus, 2, 1, inputs_per_source=2048, zipf_s=1.2, seed=3)
+    res = simulate(trace, cl, "proprophet")
+    plan = search(trace[0, 0], cm, alpha=1.0, n=0).plan
+    assert 0 < len(plan) < gpus
+    priced = cm.t_trans(len(plan), 0, gpus) + cm.t_agg(len(plan), 0, gpus)
+    assert res.values["trans_agg_s"][1] == pytest.approx(priced, rel=1e-12)
+
+
+def test_trans_latency_term_of_the_papers_eq4():
+    """Training's CostModel keeps the paper's Eq. 4 bandwidth term ((D - n) / D of one expert per
+    rank) and adds ``trans_latency`` per hop; 0 (the default, and every profile without the key)
+    prices bit-identically to the paper's formula. Mutation that fails it: the latency term dropped
+    from ``CostModel.t_trans``."""
+    from megatron_moe.balance.cost_model import CostModel
+
+    base = dict(input_bytes=4096.0, expert_bytes=16e6, throughput=1e6, trans_bandwidth=2e9)
+    paper, lat = CostModel(**base), CostModel(**base, trans_latency=1e-4)
+    for s, n, D in ((1, 0, 8), (3, 2, 8), (5, 0, 32), (2, 7, 8)):
+        assert paper.t_trans(s, n, D) == s * (D - n) * 16e6 / (D * 2e9)          # exactly the paper's
+        assert lat.t_trans(s, n, D) == pytest.approx(paper.t_trans(s, n, D) + s * (D - n - 1) * 1e-4)
+        assert lat.t_agg(s, n, D) == lat.t_trans(s, n, D)
+    assert CostModel.from_dict({}).trans_latency == 0.0 and not CostModel.from_dict({}).trans_ring
+    ring = CostModel(**base, trans_latency=1e-4, trans_ring=True)
+    assert ring.t_trans(2, 4, 8) == pytest.approx(2 * (16e6 / 2e9 + 3 * 1e-4))   # every link carries P
+    assert ring.t_trans(2, 7, 8) == 0.0                                            # owner only
 
 
 # ---- top-k routing: every token goes to k distinct experts (traces.synthetic_trace top_k)

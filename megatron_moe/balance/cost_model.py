@@ -15,12 +15,25 @@ Per MoE layer, with R = inputs each rank receives in one all-to-all and H = inpu
     T_A2A(R)      = max_i R_i * size(input) / B(msg)          (1)  B from a bandwidth-by-size table
     T_FEC(H)      = max_i H_i / t                             (2)
     T_BEC(H)      = 2 * T_FEC(H)                              (3)
-    T_Trans(s, n) = s * (D - n) * size(params) / (D * B_x)    (4)
-    T_Agg(s, n)   = s * (D - n) * size(grads)  / (D * B_x)    (5)
+    T_Trans(s, n) = s * (D - n) * size(params) / (D * B_x)    (4)  + s * (D - n - 1) * lambda_x
+    T_Agg(s, n)   = s * (D - n) * size(grads)  / (D * B_x)    (5)  + s * (D - n - 1) * lambda_x
     T'            = 4 T_A2A + 3 T_FEC + T_Trans + T_Agg       (6)
     T_PTrans      = max(0, T_Trans - T_FEC - T_FNEC)
     T_PAgg        = max(0, T_Agg - T_BEC - T_BNEC)
     T'_full       = 4 T_A2A + 3 T_FEC + T_PTrans + T_PAgg     (8)
+
+Eqs. 4/5 are the paper's (Pro-Prophet Sec. IV-B: one expert's bytes over the D - n receiving ranks,
+spread over the D ranks' links) plus our per-hop latency lambda_x (``trans_latency``: the receiving
+ranks are reached one hop after another; 0 by default, so a profile without it prices as the paper).
+With ``trans_ring`` the bandwidth term is instead the ring-pipelined broadcast's, size / B_x for any
+fan-out (every link of the ring carries the expert once), so
+
+    T_Trans(s, n) = s * broadcast_s(size(params), D - n, B_x, lambda_x)         (4, ring)
+
+which is exactly what the simulator charges a Pro-Prophet plan (``Cluster.broadcast_time`` calls
+``broadcast_s``; ``Cluster.cost_model`` sets ``trans_ring``, B_x = bottleneck link x broadcast
+efficiency and lambda_x = its latency). Without those terms the planner priced one Trans at size / B_x
+whatever D was, and at 256 GPUs replicated ~5x more than the simulator then charged for (docs/balance.md).
 
 Constants come from a calibration profile (``tools/calibrate_balance.py`` writes it) or from the
 defaults below; ``CostModel.from_profile(path)`` reads it.
@@ -34,7 +47,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["CostModel", "DEFAULT_PROFILE", "PlannerCost", "save_profile", "as_planner_cost", "sync_s_vec",
+__all__ = ["CostModel", "DEFAULT_PROFILE", "broadcast_s", "PlannerCost", "save_profile", "as_planner_cost", "sync_s_vec",
            "a2a_s", "planner_cost_from_cost_model", "OffloadCost", "rank_time_s", "a2a_crosses"]
 
 # Documented defaults (docs/balance.md): the paper artifact's A2A bandwidth table (Gb/s by message
@@ -48,7 +61,20 @@ DEFAULT_PROFILE = {
     "t_fnec": 0.0,
     "t_bnec": 0.0,
     "a2a_latency": 0.0,
+    "trans_latency": 0.0,
+    "trans_ring": False,
 }
+
+
+def broadcast_s(nbytes: float, k: int, bandwidth: float, hop_latency: float = 0.0) -> float:
+    """One ring-pipelined broadcast (or reduce) of ``nbytes`` over ``k`` ranks: every ring link
+    carries the bytes once at ``bandwidth`` (the slowest link's achieved rate), and the last rank is
+    reached after k - 1 hops of ``hop_latency``. The one formula for Trans / Agg / FasterMoE's shadow
+    broadcast: the simulator charges it (``Cluster.broadcast_time``), Pro-Prophet's Eq. 4/5 price it
+    (``CostModel.t_trans`` with ``trans_ring``)."""
+    if k <= 1 or nbytes <= 0:
+        return 0.0
+    return nbytes / bandwidth + (k - 1) * hop_latency
 
 
 def _table(bw) -> List[Tuple[Optional[float], float]]:
@@ -73,6 +99,8 @@ class CostModel:
     t_fnec: float = 0.0                     # non-MoE forward seconds per block (Eq. 8)
     t_bnec: float = 0.0                     # non-MoE backward seconds per block (Eq. 8)
     a2a_latency: float = 0.0                # fixed seconds per peer of one all-to-all round (calibrated)
+    trans_latency: float = 0.0              # lambda_x: seconds per hop of one Trans/Agg (Eq. 4/5 latency term)
+    trans_ring: bool = False                # Eq. 4/5 bandwidth term: False the paper's (D-n)/D, True ring broadcast
 
     def __post_init__(self):
         self._a2a = _table(self.a2a_bandwidth)
@@ -102,7 +130,12 @@ class CostModel:
         return 2.0 * self.t_fec(H)
 
     def t_trans(self, s: int, n: int, D: int) -> float:
-        return s * (D - n) * self.expert_bytes / (D * self._trans_bw())
+        """Eq. 4: s experts each sent to D - n ranks (module docstring for the two bandwidth forms)."""
+        k = D - n
+        if self.trans_ring:
+            return s * broadcast_s(self.expert_bytes, k, self._trans_bw(), self.trans_latency)
+        t = s * k * self.expert_bytes / (D * self._trans_bw())
+        return t + s * (k - 1) * self.trans_latency if self.trans_latency and k > 1 else t
 
     t_agg = t_trans   # grads and params have the same size in this model
 
@@ -137,7 +170,8 @@ class CostModel:
         return cls(input_bytes=float(merged["input_bytes"]), expert_bytes=float(merged["expert_bytes"]),
                    throughput=float(merged["throughput"]), a2a_bandwidth=merged["a2a_bandwidth"],
                    trans_bandwidth=merged["trans_bandwidth"], t_fnec=float(merged["t_fnec"]),
-                   t_bnec=float(merged["t_bnec"]), a2a_latency=float(merged["a2a_latency"]))
+                   t_bnec=float(merged["t_bnec"]), a2a_latency=float(merged["a2a_latency"]),
+                   trans_latency=float(merged["trans_latency"]), trans_ring=bool(merged["trans_ring"]))
 
     @classmethod
     def from_profile(cls, path: Optional[str], **overrides) -> "CostModel":
@@ -164,7 +198,8 @@ class CostModel:
         return {"a2a_bandwidth": [[m, b] for m, b in self._a2a], "trans_bandwidth": self.trans_bandwidth,
                 "throughput": self.throughput, "input_bytes": self.input_bytes,
                 "expert_bytes": self.expert_bytes, "t_fnec": self.t_fnec, "t_bnec": self.t_bnec,
-                "a2a_latency": self.a2a_latency}
+                "a2a_latency": self.a2a_latency, "trans_latency": self.trans_latency,
+                "trans_ring": self.trans_ring}
 
 
 def save_profile(path: str, profile: dict) -> dict:
@@ -305,7 +340,8 @@ def planner_cost_from_cost_model(cm, num_ranks: int) -> PlannerCost:
     """PlannerCost priced by a ``CostModel`` (the one training uses):
     forward compute 1/t, all-to-all via ``cm.t_a2a`` (bandwidth by message size), one expert's
     parameter broadcast = ``cm.t_trans(1, 0, D)`` (and the gradient reduce = ``cm.t_agg``); one
-    all-to-all round's fixed time = ``cm.a2a_latency`` per peer (as ``PlannerCost.from_cluster``)."""
+    all-to-all round's fixed time = ``cm.a2a_latency`` per peer and the collectives' per-hop latency
+    = ``cm.trans_latency`` (as ``PlannerCost.from_cluster`` takes both from the cluster)."""
     big = cm.bandwidth(float("inf"))
     pair = np.full((num_ranks, num_ranks), cm.input_bytes / big)
     np.fill_diagonal(pair, 0.0)
@@ -315,6 +351,7 @@ def planner_cost_from_cost_model(cm, num_ranks: int) -> PlannerCost:
                      link_s_per_byte=pair / cm.input_bytes, node=np.zeros(num_ranks, dtype=np.int64),
                      intra_bw=cm._trans_bw() if hasattr(cm, "_trans_bw") else big,
                      inter_bw=cm._trans_bw() if hasattr(cm, "_trans_bw") else big,
+                     lat=float(getattr(cm, "trans_latency", 0.0)),
                      a2a_lat_s=(num_ranks - 1) * float(getattr(cm, "a2a_latency", 0.0)))
     pc.cost_model = cm
     return pc

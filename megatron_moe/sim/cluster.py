@@ -168,11 +168,13 @@ class Cluster:
     def broadcast_time(self, nbytes: float, ranks) -> float:
         """Ring-pipelined broadcast (or reduce) of ``nbytes`` over ``ranks``: every ring link carries
         ``nbytes`` once (FasterMoE note 2.3), the slowest link sets the rate, of which the collective
-        achieves ``bcast_efficiency``."""
-        k = len(ranks)
-        if k <= 1 or nbytes <= 0:
+        achieves ``bcast_efficiency``, plus k - 1 hops of the slowest link's latency. The formula is
+        ``cost_model.broadcast_s``, the one Pro-Prophet's planner prices Eq. 4/5 with (``cost_model``)."""
+        from megatron_moe.balance.cost_model import broadcast_s
+        if len(ranks) <= 1:
             return 0.0
-        return nbytes / (self.bottleneck_bw(ranks) * self.bcast_efficiency) + (k - 1) * self.max_lat(ranks)
+        return broadcast_s(nbytes, len(ranks), self.bottleneck_bw(ranks) * self.bcast_efficiency,
+                           self.max_lat(ranks))
 
     def allreduce_time(self, nbytes: float, ranks) -> float:
         """Ring all-reduce: each rank sends 2(k-1)/k * nbytes."""
@@ -190,7 +192,10 @@ class Cluster:
     def cost_model(self, ranks):
         """The balance ``CostModel`` with this cluster's constants for an EP group (Pro-Prophet's
         planner prices with it): the group's bottleneck link rate, capped by the calibrated
-        bandwidth-by-size table when there is one."""
+        bandwidth-by-size table when there is one. Trans/Agg (Eq. 4/5) are priced as
+        ``broadcast_time`` charges them: ring form, the bottleneck rate x ``bcast_efficiency`` and
+        the group's hop latency, so a plan that replicates to the whole group is priced exactly
+        (a replica subset inside one node is charged the faster intra-node link: priced high)."""
         from megatron_moe.balance.cost_model import CostModel
         bw = self.bottleneck_bw(ranks)
         bw = self.intra_bw if not np.isfinite(bw) else bw
@@ -203,6 +208,7 @@ class Cluster:
         return CostModel(input_bytes=self.bytes_per_input, expert_bytes=self.expert_param_bytes,
                          throughput=self.expert_tokens_per_s, a2a_bandwidth=table,
                          trans_bandwidth=bw * self.bcast_efficiency,
+                         trans_latency=self.max_lat(ranks), trans_ring=True,
                          t_fnec=self.t_fnec_s, t_bnec=self.t_bnec_s)
 
     def planner_cost(self, ranks) -> "PlannerCost":
