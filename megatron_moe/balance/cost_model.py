@@ -47,8 +47,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["CostModel", "DEFAULT_PROFILE", "broadcast_s", "PlannerCost", "save_profile", "as_planner_cost", "sync_s_vec",
-           "a2a_s", "planner_cost_from_cost_model", "OffloadCost", "rank_time_s", "a2a_crosses"]
+__all__ = ["CostModel", "DEFAULT_PROFILE", "broadcast_s", "PlannerCost", "save_profile", "as_planner_cost",
+           "sync_s_vec", "a2a_s", "planner_cost_from_cost_model", "OffloadCost", "rank_time_s", "a2a_crosses"]
 
 # Documented defaults (docs/balance.md): the paper artifact's A2A bandwidth table (Gb/s by message
 # size), 15 Gb/s for Trans/Agg, and a d_model=1024/d_ffn=2048 fp32 expert at 35.7 TFLOP/s.
