@@ -323,6 +323,33 @@ def test_proprophet_planner_prices_trans_agg_as_the_simulator_charges(gpus):
     assert res.values["trans_agg_s"][1] == pytest.approx(priced, rel=1e-12)
 
 
+def test_proprophet_planner_prices_a_partial_fanout_as_charged():
+    """With n > 0 the replica sets differ (BottomK keeps each expert's heaviest senders), and the
+    simulator charges each rank the broadcasts of the sets it is in (the iteration waits for the
+    busiest): the ring-form planner prices s = the largest number of sets one rank is in, not the
+    plan's length. One node (the planner's group link is the sets' link), fixed n = 4 of 8.
+    Mutation that fails it: ``s_priced = len(steps)`` in proprophet.search."""
+    from megatron_moe.balance.policies.proprophet import search
+
+    D, n = 8, 4
+    cl = load_cluster(D)
+    cm = cl.cost_model(np.arange(D))
+    C = np.full((D, D), 20.0)
+    for j in range(4):                       # hot expert j is sent mostly by ranks 4 + j and 4 + (j+1)%4
+        C[4 + j, j] = C[4 + (j + 1) % 4, j] = 3000.0
+        C[(j + 2) % 4, j] = 1500.0
+    res = search(C, cm, alpha=0.1, n=n)
+    cnt = np.zeros(D)
+    for e, nb in res.plan:
+        cnt[sorted(set(range(D)) - set(nb))] += 1
+    s_max = int(cnt.max())
+    assert len(res.plan) >= 3 and s_max < len(res.plan)
+    assert res.time_s == pytest.approx(cm.layer_time(res.R_after, res.H_after, s_max, n, D), rel=1e-12)
+    sim = simulate(np.stack([C, C])[:, None].astype(np.int64), cl, "proprophet",
+                   policy_kwargs={"n": n, "alpha": 0.1})
+    assert sim.values["trans_agg_s"][1] == pytest.approx(2 * cm.t_trans(s_max, n, D), rel=1e-12)
+
+
 def test_trans_latency_term_of_the_papers_eq4():
     """Training's CostModel keeps the paper's Eq. 4 bandwidth term ((D - n) / D of one expert per
     rank) and adds ``trans_latency`` per hop; 0 (the default, and every profile without the key)

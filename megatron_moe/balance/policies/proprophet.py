@@ -104,6 +104,11 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
     selected = np.zeros(E, dtype=bool)
     used = np.zeros(D, dtype=bool)
     remote_load = C.sum(axis=0) - C[owner, np.arange(E)]     # sum_{d != owner} C[d, e]
+    # ring-form Eq. 4 (the simulator's broadcasts): each rank pays the broadcasts of the replica sets
+    # it is in and the layer waits for the busiest, so with n > 0 the priced s is the largest number
+    # of sets one rank is in (= the plan's length when n = 0); the paper's form keeps s, its (D-n)/D
+    # is already the average share
+    members_of = np.zeros(D) if n and getattr(cost, "trans_ring", False) else None
     stop = "exhausted"
     while True:
         if H.max() - H.min() < alpha * I / E:                  # Eq. 7
@@ -137,7 +142,11 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         R = R.copy()
         R[o] -= moved.sum()
         steps.append((e, nb))
-        t = cost.layer_time(R, H, len(steps), n, D, eq8)
+        s_priced = len(steps)
+        if members_of is not None:
+            members_of += members
+            s_priced = int(members_of.max())
+        t = cost.layer_time(R, H, s_priced, n, D, eq8)
         times.append(t)
         if t < t_best:                                         # strict: ties keep the shorter prefix
             t_best, cnt, best_H, best_R = t, len(steps), H, R
