@@ -246,3 +246,42 @@ def test_absolute_and_share_cells_read_the_engines_fields():
     import unittest.mock as um
     with um.patch.object(papers, "load_testbed", faster_bcast):
         assert papers.PaperSim(Efficiency(0.1, 1.0), iterations=3).cell(t1m) < share
+
+
+def test_k2_checks_fig14_steps_and_pre_v014_deepspeed():
+    """bench/paper_k2_checks.py (issue 21 item 3): Fig. 14's steps are simulated as the planner over
+    dropless EP, + the block-wise scheduler (Eq. 6), + Eq. 8, at both k, against Sec. VI-C's numbers;
+    DeepSpeed-MoE's top-2 before v0.14 (capacity 2 x S / E, drops) is a balanced-time baseline no
+    balancer beats (< 1x), unlike the padded dropless mode the tables use (> 1x).  Mutation tried:
+    the pre-v0.14 column run with the padded 'DeepSpeed-MoE' fails the < 1 check; Fig. 14's k=2
+    published values swapped with k=1's fail the equality."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import paper_k2_checks as k2
+
+    saved = dict(papers.SYSTEMS)
+    try:
+        res = k2.main(["--iterations", "2", "--parts", "fig14", "deepspeed"])
+    finally:
+        papers.SYSTEMS.clear()
+        papers.SYSTEMS.update(saved)
+    assert [(g, k) for g, k, _, _ in res["fig14"]] == [(16, 1), (16, 2), (32, 1), (32, 2)]
+    for g, k, sim_gains, pub in res["fig14"]:
+        assert pub == {1: (1.26, 1.14, 1.03), 2: (1.12, 1.01, 1.02)}[k]
+        assert all(x > 0.9 for x in sim_gains), (g, k, sim_gains)
+    for tb, m, g, k, v in res["deepspeed"]:
+        assert k == 2
+        for s, (padded, dropping) in v.items():
+            assert padded > 1.0 > dropping, (tb, m, s, padded, dropping)
+
+
+def test_k2_checks_uniform_second_choice_is_a_top2_inclusion_law():
+    """The sensitivity law (second expert uniform over the other E - 1): every row sums to 2 (two
+    distinct experts per token) and no entry exceeds 1; k=1 is the popularity itself.  Mutation
+    tried: dividing by E instead of E - 1 fails the row sum."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import paper_k2_checks as k2
+
+    p = np.array([[0.5, 0.3, 0.1, 0.05, 0.05], [0.2] * 5])
+    pi = k2._uniform_second(p, 2)
+    assert np.allclose(pi.sum(axis=1), 2.0) and (pi <= 1.0).all()
+    assert np.allclose(k2._uniform_second(p, 1), p)
