@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 from typing import Dict, List, Optional, Tuple
 
@@ -69,6 +70,14 @@ class SlotTable:
         if missing:
             raise ValueError(f"flexmoe slot table: experts {sorted(missing)[:5]} have no vExpert")
 
+    @classmethod
+    def _trusted(cls, slots: np.ndarray, num_experts: int, version: int = 0) -> "SlotTable":
+        """A copy of a table already checked (an int64 [ranks, slots] array of a valid table): no
+        second check (it set-built every slot per plan)."""
+        t = object.__new__(cls)
+        t.slots, t.num_experts, t.version = slots, num_experts, version
+        return t
+
     @property
     def num_ranks(self) -> int:
         return self.slots.shape[0]
@@ -107,6 +116,16 @@ class SlotTable:
     @classmethod
     def from_json(cls, s: str, **kw) -> Optional["SlotTable"]:
         return cls.from_dict(json.loads(s), **kw)
+
+
+def _ints(a) -> Optional[np.ndarray]:
+    """``a`` as an int64 array if every entry is an integer (or an integral float), else None."""
+    a = np.asarray(a)
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64, copy=False)
+    if a.dtype.kind == "f" and np.isfinite(a).all() and (a == np.floor(a)).all():
+        return a.astype(np.int64)
+    return None
 
 
 def route_real(origin: np.ndarray, n: np.ndarray):
@@ -676,34 +695,62 @@ class FlexMoEPolicy(BalancePolicy):
 
     # -- balance interface -------------------------------------------------------------------
     def placement(self) -> Placement:
+        return self._placement_key(self.table.counts())[0]
+
+    def _placement_key(self, n: np.ndarray):
+        """(the slot table's placement for its counts ``n``, its :meth:`_key`), the key from the
+        arrays the placement is built from (what ``_key`` computes from its lists)."""
         owner = default_owner(self.num_experts, self.num_ranks)
-        n = self.table.counts()
         hosts = n != 0
         hosts[np.arange(self.num_experts), owner] = True     # the owner keeps the master copy
-        ranks = np.nonzero(hosts)[1].tolist()                 # row by row: each expert's sorted ranks
-        end = np.cumsum(hosts.sum(axis=1)).tolist()
-        sets = [ranks[a:b] for a, b in zip([0] + end[:-1], end)]
-        return Placement(sets, self.num_ranks, n.tolist()).validate(n)
+        ranks = np.nonzero(hosts)[1]                          # row by row: each expert's sorted ranks
+        lens = hosts.sum(axis=1)
+        rl = ranks.tolist()
+        end = np.cumsum(lens).tolist()
+        sets = [rl[a:b] for a, b in zip([0] + end[:-1], end)]
+        p = Placement(sets, self.num_ranks, n.tolist()).validate(n)
+        nn = np.asarray(n, dtype=np.int64)
+        return p, (lens.astype(np.int64).tobytes(), ranks.astype(np.int64).tobytes(), (nn.shape, nn.tobytes()))
 
     @staticmethod
     def _key(placement: Placement):
-        vx = None if placement.vexperts is None else tuple(map(tuple, placement.vexperts))
-        return tuple(map(tuple, placement.replica_sets)), vx
+        """The slot-table index of a placement: equal for placements with equal replica sets and
+        vExpert counts (as tuples of their lists compare), as int64 bytes (building tuples of all
+        E x G counts per plan was a large part of auto's time at 256-rank groups); lists holding
+        anything but integers (or integral floats) keep the tuple form."""
+        sets, vx = placement.replica_sets, placement.vexperts
+        lens = np.fromiter(map(len, sets), dtype=np.int64, count=len(sets))
+        flat, n = _ints(list(itertools.chain.from_iterable(sets))), None
+        if flat is not None and flat.ndim == 1 and vx is not None:
+            try:
+                n = _ints(np.asarray(vx))
+            except ValueError:                                 # ragged lists
+                n = None
+        if flat is None or flat.ndim != 1 or (vx is not None and (n is None or n.ndim != 2)):
+            return tuple(map(tuple, sets)), (None if vx is None else tuple(map(tuple, vx)))
+        return lens.tobytes(), flat.tobytes(), (None if vx is None else (n.shape, n.tobytes()))
 
     def plan(self, counts, current: Optional[Placement] = None, priced: Optional[_Priced] = None) -> Placement:
         """One scheduler step from ``counts``.  With ``current`` (the placement the layer ran), the
         layer's slot table is the one that produced ``current`` (an unknown placement, e.g. plain
         EP at the start, begins from the initial table); without it the policy's own table is used.
-        ``priced``: this table's :meth:`price` of ``counts`` when the caller has it (as ``step``)."""
+        ``priced``: this table's :meth:`price` of ``counts`` when the caller has it (as ``step``).
+        A step that leaves the table's counts as the last plan's returns that same Placement
+        object (equal content; auto's per-placement caches then hit)."""
         if current is not None:
             t = self._by_placement.get(self._key(current))
             self.table = (SlotTable(t.slots.copy(), t.num_experts, t.version) if t is not None else
                           SlotTable(initial_slots(self.num_experts, self.num_ranks, self.slots_per_rank),
                                     self.num_experts))
         self.last_ops = self.step(np.asarray(counts), priced)     # the balance manager counts them
-        p = self.placement()
-        k = self._key(p)
-        self._by_placement[k] = SlotTable(self.table.slots.copy(), self.num_experts, self.table.version)
+        n = self.table.counts()
+        last = getattr(self, "_last_plan", None)
+        if last is not None and np.array_equal(last[2], n):
+            p, k = last[0], last[1]
+        else:
+            p, k = self._placement_key(n)
+            self._last_plan = (p, k, n)
+        self._by_placement[k] = SlotTable._trusted(self.table.slots.copy(), self.num_experts, self.table.version)
         self._by_placement.move_to_end(k)
         while len(self._by_placement) > self.max_tables:
             self._by_placement.popitem(last=False)
