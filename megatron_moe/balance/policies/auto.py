@@ -49,7 +49,7 @@ import numpy as np
 from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s, sync_s_vec
 from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, Placement, default_owner, loads,
                                                 make_policy, register_policy)
-from megatron_moe.balance.policies.flexmoe import _Priced, route_real
+from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, route_real
 
 __all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
 
@@ -149,14 +149,31 @@ class AutoPolicy(BalancePolicy):
         return hit[1] if hit is not None and hit[0] is p else np.asarray(p.vexperts, dtype=np.float64)
 
     # -- the cost model's price of one placement ------------------------------------------------
-    def _ranks(self, counts: np.ndarray, p: Placement):
+    def _ranks(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None):
         """Per-rank (compute + 4 all-to-alls) seconds of ``p`` on ``counts`` (``rank_time_s``)
-        and per-rank forward compute seconds. FlexMoE placements route by the real-number router."""
-        return self._cached(("ranks", id(counts), self._content(p)), counts, lambda: self._ranks_now(counts, p))
+        and per-rank forward compute seconds. FlexMoE placements route by the real-number router
+        (``route``: its host entries for these counts and ``p``'s vExperts, when at hand)."""
+        return self._cached(("ranks", id(counts), self._content(p)), counts,
+                            lambda: self._ranks_now(counts, p, route))
 
-    def _ranks_now(self, counts: np.ndarray, p: Placement):
+    def _ranks_now(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None):
         if p.vexperts is not None:
-            keep, spill, frac = route_real(counts, self._vx(p))
+            n = self._vx(p)
+            r = route if route is not None else _route_hosts(counts.T, n, n.sum(axis=1))
+            if r is not None:
+                # the router's entries at the hosts only (frac is 0 elsewhere): keep's column sums
+                # in expert order, traffic = spill.T @ frac summed over the hosts (no E x G x G matmul)
+                sel = np.flatnonzero(r["frac_h"] > 0)
+                sel = sel[np.argsort(r["hg"][sel], kind="stable")]           # by destination, then expert
+                d = r["hg"][sel]
+                into = np.zeros((self.num_ranks, self.num_ranks))             # [dst, src]
+                if len(d):
+                    start = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+                    into[d[start]] = np.add.reduceat(r["spill"][r["he"][sel]] * r["frac_h"][sel, None], start, axis=0)
+                traffic = into.T                                              # [src, dst]
+                H = np.bincount(r["hg"], weights=r["keep_h"], minlength=self.num_ranks) + into.sum(axis=1)
+                return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
+            keep, spill, frac = route_real(counts, n)
             traffic = spill.T @ frac                     # [src, dst]; a source never spills to itself
             H = keep.sum(axis=0) + traffic.sum(axis=0)
         else:
@@ -168,8 +185,8 @@ class AutoPolicy(BalancePolicy):
             traffic = traffic.reshape(self.num_ranks, self.num_ranks, k).sum(axis=2) if k <= 2 else traffic @ self._to_owner
         return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
 
-    def _base(self, counts: np.ndarray, p: Placement) -> float:
-        return float(self._ranks(counts, p)[0].max())
+    def _base(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None) -> float:
+        return float(self._ranks(counts, p, route)[0].max())
 
     def _member_collectives_s(self, p: Placement) -> np.ndarray:
         """Per rank: one broadcast of every replicated expert it is a member of."""
@@ -289,21 +306,22 @@ class AutoPolicy(BalancePolicy):
         C = np.asarray(counts, dtype=np.float64)
         # drift: how each candidate's previous plan priced on the counts that really came
         self._checked = {}                 # candidate -> (previous plan priced on the counts that came, as predicted)
+        # FlexMoE's table priced on these counts already (run_priced: the running table, which is
+        # its last plan): its router entries serve that plan's price below, its step starts from it
+        sh, self._shared = self._shared, None
+        shared = sh[1] if sh is not None and sh[0].dtype == C.dtype and np.array_equal(sh[0], C) else None
         if self._prev_counts is not None:
             self.drift = float(np.abs(C - self._prev_counts).sum() / max(1.0, self._prev_counts.sum()))
             for c, (p, predicted) in self._prev.items():
                 if predicted > 0:
-                    real = self._base(C, p)
+                    real = self._base(C, p, shared.route if c == "flexmoe" and shared is not None else None)
                     self._checked[c] = (real, predicted)
                     self.factor[c] = (1 - self.drift_ema) * self.factor[c] + self.drift_ema * real / predicted
         self._prev_counts = C.copy()
         prop, times, raw = {}, {}, {}
         for c, pol in self.cands.items():
             if c == "flexmoe":             # its table priced on these counts already (run_priced)
-                sh, self._shared = self._shared, None
-                same = sh is not None and sh[0].dtype == C.dtype and np.array_equal(sh[0], C)
-                priced = sh[1] if same else None
-                p = pol.plan(C, None, priced)
+                p = pol.plan(C, None, shared)
             else:
                 p = pol.plan(C, None)      # flexmoe: its own (shadow) table, stepped every re-plan
             if p.vexperts is not None and hasattr(pol, "table"):    # the counts p was made from

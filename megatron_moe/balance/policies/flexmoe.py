@@ -249,15 +249,11 @@ def _sync_rows(cost, n_rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _full_parts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray, cost):
-    """:func:`_expert_parts` of every expert, computed at the hosts (n > 0) only: elsewhere keep,
-    spare, frac, processed inputs and seconds are exactly 0 and spill is the origin count, so the
-    same float operations on the host entries, and the same numpy reductions over dense rows where
-    the order of a sum matters (a row sum of one or two nonzeros is exact in any order), give the
-    same values bit for bit (tests/test_flexmoe_speed.py compares them with the dense pricing).
-    The dense version made 13+ full E x G temporaries per call; at 256-rank groups pricing each
-    step's table dominated.  Returns None (caller prices densely) for counts that are negative or
-    not finite, else the host entries (row-major, as ``np.nonzero``) and what they need."""
+def _route_hosts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray) -> Optional[Dict]:
+    """:func:`route_real` of ``o_t.T`` on ``n`` (``ne`` its row sums) at the hosts (n > 0) only:
+    away from them keep and frac are exactly 0 and spill is the origin count (see
+    :func:`_full_parts`, which continues from it). None for counts that are negative or not
+    finite; else the host entries (row-major), keep and frac there and the dense spill."""
     tot = o_t.sum(axis=1)                                       # route_real's reduction, same view
     if not np.isfinite(tot).all() or o_t.min() < 0:
         return None
@@ -285,6 +281,23 @@ def _full_parts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray, cost):
         s[many] = dense.sum(axis=1)
     s_h = s[he]
     frac_h = np.divide(spare_h, s_h, out=np.zeros_like(spare_h), where=s_h > 0)
+    return dict(he=he, hg=hg, k=k, tot=tot, keep_h=keep_h, spill=spill, spill_h=spill_h, frac_h=frac_h)
+
+
+def _full_parts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray, cost):
+    """:func:`_expert_parts` of every expert, computed at the hosts (n > 0) only: elsewhere keep,
+    spare, frac, processed inputs and seconds are exactly 0 and spill is the origin count, so the
+    same float operations on the host entries, and the same numpy reductions over dense rows where
+    the order of a sum matters (a row sum of one or two nonzeros is exact in any order), give the
+    same values bit for bit (tests/test_flexmoe_speed.py compares them with the dense pricing).
+    The dense version made 13+ full E x G temporaries per call; at 256-rank groups pricing each
+    step's table dominated.  Returns None (caller prices densely) for counts that are negative or
+    not finite, else the host entries (row-major, as ``np.nonzero``) and what they need."""
+    r = _route_hosts(o_t, n, ne)
+    if r is None:
+        return None
+    he, hg, k, tot, keep_h, spill, spill_h, frac_h = (r[x] for x in ("he", "hg", "k", "tot", "keep_h", "spill",
+                                                                   "spill_h", "frac_h"))
     ssum = spill.sum(axis=1)
     proc_h = keep_h + ssum[he] * frac_h
     t_h = cost.compute_s(proc_h)
