@@ -222,8 +222,11 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         elif base == "auto":
             # as flexmoe: the plan from this iteration's counts applies from the next one, its state
             # moves (when it picks flexmoe) are charged now, best effort. One choice per layer over
-            # all EP groups (auto.plan_groups: the iteration waits for the slowest group)
-            local = np.empty_like(c); traffic = np.empty((groups, p, p))
+            # all EP groups (auto.plan_groups: the iteration waits for the slowest group). Output
+            # arrays reused per layer as in flexmoe (every group's rows are rewritten below)
+            if l not in flex_out:
+                flex_out[l] = (np.empty_like(c), np.empty((groups, p, p)))
+            local, traffic = flex_out[l]
             layer_pols = [pols[(g, l)] for g in range(groups)]
             for g in range(groups):
                 placement = prev.get((g, l)) or Placement.plain(n_exp, p)

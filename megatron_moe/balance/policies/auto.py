@@ -46,10 +46,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s, sync_s_vec
+from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s
 from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, Placement, default_owner, loads,
                                                 make_policy, register_policy)
-from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, route_real
+from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, _sync_hosts, route_real
 
 __all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
 
@@ -178,11 +178,15 @@ class AutoPolicy(BalancePolicy):
             H = keep.sum(axis=0) + traffic.sum(axis=0)
         else:
             m = self._mask(p)
-            H = loads(counts, p, m)[0]
             traffic = np.where(m, 0.0, counts)             # [src, expert] -> [src, owner]
-            # (an owner of one or two contiguous experts: the one-hot matmul's sum is this one exactly)
+            H = loads(counts, p, m, traffic)[0]
+            # (an owner of one or two contiguous experts: the one-hot matmul's sum is this one exactly;
+            # of one expert: it is the [src, expert] matrix itself)
             k = self.num_experts // self.num_ranks
-            traffic = traffic.reshape(self.num_ranks, self.num_ranks, k).sum(axis=2) if k <= 2 else traffic @ self._to_owner
+            if k == 2:
+                traffic = traffic.reshape(self.num_ranks, self.num_ranks, k).sum(axis=2)
+            elif k > 2:
+                traffic = traffic @ self._to_owner
         return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
 
     def _base(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None) -> float:
@@ -208,14 +212,18 @@ class AutoPolicy(BalancePolicy):
         """Per rank: (replica-group gradient sync per iteration, state-move seconds of this re-plan);
         None if the extra replicas do not fit the memory left. ``switching``: FlexMoE's replicas are
         built now from their owners (every non-owner replica moves), else only its ops move."""
-        hosts = self._vx(p) > 0                           # [E, D]
-        extra = hosts.sum(axis=0) - np.bincount(self.owner, hosts[np.arange(self.num_experts), self.owner],
-                                                self.num_ranks)
-        if self.memory_left_bytes is not None and extra.max() * self.pc.state_bytes > self.memory_left_bytes:
-            return None
-        sync = self._cached(("sync", id(p)), p, lambda: (sync_s_vec(self.pc, hosts)[:, None] * hosts).sum(axis=0))
+        n = self._vx(p)
+        e, g = self._cached(("hosts", id(p)), p, lambda: np.divmod(np.flatnonzero(n > 0), self.num_ranks))
+        if self.memory_left_bytes is not None:
+            extra = np.bincount(g, minlength=self.num_ranks) - np.bincount(self.owner, n[np.arange(self.num_experts),
+                                                                                         self.owner] > 0, self.num_ranks)
+            if extra.max() * self.pc.state_bytes > self.memory_left_bytes:
+                return None
+        # per rank the sync of every expert it hosts, added in expert order (the dense column sum's
+        # additions; _sync_hosts is sync_s_vec row by row)
+        sync = self._cached(("sync", id(p)), p, lambda: np.bincount(
+            g, _sync_hosts(self.pc, n, e, g, np.bincount(e, minlength=self.num_experts))[e], self.num_ranks))
         if switching:                                    # switching in: every non-owner replica is new
-            e, g = np.nonzero(hosts)
             keep = g != self.owner[e]
             a, b = self.owner[e[keep]], g[keep]
         else:
@@ -299,7 +307,7 @@ class AutoPolicy(BalancePolicy):
             return self._propose(counts)
         finally:
             kept = {id(p) for p, _ in self._prev.values()}
-            self._kept = {k: v for k, v in self._memo.items() if k[0] in ("vx", "mask", "content", "sync") and k[1] in kept}
+            self._kept = {k: v for k, v in self._memo.items() if k[0] in ("vx", "mask", "content", "sync", "hosts") and k[1] in kept}
             self._memo = None
 
     def _propose(self, counts) -> Dict[str, float]:

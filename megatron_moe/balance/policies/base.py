@@ -221,9 +221,10 @@ def dispatch_matrix(counts, placement: Placement) -> np.ndarray:
     return send
 
 
-def loads(counts, placement: Placement, mask: Optional[np.ndarray] = None):
+def loads(counts, placement: Placement, mask: Optional[np.ndarray] = None, away: Optional[np.ndarray] = None):
     """ReplaceInputs: per-rank computed inputs H and A2A-received inputs R under ``placement``
-    (``mask``: its ``placement.mask()`` when the caller has it already)."""
+    (``mask``: its ``placement.mask()`` when the caller has it already; ``away``: then also
+    ``np.where(mask, 0, counts)``, the inputs each source sends to the owners)."""
     if placement.vexperts is not None:
         send = dispatch_matrix(np.rint(np.asarray(counts, dtype=np.float64)), placement)
         H = send.sum(axis=(0, 1)).astype(np.float64)
@@ -234,7 +235,7 @@ def loads(counts, placement: Placement, mask: Optional[np.ndarray] = None):
     m = placement.mask() if mask is None else mask
     owner = placement.owner
     H = (C * m).sum(axis=1)
-    remote = np.where(m, 0.0, C).sum(axis=0)          # per expert: inputs shipped to its owner
+    remote = (np.where(m, 0.0, C) if away is None else away).sum(axis=0)   # per expert: inputs shipped to its owner
     R = np.zeros(D)
     np.add.at(R, owner, remote)
     H = H + R
