@@ -122,3 +122,45 @@ def test_placement_fast_paths_equal_the_loops():
             assert not slow_ok
         checked[slow_ok] += 1
     assert min(checked.values()) > 50, checked
+
+
+def test_flexmoe_table_placement_equals_the_lists():
+    """FlexMoE's plan() gives its slot table as a lazily listed Placement: before its lists are
+    read it answers replicated/mask/is_plain/its table key from the count array exactly as a
+    Placement built from the lists does (sets = hosts + owner, sorted); it equals that Placement;
+    once read, an edit of the lists is what its methods see. A step that leaves the counts
+    unchanged returns the same object."""
+    from megatron_moe.balance.policies.base import Placement, default_owner
+    from megatron_moe.balance.policies.flexmoe import FlexMoEPolicy
+
+    rng = np.random.default_rng(1)
+    E, G = 16, 8
+    owner = default_owner(E, G)
+    f = FlexMoEPolicy(None, E, G, threshold=1.0)
+    seen_rep = 0
+    for it in range(12):
+        C = rng.poisson(rng.zipf(1.4, E)[None, :] * 4.0, size=(G, E)).astype(float)
+        p = f.plan(C)
+        n = f.table.counts()
+        sets = [sorted({int(owner[e])} | set(np.nonzero(n[e])[0].tolist())) for e in range(E)]
+        eager = Placement(sets, G, n.tolist()).validate()
+        assert p._lazy()
+        assert p.replicated() == eager.replicated() and p.is_plain() == eager.is_plain()
+        assert (p.mask() == eager.mask()).all() and p.num_experts == E and p.has_vexperts
+        assert FlexMoEPolicy._key(p) == FlexMoEPolicy._key(eager)     # array key == list key
+        assert np.array_equal(p.vexperts_array(), n)
+        assert p._lazy()                                               # none of that built the lists
+        assert p == eager and eager == p and p.replica_sets == sets and p.vexperts == n.tolist()
+        assert not p._lazy() and FlexMoEPolicy._key(p) == FlexMoEPolicy._key(eager)
+        seen_rep += len(eager.replicated())
+    assert seen_rep > 0
+    # integral float vExperts key as the ints (as tuples compared); an edit after reading is seen
+    q = Placement(eager.replica_sets, G, [[float(v) for v in r] for r in eager.vexperts])
+    assert FlexMoEPolicy._key(q) == FlexMoEPolicy._key(p)
+    e = int(np.argmin([len(s) for s in p.replica_sets]))
+    p.replica_sets[e] = list(range(G))
+    assert e in p.replicated() and p.mask()[:, e].all()
+    # an unchanged table: the same Placement object
+    f2 = FlexMoEPolicy(None, E, G, threshold=1e9)
+    C = np.ones((G, E))
+    assert f2.plan(C) is f2.plan(C)

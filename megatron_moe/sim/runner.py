@@ -230,7 +230,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
             layer_pols = [pols[(g, l)] for g in range(groups)]
             for g in range(groups):
                 placement = prev.get((g, l)) or Placement.plain(n_exp, p)
-                if placement.vexperts is not None:
+                if placement.has_vexperts:
                     run_flex(g, layer_pols[g].run_priced(c[g], placement), local, traffic, agg)
                 else:
                     run_replicas(g, placement, c, local, traffic, trans, agg)

@@ -56,6 +56,12 @@ __all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
 CANDIDATES = ("none", "proprophet", "flexmoe")
 
 
+def _counts(p: Placement):
+    """``p.vexperts``, or FlexMoE's count array while its lists are unbuilt (flexmoe._TablePlacement)."""
+    a = p.vexperts_array() if hasattr(p, "vexperts_array") else None
+    return p.vexperts if a is None else a
+
+
 class AutoPolicy(BalancePolicy):
     name = "auto"
 
@@ -117,7 +123,7 @@ class AutoPolicy(BalancePolicy):
 
     def _vx(self, p: Placement) -> np.ndarray:
         """FlexMoE vExpert counts of ``p`` as a float [E, D] array."""
-        return self._cached(("vx", id(p)), p, lambda: np.asarray(p.vexperts, dtype=np.float64))
+        return self._cached(("vx", id(p)), p, lambda: np.asarray(_counts(p), dtype=np.float64))
 
     def _mask(self, p: Placement) -> np.ndarray:
         return self._cached(("mask", id(p)), p, p.mask)
@@ -125,7 +131,7 @@ class AutoPolicy(BalancePolicy):
     def _content(self, p: Placement) -> bytes:
         """What ``_ranks`` reads of ``p``: its vExperts, else its locality mask (the owners are
         fixed), as bytes: equal plans of different objects (this plan and the last) price once."""
-        return self._cached(("content", id(p)), p, lambda: (b"v" + self._vx(p).tobytes()) if p.vexperts is not None
+        return self._cached(("content", id(p)), p, lambda: (b"v" + self._vx(p).tobytes()) if p.has_vexperts
                             else (b"m" + self._mask(p).tobytes()))
 
     def run_priced(self, counts: np.ndarray, p: Placement):
@@ -146,7 +152,7 @@ class AutoPolicy(BalancePolicy):
         """``np.asarray(p.vexperts, float64)``; free for the plans this policy proposed last (the
         simulator runs them)."""
         hit = self._kept.get(("vx", id(p)))
-        return hit[1] if hit is not None and hit[0] is p else np.asarray(p.vexperts, dtype=np.float64)
+        return hit[1] if hit is not None and hit[0] is p else np.asarray(_counts(p), dtype=np.float64)
 
     # -- the cost model's price of one placement ------------------------------------------------
     def _ranks(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None):
@@ -157,7 +163,7 @@ class AutoPolicy(BalancePolicy):
                             lambda: self._ranks_now(counts, p, route))
 
     def _ranks_now(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None):
-        if p.vexperts is not None:
+        if p.has_vexperts:
             n = self._vx(p)
             r = route if route is not None else _route_hosts(counts.T, n, n.sum(axis=1))
             if r is not None:
@@ -332,7 +338,7 @@ class AutoPolicy(BalancePolicy):
                 p = pol.plan(C, None, shared)
             else:
                 p = pol.plan(C, None)      # flexmoe: its own (shadow) table, stepped every re-plan
-            if p.vexperts is not None and hasattr(pol, "table"):    # the counts p was made from
+            if p.has_vexperts and hasattr(pol, "table"):    # the counts p was made from
                 self._cached(("vx", id(p)), p, lambda: pol.table.counts().astype(np.float64))
             ops = list(getattr(pol, "last_ops", None) or [])
             self._prev[c] = (p, self._base(C, p))

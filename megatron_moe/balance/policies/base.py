@@ -130,6 +130,11 @@ class Placement:
         m[ranks, np.repeat(np.arange(self.num_experts), lens)] = True
         return m
 
+    @property
+    def has_vexperts(self) -> bool:
+        """``vexperts is not None`` (FlexMoE's router), without building lists that are built lazily."""
+        return self.vexperts is not None
+
     def is_plain(self) -> bool:
         return not self.replicated()
 

@@ -493,6 +493,95 @@ class _Priced:
         return local, traffic, agg
 
 
+class _TablePlacement(Placement):
+    """A slot table's Placement (:meth:`FlexMoEPolicy.plan`) held as its count array ``n[e, g]``:
+    replica set of e = ranks with a vExpert of e, plus its owner (the master copy); vexperts = n.
+    The lists (``replica_sets``, ``vexperts``: E x G Python ints) are built on first read (at 256-rank
+    groups building and checking them was ~15% of auto's time, which reads the arrays only).
+    Once they are read, the arrays no longer answer for them (a caller may edit the lists): every
+    method then runs :class:`Placement`'s own code on the lists. Equal to a Placement with equal
+    fields, as a Placement is."""
+
+    def __init__(self, n: np.ndarray, owner: np.ndarray, num_ranks: int):
+        hosts = n != 0
+        hosts[np.arange(n.shape[0]), owner] = True           # the owner keeps the master copy
+        self.num_ranks = int(num_ranks)
+        self._n, self._ranks, self._lens = n, np.nonzero(hosts)[1], hosts.sum(axis=1)   # row by row: sorted
+        self._sets = self._vx = None
+        self.validate()
+
+    def _lazy(self) -> bool:
+        return self._sets is None and self._vx is None
+
+    def _array_key(self):
+        """:meth:`FlexMoEPolicy._list_key` of this placement, from its arrays."""
+        return (self._lens.astype(np.int64).tobytes(), self._ranks.astype(np.int64).tobytes(),
+                (self._n.shape, self._n.tobytes()))
+
+    def _build(self) -> None:
+        if self._lazy():
+            rl = self._ranks.tolist()
+            end = np.cumsum(self._lens).tolist()
+            self._sets = [rl[a:b] for a, b in zip([0] + end[:-1], end)]
+            self._vx = self._n.tolist()
+
+    @property
+    def replica_sets(self) -> List[List[int]]:
+        self._build()
+        return self._sets
+
+    @replica_sets.setter
+    def replica_sets(self, v) -> None:
+        self._build()
+        self._sets = v
+
+    @property
+    def vexperts(self) -> List[List[int]]:
+        self._build()
+        return self._vx
+
+    @vexperts.setter
+    def vexperts(self, v) -> None:
+        self._build()
+        self._vx = v
+
+    @property
+    def has_vexperts(self) -> bool:
+        return True if self._lazy() else self._vx is not None
+
+    @property
+    def num_experts(self) -> int:
+        return len(self._lens) if self._lazy() else len(self._sets)
+
+    def vexperts_array(self) -> Optional[np.ndarray]:
+        """The int64 count array while the lists are unread (None after)."""
+        return self._n if self._lazy() else None
+
+    def replicated(self) -> List[int]:
+        return np.flatnonzero(self._lens > 1).tolist() if self._lazy() else super().replicated()
+
+    def mask(self) -> np.ndarray:
+        if not self._lazy():
+            return super().mask()
+        m = np.zeros((self.num_ranks, len(self._lens)), dtype=bool)
+        m[self._ranks, np.repeat(np.arange(len(self._lens)), self._lens)] = True
+        return m
+
+    def validate(self, vexperts_array: Optional[np.ndarray] = None) -> "Placement":
+        if self._lazy() and not ((self._n < 0).any() or (self._n.sum(axis=1) < 1).any()):
+            return self                                       # well formed by construction
+        self._build()
+        return super().validate(vexperts_array)
+
+    def __eq__(self, other):
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return (self.replica_sets, self.num_ranks, self.vexperts) == (other.replica_sets, other.num_ranks,
+                                                                      other.vexperts)
+
+    __hash__ = None
+
+
 @register_policy
 class FlexMoEPolicy(BalancePolicy):
     """``--moe-balance-policy flexmoe``: stateful; ``step(origin)`` adjusts the slot table.
@@ -713,20 +802,18 @@ class FlexMoEPolicy(BalancePolicy):
     def _placement_key(self, n: np.ndarray):
         """(the slot table's placement for its counts ``n``, its :meth:`_key`), the key from the
         arrays the placement is built from (what ``_key`` computes from its lists)."""
-        owner = default_owner(self.num_experts, self.num_ranks)
-        hosts = n != 0
-        hosts[np.arange(self.num_experts), owner] = True     # the owner keeps the master copy
-        ranks = np.nonzero(hosts)[1]                          # row by row: each expert's sorted ranks
-        lens = hosts.sum(axis=1)
-        rl = ranks.tolist()
-        end = np.cumsum(lens).tolist()
-        sets = [rl[a:b] for a, b in zip([0] + end[:-1], end)]
-        p = Placement(sets, self.num_ranks, n.tolist()).validate(n)
-        nn = np.asarray(n, dtype=np.int64)
-        return p, (lens.astype(np.int64).tobytes(), ranks.astype(np.int64).tobytes(), (nn.shape, nn.tobytes()))
+        p = _TablePlacement(np.asarray(n, dtype=np.int64), default_owner(self.num_experts, self.num_ranks),
+                            self.num_ranks)
+        return p, p._array_key()
 
     @staticmethod
     def _key(placement: Placement):
+        if isinstance(placement, _TablePlacement) and placement._lazy():
+            return placement._array_key()
+        return FlexMoEPolicy._list_key(placement)
+
+    @staticmethod
+    def _list_key(placement: Placement):
         """The slot-table index of a placement: equal for placements with equal replica sets and
         vExpert counts (as tuples of their lists compare), as int64 bytes (building tuples of all
         E x G counts per plan was a large part of auto's time at 256-rank groups); lists holding
