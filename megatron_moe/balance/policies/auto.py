@@ -49,7 +49,7 @@ import numpy as np
 from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s
 from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, Placement, default_owner, loads,
                                                 make_policy, register_policy)
-from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, _sync_hosts, route_real
+from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, _sync_hosts, route_real, spill_traffic
 
 __all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
 
@@ -155,29 +155,26 @@ class AutoPolicy(BalancePolicy):
         return hit[1] if hit is not None and hit[0] is p else np.asarray(_counts(p), dtype=np.float64)
 
     # -- the cost model's price of one placement ------------------------------------------------
-    def _ranks(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None):
+    def _ranks(self, counts: np.ndarray, p: Placement, priced: Optional[_Priced] = None):
         """Per-rank (compute + 4 all-to-alls) seconds of ``p`` on ``counts`` (``rank_time_s``)
         and per-rank forward compute seconds. FlexMoE placements route by the real-number router
-        (``route``: its host entries for these counts and ``p``'s vExperts, when at hand)."""
+        (``priced``: FlexMoE's pricing of these counts on ``p``'s table, when at hand: its router
+        entries, and the traffic its ``dispatch`` gave the simulator)."""
         return self._cached(("ranks", id(counts), self._content(p)), counts,
-                            lambda: self._ranks_now(counts, p, route))
+                            lambda: self._ranks_now(counts, p, priced))
 
-    def _ranks_now(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None):
+    def _ranks_now(self, counts: np.ndarray, p: Placement, priced: Optional[_Priced] = None):
         if p.has_vexperts:
             n = self._vx(p)
-            r = route if route is not None else _route_hosts(counts.T, n, n.sum(axis=1))
+            r = priced.route if priced is not None else _route_hosts(counts.T, n, n.sum(axis=1))
             if r is not None:
                 # the router's entries at the hosts only (frac is 0 elsewhere): keep's column sums
                 # in expert order, traffic = spill.T @ frac summed over the hosts (no E x G x G matmul)
-                sel = np.flatnonzero(r["frac_h"] > 0)
-                sel = sel[np.argsort(r["hg"][sel], kind="stable")]           # by destination, then expert
-                d = r["hg"][sel]
-                into = np.zeros((self.num_ranks, self.num_ranks))             # [dst, src]
-                if len(d):
-                    start = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
-                    into[d[start]] = np.add.reduceat(r["spill"][r["he"][sel]] * r["frac_h"][sel, None], start, axis=0)
-                traffic = into.T                                              # [src, dst]
-                H = np.bincount(r["hg"], weights=r["keep_h"], minlength=self.num_ranks) + into.sum(axis=1)
+                traffic = getattr(priced, "dispatched", None)                # [src, dst]
+                if traffic is None:                 # as dispatch fills the simulator's array
+                    traffic = np.empty((self.num_ranks, self.num_ranks))
+                    spill_traffic(r, traffic.T)
+                H = np.bincount(r["hg"], weights=r["keep_h"], minlength=self.num_ranks) + traffic.sum(axis=0)
                 return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
             keep, spill, frac = route_real(counts, n)
             traffic = spill.T @ frac                     # [src, dst]; a source never spills to itself
@@ -195,8 +192,8 @@ class AutoPolicy(BalancePolicy):
                 traffic = traffic @ self._to_owner
         return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
 
-    def _base(self, counts: np.ndarray, p: Placement, route: Optional[Dict] = None) -> float:
-        return float(self._ranks(counts, p, route)[0].max())
+    def _base(self, counts: np.ndarray, p: Placement, priced: Optional[_Priced] = None) -> float:
+        return float(self._ranks(counts, p, priced)[0].max())
 
     def _member_collectives_s(self, p: Placement) -> np.ndarray:
         """Per rank: one broadcast of every replicated expert it is a member of."""
@@ -328,7 +325,7 @@ class AutoPolicy(BalancePolicy):
             self.drift = float(np.abs(C - self._prev_counts).sum() / max(1.0, self._prev_counts.sum()))
             for c, (p, predicted) in self._prev.items():
                 if predicted > 0:
-                    real = self._base(C, p, shared.route if c == "flexmoe" and shared is not None else None)
+                    real = self._base(C, p, shared if c == "flexmoe" else None)
                     self._checked[c] = (real, predicted)
                     self.factor[c] = (1 - self.drift_ema) * self.factor[c] + self.drift_ema * real / predicted
         self._prev_counts = C.copy()

@@ -284,6 +284,30 @@ def _route_hosts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray) -> Optional[Dic
     return dict(he=he, hg=hg, k=k, tot=tot, keep_h=keep_h, spill=spill, spill_h=spill_h, frac_h=frac_h)
 
 
+def spill_traffic(r: Dict, into: np.ndarray) -> np.ndarray:
+    """``into[dst, src]`` = inputs src sends dst by the real-number router (``spill.T @ frac``
+    transposed) from its host entries ``r`` (:func:`_route_hosts`): summed over the at most S
+    experts a rank hosts (frac is zero elsewhere), in expert order; no E x G x G matmul."""
+    he, hg, frac_h, spill = r["he"], r["hg"], r["frac_h"], r["spill"]
+    sel = np.flatnonzero(frac_h > 0)
+    sel = sel[np.argsort(hg[sel], kind="stable")]            # by destination rank
+    d = hg[sel]
+    pos = np.arange(len(d))
+    nth = pos - np.maximum.accumulate(np.where(np.r_[True, d[1:] != d[:-1]], pos, 0))
+    rest = np.ones(into.shape[0], dtype=bool)
+    for k in range(int(nth.max()) + 1 if len(d) else 0):   # k-th expert hosted by each rank
+        m = sel[nth == k]
+        rows = spill[he[m]]
+        rows *= frac_h[m, None]
+        if k == 0:
+            into[hg[m]] = rows
+            rest[hg[m]] = False
+        else:
+            into[hg[m]] += rows
+    into[rest] = 0.0
+    return into
+
+
 def _full_parts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray, cost):
     """:func:`_expert_parts` of every expert, computed at the hosts (n > 0) only: elsewhere keep,
     spare, frac, processed inputs and seconds are exactly 0 and spill is the origin count, so the
@@ -469,26 +493,11 @@ class _Priced:
             local[...], traffic[...] = keep.T, spill.T @ frac
             return local, traffic, (sync_s_vec(self.cost, hosts)[:, None] * hosts).sum(axis=0)
         r = self.route
-        he, hg, frac_h, spill = r["he"], r["hg"], r["frac_h"], r["spill"]
+        he, hg = r["he"], r["hg"]
         local.fill(0.0)
         local[hg, he] = r["keep_h"]
-        sel = np.flatnonzero(frac_h > 0)
-        sel = sel[np.argsort(hg[sel], kind="stable")]            # by destination rank
-        d = hg[sel]
-        pos = np.arange(len(d))
-        nth = pos - np.maximum.accumulate(np.where(np.r_[True, d[1:] != d[:-1]], pos, 0))
-        rest = np.ones(num_g, dtype=bool)
-        into = traffic.T                                          # [dst, src] view
-        for k in range(int(nth.max()) + 1 if len(d) else 0):   # k-th expert hosted by each rank
-            m = sel[nth == k]
-            rows = spill[he[m]]
-            rows *= frac_h[m, None]
-            if k == 0:
-                into[hg[m]] = rows
-                rest[hg[m]] = False
-            else:
-                into[hg[m]] += rows
-        into[rest] = 0.0
+        spill_traffic(r, traffic.T)                               # [dst, src] view
+        self.dispatched = traffic                                 # (auto prices this table from it)
         agg = np.bincount(hg, weights=r["sync_e"][he], minlength=num_g)
         return local, traffic, agg
 
