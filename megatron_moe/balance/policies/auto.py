@@ -129,10 +129,17 @@ class AutoPolicy(BalancePolicy):
         return self._cached(("mask", id(p)), p, p.mask)
 
     def _content(self, p: Placement) -> bytes:
-        """What ``_ranks`` reads of ``p``: its vExperts, else its locality mask (the owners are
-        fixed), as bytes: equal plans of different objects (this plan and the last) price once."""
-        return self._cached(("content", id(p)), p, lambda: (b"v" + self._vx(p).tobytes()) if p.has_vexperts
-                            else (b"m" + self._mask(p).tobytes()))
+        """What ``_ranks`` reads of ``p``: its vExperts (as the positions and values of the nonzero
+        counts: the E x G array's bytes cost more to copy and hash), else its locality mask (the
+        owners are fixed), as bytes: equal plans of different objects (this plan and the last)
+        price once."""
+        def content():
+            if p.has_vexperts:
+                n = self._vx(p).ravel()
+                nz = np.flatnonzero(n)
+                return b"v" + nz.tobytes() + n[nz].tobytes()
+            return b"m" + self._mask(p).tobytes()
+        return self._cached(("content", id(p)), p, content)
 
     def run_priced(self, counts: np.ndarray, p: Placement):
         """FlexMoE's pricing (``_Priced``) of counts on the vExpert placement ``p`` that runs now,

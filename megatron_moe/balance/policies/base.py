@@ -49,8 +49,9 @@ class Placement:
     def from_plan(cls, plan, num_experts: int, num_ranks: int) -> "Placement":
         """From a Pro-Prophet plan: list of (expert, excluded ranks); S_e = all ranks - excluded."""
         p = cls.plain(num_experts, num_ranks)
-        for e, excluded in plan:
-            p.replica_sets[int(e)] = sorted(set(range(num_ranks)) - {int(x) for x in excluded})
+        for e, excluded in plan:     # (n = 0, nothing excluded: every rank, the same list)
+            p.replica_sets[int(e)] = (sorted(set(range(num_ranks)) - {int(x) for x in excluded}) if len(excluded)
+                                      else list(range(num_ranks)))
         p.validate()
         return p
 
