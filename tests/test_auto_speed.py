@@ -164,3 +164,30 @@ def test_flexmoe_table_placement_equals_the_lists():
     f2 = FlexMoEPolicy(None, E, G, threshold=1e9)
     C = np.ones((G, E))
     assert f2.plan(C) is f2.plan(C)
+
+
+def test_flexmoe_router_delta_equals_whole():
+    """auto prices FlexMoE's next table on the same counts from the last one's router result
+    (its changed experts' entries out, their new ones in): the traffic and kept inputs equal
+    pricing the table whole (up to rounding), over successive FlexMoE steps."""
+    from megatron_moe.balance.policies.auto import AutoPolicy
+
+    rng = np.random.default_rng(3)
+    E, G = 32, 16
+    pol = AutoPolicy(E, G)
+    fx = pol.cands["flexmoe"]
+    checked = 0
+    for it in range(10):
+        C = rng.poisson(rng.zipf(1.3, E)[None, :] * 3.0, size=(G, E)).astype(float)
+        n0 = fx.table.counts().astype(float)
+        pol._flex_last = None
+        t0, k0 = pol._flex_router(C, n0)
+        fx.step(C)
+        n1 = fx.table.counts().astype(float)
+        rows = int((n1 != n0).any(axis=1).sum())
+        got_t, got_k = pol._flex_router(C, n1)               # from the last result (n0's)
+        pol._flex_last = None
+        want_t, want_k = pol._flex_router(C, n1)             # whole
+        assert np.allclose(got_t, want_t, rtol=1e-12, atol=1e-9) and np.allclose(got_k, want_k, rtol=1e-12, atol=1e-9)
+        checked += 0 < rows <= E // 4
+    assert checked >= 3, checked

@@ -107,6 +107,7 @@ class AutoPolicy(BalancePolicy):
         self._memo: Optional[Dict] = None      # during propose(): per-placement arrays and prices
         self._kept: Dict = {}                  # the arrays of the plans in _prev, for the next propose()
         self._shared = None                    # (counts, FlexMoE's pricing of them on its table): run_priced
+        self._flex_last = None                 # during propose(): the last FlexMoE router result (_flex_router)
 
     # -- speed: per-placement arrays and prices computed once per propose() ------------------------
     # (a pure cache: every value is what the uncached call returns; tests/test_auto_speed.py)
@@ -173,15 +174,10 @@ class AutoPolicy(BalancePolicy):
     def _ranks_now(self, counts: np.ndarray, p: Placement, priced: Optional[_Priced] = None):
         if p.has_vexperts:
             n = self._vx(p)
-            r = priced.route if priced is not None else _route_hosts(counts.T, n, n.sum(axis=1))
-            if r is not None:
-                # the router's entries at the hosts only (frac is 0 elsewhere): keep's column sums
-                # in expert order, traffic = spill.T @ frac summed over the hosts (no E x G x G matmul)
-                traffic = getattr(priced, "dispatched", None)                # [src, dst]
-                if traffic is None:                 # as dispatch fills the simulator's array
-                    traffic = np.empty((self.num_ranks, self.num_ranks))
-                    spill_traffic(r, traffic.T)
-                H = np.bincount(r["hg"], weights=r["keep_h"], minlength=self.num_ranks) + traffic.sum(axis=0)
+            got = self._flex_router(counts, n, priced)
+            if got is not None:
+                traffic, keep = got
+                H = keep + traffic.sum(axis=0)
                 return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
             keep, spill, frac = route_real(counts, n)
             traffic = spill.T @ frac                     # [src, dst]; a source never spills to itself
@@ -198,6 +194,45 @@ class AutoPolicy(BalancePolicy):
             elif k > 2:
                 traffic = traffic @ self._to_owner
         return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
+
+    def _flex_router(self, counts: np.ndarray, n: np.ndarray, priced: Optional[_Priced] = None):
+        """(traffic[src, dst], per-rank inputs kept at their source) of the real-number router on
+        vExperts ``n``, from its entries at the hosts only (frac is 0 elsewhere: traffic is
+        spill.T @ frac summed over the at most S experts a rank hosts, no E x G x G matmul; keep's
+        column sums in expert order). ``priced``: FlexMoE's pricing of these counts on ``n`` (its
+        router entries, and the traffic its ``dispatch`` gave the simulator). A table that differs
+        from the last one priced on the same counts in a few experts (the next FlexMoE step) is
+        that one's traffic with those experts' entries taken out and their new ones added (equal
+        to pricing it whole up to rounding). None for counts the router does not take."""
+        last = self._flex_last
+        if priced is None and last is not None and last[0] is counts and last[1].shape == n.shape:
+            rows = np.flatnonzero((n != last[1]).any(axis=1))
+            if len(rows) <= n.shape[0] // 4:
+                _, _, r0, traffic0, keep0 = last
+                traffic, keep = traffic0.copy(), keep0.copy()
+                i = np.flatnonzero(np.isin(r0["he"], rows) & (r0["frac_h"] > 0))
+                np.subtract.at(traffic.T, r0["hg"][i], r0["spill"][r0["he"][i]] * r0["frac_h"][i, None])
+                i = np.flatnonzero(np.isin(r0["he"], rows))
+                np.subtract.at(keep, r0["hg"][i], r0["keep_h"][i])
+                if len(rows):
+                    nr = n[rows]
+                    r1 = _route_hosts(counts.T[rows], nr, nr.sum(axis=1))
+                    if r1 is None:
+                        return None
+                    i = np.flatnonzero(r1["frac_h"] > 0)
+                    np.add.at(traffic.T, r1["hg"][i], r1["spill"][r1["he"][i]] * r1["frac_h"][i, None])
+                    np.add.at(keep, r1["hg"], r1["keep_h"])
+                return traffic, keep
+        r = priced.route if priced is not None else _route_hosts(counts.T, n, n.sum(axis=1))
+        if r is None:
+            return None
+        traffic = getattr(priced, "dispatched", None)                # [src, dst]
+        if traffic is None:                 # as dispatch fills the simulator's array
+            traffic = np.empty((self.num_ranks, self.num_ranks))
+            spill_traffic(r, traffic.T)
+        keep = np.bincount(r["hg"], weights=r["keep_h"], minlength=self.num_ranks)
+        self._flex_last = (counts, n, r, traffic, keep)
+        return traffic, keep
 
     def _base(self, counts: np.ndarray, p: Placement, priced: Optional[_Priced] = None) -> float:
         return float(self._ranks(counts, p, priced)[0].max())
@@ -318,7 +353,7 @@ class AutoPolicy(BalancePolicy):
         finally:
             kept = {id(p) for p, _ in self._prev.values()}
             self._kept = {k: v for k, v in self._memo.items() if k[0] in ("vx", "mask", "content", "sync", "hosts") and k[1] in kept}
-            self._memo = None
+            self._memo = self._flex_last = None
 
     def _propose(self, counts) -> Dict[str, float]:
         C = np.asarray(counts, dtype=np.float64)
