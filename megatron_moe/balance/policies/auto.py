@@ -238,12 +238,16 @@ class AutoPolicy(BalancePolicy):
         return float(self._ranks(counts, p, priced)[0].max())
 
     def _member_collectives_s(self, p: Placement) -> np.ndarray:
-        """Per rank: one broadcast of every replicated expert it is a member of."""
-        t = np.zeros(self.num_ranks)
-        rep = [p.replica_sets[e] for e in p.replicated()]
-        if rep:     # one addition per (expert, member) in expert order, as a loop over experts would
-            np.add.at(t, np.fromiter(itertools.chain.from_iterable(rep), dtype=np.int64), self.pc.param_collective_s)
-        return t
+        """Per rank: one broadcast of every replicated expert it is a member of (once per plan:
+        the price and the link-busy time both read it)."""
+        def members():
+            t = np.zeros(self.num_ranks)
+            rep = [p.replica_sets[e] for e in p.replicated()]
+            if rep:     # one addition per (expert, member) in expert order, as a loop over experts would
+                np.add.at(t, np.fromiter(itertools.chain.from_iterable(rep), dtype=np.int64),
+                          self.pc.param_collective_s)
+            return t
+        return self._cached(("members", id(p)), p, members)
 
     def _transient_s(self, p: Placement, fec: np.ndarray) -> np.ndarray:
         """Per rank: Trans + Agg (one broadcast and one reduce of each expert it holds a replica of
