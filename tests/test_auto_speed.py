@@ -157,6 +157,11 @@ def test_flexmoe_table_placement_equals_the_lists():
     # integral float vExperts key as the ints (as tuples compared); an edit after reading is seen
     q = Placement(eager.replica_sets, G, [[float(v) for v in r] for r in eager.vexperts])
     assert FlexMoEPolicy._key(q) == FlexMoEPolicy._key(p)
+    # a count off the replica sets (not a valid placement) does not share the key of the sets alone
+    e0 = next(e for e, s in enumerate(eager.replica_sets) if len(s) < G)
+    off = [list(r) for r in eager.vexperts]
+    off[e0][next(g for g in range(G) if g not in eager.replica_sets[e0])] = 1
+    assert FlexMoEPolicy._key(Placement(eager.replica_sets, G, off)) != FlexMoEPolicy._key(p)
     e = int(np.argmin([len(s) for s in p.replica_sets]))
     p.replica_sets[e] = list(range(G))
     assert e in p.replicated() and p.mask()[:, e].all()

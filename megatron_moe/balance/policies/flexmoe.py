@@ -524,8 +524,10 @@ class _TablePlacement(Placement):
 
     def _array_key(self):
         """:meth:`FlexMoEPolicy._list_key` of this placement, from its arrays."""
+        hosts = np.zeros(self._n.shape, dtype=bool)
+        hosts[np.repeat(np.arange(len(self._lens)), self._lens), self._ranks] = True
         return (self._lens.astype(np.int64).tobytes(), self._ranks.astype(np.int64).tobytes(),
-                (self._n.shape, self._n.tobytes()))
+                ("hosts", self._n.shape, self._n[hosts].tobytes()))
 
     def _build(self) -> None:
         if self._lazy():
@@ -837,7 +839,16 @@ class FlexMoEPolicy(BalancePolicy):
                 n = None
         if flat is None or flat.ndim != 1 or (vx is not None and (n is None or n.ndim != 2)):
             return tuple(map(tuple, sets)), (None if vx is None else tuple(map(tuple, vx)))
-        return lens.tobytes(), flat.tobytes(), (None if vx is None else (n.shape, n.tobytes()))
+        if vx is None:
+            return lens.tobytes(), flat.tobytes(), None
+        if n.shape == (len(sets), placement.num_ranks) and (len(flat) == 0 or 0 <= flat.min() <= flat.max() < n.shape[1]):
+            hosts = np.zeros(n.shape, dtype=bool)
+            hosts[np.repeat(np.arange(len(sets)), lens), flat] = True
+            if np.count_nonzero(n) == np.count_nonzero(n[hosts]):
+                # every count sits on a replica rank (any valid placement): the counts there say
+                # it all (the E x G bytes cost more to hash per plan)
+                return lens.tobytes(), flat.tobytes(), ("hosts", n.shape, n[hosts].tobytes())
+        return lens.tobytes(), flat.tobytes(), (n.shape, n.tobytes())
 
     def plan(self, counts, current: Optional[Placement] = None, priced: Optional[_Priced] = None) -> Placement:
         """One scheduler step from ``counts``.  With ``current`` (the placement the layer ran), the
