@@ -515,7 +515,8 @@ class _TablePlacement(Placement):
         hosts = n != 0
         hosts[np.arange(n.shape[0]), owner] = True           # the owner keeps the master copy
         self.num_ranks = int(num_ranks)
-        self._n, self._ranks, self._lens = n, np.nonzero(hosts)[1], hosts.sum(axis=1)   # row by row: sorted
+        self._n, self._hosts = n, hosts
+        self._ranks, self._lens = np.nonzero(hosts)[1], hosts.sum(axis=1)   # row by row: sorted
         self._sets = self._vx = None
         self.validate()
 
@@ -524,10 +525,8 @@ class _TablePlacement(Placement):
 
     def _array_key(self):
         """:meth:`FlexMoEPolicy._list_key` of this placement, from its arrays."""
-        hosts = np.zeros(self._n.shape, dtype=bool)
-        hosts[np.repeat(np.arange(len(self._lens)), self._lens), self._ranks] = True
         return (self._lens.astype(np.int64).tobytes(), self._ranks.astype(np.int64).tobytes(),
-                ("hosts", self._n.shape, self._n[hosts].tobytes()))
+                ("hosts", self._n.shape, self._n[self._hosts].tobytes()))
 
     def _build(self) -> None:
         if self._lazy():
@@ -574,9 +573,7 @@ class _TablePlacement(Placement):
     def mask(self) -> np.ndarray:
         if not self._lazy():
             return super().mask()
-        m = np.zeros((self.num_ranks, len(self._lens)), dtype=bool)
-        m[self._ranks, np.repeat(np.arange(len(self._lens)), self._lens)] = True
-        return m
+        return self._hosts.T.copy()
 
     def validate(self, vexperts_array: Optional[np.ndarray] = None) -> "Placement":
         if self._lazy() and not ((self._n < 0).any() or (self._n.sum(axis=1) < 1).any()):

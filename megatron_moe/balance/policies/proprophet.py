@@ -109,6 +109,7 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
     # of sets one rank is in (= the plan's length when n = 0); the paper's form keeps s, its (D-n)/D
     # is already the average share
     members_of = np.zeros(D) if n and getattr(cost, "trans_ring", False) else None
+    own: dict = {}                                             # rank -> its experts (owner == i), as met
     stop = "exhausted"
     while True:
         if H.max() - H.min() < alpha * I / E:                  # Eq. 7
@@ -120,10 +121,13 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         if used[i]:
             stop = "used"
             break
-        mine = [e for e in np.nonzero(owner == i)[0] if not selected[e]]
+        ex = own.get(i)
+        if ex is None:
+            ex = own[i] = np.nonzero(owner == i)[0].tolist()
+        mine = [e for e in ex if not selected[e]]
         e = int(min(mine, key=lambda x: (-remote_load[x], x)))
         selected[e] = True
-        if all(selected[owner == i]):
+        if all(selected[x] for x in ex):
             used[i] = True
         o = int(owner[e])
         col = C[:, e]
@@ -135,12 +139,13 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
             nb = sorted(int(d) for d in others[order[:n]])       # BottomK
             members[nb] = False
         # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
-        moved = np.where(members, col, 0.0)
+        moved = np.where(members, col, 0.0) if n else np.array(col)    # (n = 0: every rank a member)
         moved[o] = 0.0
         H = H + moved
-        H[o] -= moved.sum()
+        ms = moved.sum()
+        H[o] -= ms
         R = R.copy()
-        R[o] -= moved.sum()
+        R[o] -= ms
         steps.append((e, nb))
         s_priced = len(steps)
         if members_of is not None:
