@@ -196,3 +196,17 @@ def test_flexmoe_router_delta_equals_whole():
         assert np.allclose(got_t, want_t, rtol=1e-12, atol=1e-9) and np.allclose(got_k, want_k, rtol=1e-12, atol=1e-9)
         checked += 0 < rows <= E // 4
     assert checked >= 3, checked
+
+
+def test_from_plan_checks_the_owner_only_where_it_can_fail():
+    """Placement.from_plan skips validate() when every replaced set keeps its owner (the sets it
+    builds are sorted unique ranks in range); a plan that excludes an owner still gets the error."""
+    from megatron_moe.balance.policies.base import Placement
+
+    p = Placement.from_plan([(1, []), (5, [0, 3]), (-1, [0])], 8, 4)
+    assert p.replica_sets[1] == [0, 1, 2, 3] and p.replica_sets[5] == [1, 2] and p.replica_sets[7] == [1, 2, 3]
+    assert p.validate() is p
+    with pytest.raises(ValueError, match="owner"):
+        Placement.from_plan([(4, [2])], 8, 4)               # expert 4's owner is rank 2
+    with pytest.raises(ValueError, match="owner"):
+        Placement.from_plan([(-1, [3])], 8, 4)             # expert 7's owner is rank 3

@@ -108,6 +108,7 @@ class AutoPolicy(BalancePolicy):
         self._kept: Dict = {}                  # the arrays of the plans in _prev, for the next propose()
         self._shared = None                    # (counts, FlexMoE's pricing of them on its table): run_priced
         self._flex_last = None                 # during propose(): the last FlexMoE router result (_flex_router)
+        self._plain: Optional[Placement] = None    # the none candidate's placement (NoBalancePolicy's, reused)
 
     # -- speed: per-placement arrays and prices computed once per propose() ------------------------
     # (a pure cache: every value is what the uncached call returns; tests/test_auto_speed.py)
@@ -135,11 +136,14 @@ class AutoPolicy(BalancePolicy):
         owners are fixed), as bytes: equal plans of different objects (this plan and the last)
         price once."""
         def content():
+            key = p._array_key() if getattr(p, "_lazy", lambda: False)() else None
+            if key is not None:             # FlexMoE's table: its slot-table key (hosts, counts there)
+                return "t", key
             if p.has_vexperts:
                 n = self._vx(p).ravel()
                 nz = np.flatnonzero(n)
-                return b"v" + nz.tobytes() + n[nz].tobytes()
-            return b"m" + self._mask(p).tobytes()
+                return "v", nz.tobytes(), n[nz].tobytes()
+            return "m", self._mask(p).tobytes()
         return self._cached(("content", id(p)), p, content)
 
     def run_priced(self, counts: np.ndarray, p: Placement):
@@ -379,10 +383,13 @@ class AutoPolicy(BalancePolicy):
         for c, pol in self.cands.items():
             if c == "flexmoe":             # its table priced on these counts already (run_priced)
                 p = pol.plan(C, None, shared)
+            elif c == "none" and type(pol) is NoBalancePolicy:    # one plain placement, its prices cached
+                p = self._plain = self._plain or pol.plan(C, None)
             else:
                 p = pol.plan(C, None)      # flexmoe: its own (shadow) table, stepped every re-plan
             if p.has_vexperts and hasattr(pol, "table"):    # the counts p was made from
-                self._cached(("vx", id(p)), p, lambda: pol.table.counts().astype(np.float64))
+                self._cached(("vx", id(p)), p, lambda: np.asarray(_counts(p) if hasattr(p, "vexperts_array")
+                                                                  else pol.table.counts(), dtype=np.float64))
             ops = list(getattr(pol, "last_ops", None) or [])
             self._prev[c] = (p, self._base(C, p))
             entry = {"placement": p, "ops": ops}

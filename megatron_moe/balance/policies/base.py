@@ -49,11 +49,14 @@ class Placement:
     def from_plan(cls, plan, num_experts: int, num_ranks: int) -> "Placement":
         """From a Pro-Prophet plan: list of (expert, excluded ranks); S_e = all ranks - excluded."""
         p = cls.plain(num_experts, num_ranks)
+        owner, ok = p.owner, True
         for e, excluded in plan:     # (n = 0, nothing excluded: every rank, the same list)
-            p.replica_sets[int(e)] = (sorted(set(range(num_ranks)) - {int(x) for x in excluded}) if len(excluded)
-                                      else list(range(num_ranks)))
-        p.validate()
-        return p
+            ex = {int(x) for x in excluded}
+            p.replica_sets[int(e)] = sorted(set(range(num_ranks)) - ex) if ex else list(range(num_ranks))
+            ok = ok and int(owner[int(e)]) not in ex
+        # the sets built here are sorted unique ranks in range: keeping its owner is what can fail
+        # (validate raises the one-line error then; it is the same check as validate's otherwise)
+        return p if ok else p.validate()
 
     @property
     def num_experts(self) -> int:

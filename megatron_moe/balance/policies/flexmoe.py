@@ -511,22 +511,25 @@ class _TablePlacement(Placement):
     method then runs :class:`Placement`'s own code on the lists. Equal to a Placement with equal
     fields, as a Placement is."""
 
-    def __init__(self, n: np.ndarray, owner: np.ndarray, num_ranks: int):
+    def __init__(self, n: np.ndarray, owner: np.ndarray, num_ranks: int, checked: bool = False):
         hosts = n != 0
         hosts[np.arange(n.shape[0]), owner] = True           # the owner keeps the master copy
         self.num_ranks = int(num_ranks)
         self._n, self._hosts = n, hosts
         self._ranks, self._lens = np.nonzero(hosts)[1], hosts.sum(axis=1)   # row by row: sorted
-        self._sets = self._vx = None
-        self.validate()
+        self._sets = self._vx = self._akey = None
+        if not checked:
+            self.validate()
 
     def _lazy(self) -> bool:
         return self._sets is None and self._vx is None
 
     def _array_key(self):
-        """:meth:`FlexMoEPolicy._list_key` of this placement, from its arrays."""
-        return (self._lens.astype(np.int64).tobytes(), self._ranks.astype(np.int64).tobytes(),
-                ("hosts", self._n.shape, self._n[self._hosts].tobytes()))
+        """:meth:`FlexMoEPolicy._list_key` of this placement, from its arrays (made once)."""
+        if self._akey is None:
+            self._akey = (self._lens.astype(np.int64).tobytes(), self._ranks.astype(np.int64).tobytes(),
+                          ("hosts", self._n.shape, self._n[self._hosts].tobytes()))
+        return self._akey
 
     def _build(self) -> None:
         if self._lazy():
@@ -810,8 +813,9 @@ class FlexMoEPolicy(BalancePolicy):
     def _placement_key(self, n: np.ndarray):
         """(the slot table's placement for its counts ``n``, its :meth:`_key`), the key from the
         arrays the placement is built from (what ``_key`` computes from its lists)."""
+        # (a slot table's counts: non-negative, every expert >= 1 vExpert; SlotTable and _apply check it)
         p = _TablePlacement(np.asarray(n, dtype=np.int64), default_owner(self.num_experts, self.num_ranks),
-                            self.num_ranks)
+                            self.num_ranks, checked=True)
         return p, p._array_key()
 
     @staticmethod
