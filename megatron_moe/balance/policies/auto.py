@@ -41,6 +41,7 @@ candidate is chosen (a shadow table), so switching to it starts from a table ada
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Dict, List, Optional, Sequence
 
@@ -49,7 +50,8 @@ import numpy as np
 from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s
 from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, Placement, default_owner, loads,
                                                 make_policy, register_policy)
-from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, _sync_hosts, route_real, spill_traffic
+from megatron_moe.balance.policies.flexmoe import (SlotTable, _Priced, _route_hosts, _sync_hosts, route_real,
+                                                   spill_traffic)
 
 __all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
 
@@ -71,7 +73,7 @@ class AutoPolicy(BalancePolicy):
                  memory_left_bytes: Optional[float] = None, candidates=CANDIDATES,
                  drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
                  moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, coordinate: bool = True,
-                 **_ignored):
+                 lookahead: bool = True, amortised: bool = True, hysteresis: bool = True, **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
@@ -81,6 +83,9 @@ class AutoPolicy(BalancePolicy):
         self.moves_overlap = bool(moves_overlap)
         self.force = force                       # tests' mutation: always this candidate
         self.coordinate = bool(coordinate)       # tests' mutation (False): every EP group chooses alone
+        self.lookahead = bool(lookahead)         # tests' mutation (False): first re-plan on the one-step table
+        self.amortised = bool(amortised)         # tests' mutation (False): enter FlexMoE by ski rental only
+        self.hysteresis = bool(hysteresis)       # tests' mutation (False): leave FlexMoE when the EMA dips
         self.owner = default_owner(num_experts, num_ranks)
         self._to_owner = np.zeros((num_experts, num_ranks))
         self._to_owner[np.arange(num_experts), self.owner] = 1.0
@@ -365,6 +370,7 @@ class AutoPolicy(BalancePolicy):
 
     def _propose(self, counts) -> Dict[str, float]:
         C = np.asarray(counts, dtype=np.float64)
+        first = self._prev_counts is None
         # drift: how each candidate's previous plan priced on the counts that really came
         self._checked = {}                 # candidate -> (previous plan priced on the counts that came, as predicted)
         # FlexMoE's table priced on these counts already (run_priced: the running table, which is
@@ -403,6 +409,8 @@ class AutoPolicy(BalancePolicy):
                     t = self._flex_time(steady, busy, build if switching else move, switching)
                     entry.update(steady=float(steady.max()) * self.factor[c], busy=busy, move=move, build=build,
                                  raw=float(steady.max()))
+                    if first and not switching and self.lookahead:
+                        entry["look"] = self._lookahead(C, pol)
             else:
                 t = self.price(c, C, p, ops)
                 entry["steady"], entry["raw"] = t * self.factor[c], t
@@ -414,6 +422,23 @@ class AutoPolicy(BalancePolicy):
         self._proposal = prop
         self.last_times, self.last_price = times, raw     # this group alone: scaled and unscaled
         return times
+
+    def _lookahead(self, C: np.ndarray, pol):
+        """FlexMoE's table as its own planner takes it on the load ``C``: a copy of the (shadow)
+        table is stepped on ``C`` until a step makes no op (at most ``max_stay`` steps). The first
+        step from plain stops early (its migrations open further Expand/Shrink pairs: at 256 GPUs,
+        s 1.6 a second step on the same counts takes the planner's price from 33 to 22 ms).
+        Returns (steady seconds per rank, link-busy seconds, state moves of the extra ops), as
+        ``_flex_parts``; None if it does not fit the memory left."""
+        look = copy.copy(pol)
+        look.table = SlotTable(pol.table.slots.copy(), pol.table.num_experts, pol.table.version)
+        ops = []
+        for _ in range(int(self.max_stay)):
+            o = look.step(C)
+            if not o:
+                break
+            ops += o
+        return self._flex_parts(C, look.placement(), ops, False)
 
     def commit(self, choice: str) -> Placement:
         """Adopt candidate ``choice``'s proposed placement."""
@@ -455,13 +480,18 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
       idle link time (slowest group's excess).
 
     Entering FlexMoE builds every replica (the same best-effort rule, once); leaving drops them
-    (free), and coming back builds them again. A one-iteration prediction under drift is noisy,
-    the build is paid at once and its pay-back time is unknown, so entering is decided as in ski
-    rental: the advantage of the persistent regime (transient minus persistent time) is summed
-    over the iterations since it last was not positive (``regret``), and FlexMoE is entered when
-    that sum reaches the build's exposed time (the price of switching is never more than what
-    staying has already lost). It is left when the smoothed advantage (EMA, weight ``drift_ema``,
-    from 0) is negative, and at the first re-plan when FlexMoE is predicted slower.
+    (free), and coming back builds them again. Entering is decided as in ski rental: the advantage
+    of the persistent regime (transient minus persistent time) is summed over the iterations since
+    it last was not positive (``regret``), and FlexMoE is entered when that sum reaches the build's
+    exposed time and the smoothed advantage (EMA, weight ``drift_ema``, from 0) is positive; or
+    when this re-plan's advantage over the expected stay (``expected_stay``: ~1/drift re-plans, as
+    ``price`` spreads a build) pays the build. Entering restarts the smoothing at that advantage
+    (the earlier ones priced tables the shadow has left). FlexMoE is left when the smoothed
+    advantage is negative and the disadvantage summed since it last was not positive (``loss``)
+    exceeds the build's share per re-plan (build / expected stay): leaving costs that rebuild
+    again, so a brief dip does not. At the first re-plan (the table one FlexMoE step from plain,
+    nothing built at a cost) FlexMoE is kept if it is predicted faster, or if staying pays over the
+    expected stay with the table FlexMoE's planner reaches on this load (``_lookahead``).
     Returns each group's choice; ``force`` (a test's mutation) overrides it."""
     p0 = policies[0]
     if p0.force is not None:
@@ -470,21 +500,20 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     stateless = [c for c in CANDIDATES if c in p0.cands and "steady" in props[0][c] and "busy" not in props[0][c]]
     per_group = [min((c for c in stateless if "steady" in pr[c]), key=lambda c: (pr[c]["steady"], c))
                  for pr in props]
-    # regime-level drift factors: the slowest group's realised time over the slowest group's
-    # predicted one, for the plans each regime had last time. Over many groups the maximum of
-    # noisy realisations exceeds the maximum of the predictions, more for the noisier candidate,
-    # which the groups' own factors (ratios of means) do not see.
-    jf = getattr(p0, "joint_factor", None) or {"transient": 1.0, "flexmoe": 1.0}
-    last = getattr(p0, "_last_stateless", None)
-    if last is not None and all(pol._checked for pol in policies):
-        w = p0.drift_ema
-        for regime, cs in (("transient", last), ("flexmoe", ["flexmoe"] * len(policies))):
-            pairs = [pol._checked.get(c) for pol, c in zip(policies, cs)]
+    # layer-level drift factors, per candidate: the slowest group's realised time over the slowest
+    # group's predicted one, for each candidate's last plans (all are re-priced every re-plan).
+    # Over many groups the maximum of noisy realisations exceeds the maximum of the predictions,
+    # more for the noisier candidate, which the groups' own factors (ratios of means) do not see.
+    # Per candidate: a factor learnt on Pro-Prophet's plans does not price plain EP's.
+    w = p0.drift_ema
+    jf = getattr(p0, "joint_factor", None) or {c: 1.0 for c in p0.cands}
+    if all(pol._checked for pol in policies):
+        for c in jf:
+            pairs = [pol._checked.get(c) for pol in policies]
             if all(pq is not None for pq in pairs):
-                ratio = max(r for r, _ in pairs) / max(q for _, q in pairs)
-                jf[regime] = (1 - w) * jf[regime] + w * ratio
-    p0.joint_factor, p0._last_stateless = jf, per_group
-    t_tr = max(pr[c]["raw"] for pr, c in zip(props, per_group)) * jf["transient"]
+                jf[c] = (1 - w) * jf[c] + w * max(r for r, _ in pairs) / max(q for _, q in pairs)
+    p0.joint_factor = jf
+    t_tr = max(pr[c]["raw"] * jf[c] for pr, c in zip(props, per_group))
     flex = [pr.get("flexmoe", {}) for pr in props]
     p0.last_joint = {"transient": t_tr}
     if not all("busy" in f for f in flex):          # no persistent candidate (or it does not fit)
@@ -493,32 +522,45 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     steady = max(f["raw"] for f in flex) * jf["flexmoe"]
     ops_s = max(pol.exposed_moves_s(f["busy"], f["move"], steady) for pol, f in zip(policies, flex))
     t_flex = steady + ops_s / p0.interval
-    w = p0.drift_ema
     adv = t_tr - t_flex
     p0.last_joint.update(flexmoe=t_flex)
     # the build runs while the current (transient) placement does: its idle links hide part
     build = max(pol.exposed_moves_s(pr[c]["link"], f["build"], t_tr)
                 for pol, pr, c, f in zip(policies, props, per_group, flex))
+    stay = p0.expected_stay()
     if getattr(p0, "adv", None) is None:
         # first re-plan: nothing to smooth and no prediction checked yet; the persistent table is
-        # one FlexMoE step from plain (moved in the plain iteration's idle time): keep it if it is
-        # predicted faster. (Keeping it unless the loss exceeded the rebuild was tried: FlexMoE's
-        # first table runs far slower than predicted under drift, 1.17x at 8192 GPUs.)
-        p0.adv = 0.0
+        # one FlexMoE step from plain (moved in the plain iteration's idle time). Its next steps on
+        # this load lower it further, moved as FlexMoE's own are, while leaving and coming back
+        # costs the build: keep it if it is predicted faster now, or if the next iteration's loss
+        # plus the extra steps' exposed moves is paid back over the expected stay by the table
+        # they reach. (Keeping it unless the loss exceeded the rebuild was tried: FlexMoE's first
+        # table runs far slower than predicted under drift, 1.17x at 8192 GPUs.)
+        p0.adv, p0.loss = 0.0, 0.0
         p0.last_joint.update(build=build)
         keep = p0.choice == "flexmoe" and adv > 0
+        if p0.choice == "flexmoe" and not keep and all(f.get("look") is not None for f in flex):
+            lsteady = max(float(f["look"][0].max()) for f in flex) * jf["flexmoe"]
+            lmoves = max(pol.exposed_moves_s(f["look"][1], f["look"][2], lsteady) for pol, f in zip(policies, flex))
+            staying = -adv + lmoves / p0.interval + (stay - 1.0) * (lsteady - t_tr)
+            p0.last_joint.update(lookahead=lsteady, staying=staying)
+            keep = staying < 0
         return ["flexmoe"] * len(policies) if keep else per_group
     p0.adv = (1 - w) * p0.adv + w * adv
     p0.last_joint["advantage"] = p0.adv
-    if p0.choice == "flexmoe":      # leaving is free (coming back builds again)
-        stay_in = p0.adv > 0
+    if p0.choice == "flexmoe":
+        p0.loss = max(0.0, p0.loss - adv)
+        p0.last_joint.update(build=build, loss=p0.loss)
+        stay_in = p0.adv > 0 or (p0.hysteresis and p0.loss <= build / stay)
         p0.regret = 0.0
     else:
         p0.regret = max(0.0, getattr(p0, "regret", 0.0) + adv)
         p0.last_joint.update(build=build, regret=p0.regret)
-        stay_in = p0.adv > 0 and p0.regret >= build
+        stay_in = (p0.adv > 0 and p0.regret >= build) or (p0.amortised and adv * stay >= build)
         if stay_in:
-            p0.regret = 0.0
+            p0.regret, p0.loss = 0.0, 0.0
+            if p0.amortised:
+                p0.adv = max(p0.adv, adv)
     return ["flexmoe"] * len(policies) if stay_in else per_group
 
 
