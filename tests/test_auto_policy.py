@@ -130,3 +130,140 @@ def test_auto_one_regime_over_ep_groups():
     alone = _group_choices(False)
     assert len(alone) == 12
     assert any("flexmoe" in c and set(c) != {"flexmoe"} for c in alone), alone
+
+
+def _layer_run(gpus, zipf, drift, layer, iters, **auto_kwargs):
+    """One layer of the bench's trace (64 experts, seed 0) under auto: the choice of each
+    plan_groups call (one per re-plan: all EP groups), auto's and FlexMoE's mean iteration time."""
+    from megatron_moe.balance.policies import auto as auto_mod
+    from megatron_moe.sim.cluster import load_cluster
+    from megatron_moe.sim.runner import simulate
+    from megatron_moe.sim.traces import synthetic_trace
+
+    tr = synthetic_trace(gpus, 64, iters, 2, zipf_s=zipf, drift_sigma=drift, seed=0)[:, layer:layer + 1]
+    cl = load_cluster(gpus)
+    calls = []
+    orig = auto_mod.plan_groups
+
+    def spy(policies, counts):
+        out = orig(policies, counts)
+        calls.append([p.choice for p in policies])
+        return out
+    auto_mod.plan_groups = spy
+    try:
+        t_auto = simulate(tr, cl, "auto", policy_kwargs=auto_kwargs).mean()["iter_s"]
+    finally:
+        auto_mod.plan_groups = orig
+    return calls, t_auto, simulate(tr, cl, "flexmoe").mean()["iter_s"]
+
+
+def test_auto_first_replan_keeps_converging_flexmoe():
+    """256 GPUs, s 1.6, no drift, layer 0: FlexMoE's first table (one planner step from plain) is
+    predicted 37.4 ms against the transient 32.5, but its planner's next step on the same load
+    reaches ~25 ms. The first re-plan keeps FlexMoE (lookahead), so auto runs as FlexMoE does;
+    mutation lookahead=False: it leaves, waits and pays a build (> 3% over FlexMoE in 6 iterations)."""
+    calls, t_auto, t_flex = _layer_run(256, 1.6, 0.0, 0, 6)
+    assert set(calls[0]) == {"flexmoe"}, calls
+    assert t_auto <= 1.03 * t_flex, (t_auto, t_flex)
+    calls, t_auto, t_flex = _layer_run(256, 1.6, 0.0, 0, 6, lookahead=False)
+    assert "flexmoe" not in calls[0] and t_auto > 1.03 * t_flex, (calls, t_auto, t_flex)
+
+
+def test_auto_enters_flexmoe_when_the_stay_pays_the_build():
+    """256 GPUs, s 1.6, no drift, layer 1: one EP group's FlexMoE table is stuck ~5 ms above the
+    transient regime for 16 re-plans, then converges ~9 ms below it (build ~66 ms, expected stay
+    ~17 re-plans). Auto enters at the re-plan whose advantage over the expected stay pays the
+    build, once, and stays. Mutation amortised=False (ski rental only): it enters 7 re-plans
+    later, not by re-plan 18."""
+    def entries(calls):
+        regime = ["flexmoe" if set(c) == {"flexmoe"} else "transient" for c in calls]
+        return [i for i in range(1, len(regime)) if regime[i] == "flexmoe" != regime[i - 1]], regime
+
+    calls, _, _ = _layer_run(256, 1.6, 0.0, 1, 30)
+    ent, regime = entries(calls)
+    assert len(ent) == 1 and ent[0] <= 18 and regime[ent[0]:] == ["flexmoe"] * (30 - ent[0]), regime
+    calls, _, _ = _layer_run(256, 1.6, 0.0, 1, 30, amortised=False)
+    ent, regime = entries(calls)
+    assert not ent or ent[0] > 18, regime
+
+
+def test_auto_transient_priced_with_its_candidates_factor():
+    """The layer's drift factors are per candidate: a factor learnt on Pro-Prophet's plans
+    (realised 2x predicted) does not multiply plain EP's price when every group runs plain EP.
+    Mutation (one factor for the transient regime, learnt on the last choices): 1.2x."""
+    from megatron_moe.balance.policies.auto import AutoPolicy, choose
+
+    pols = [AutoPolicy(4, 4, candidates=("none", "proprophet")) for _ in range(2)]
+
+    def step(steady, checked):
+        for p in pols:
+            p._proposal = {c: {"steady": t, "raw": t, "placement": None, "ops": []} for c, t in steady.items()}
+            p._checked = checked
+        return choose(pols)
+
+    assert step({"none": 2.0, "proprophet": 1.0}, {}) == ["proprophet"] * 2
+    # Pro-Prophet's last plans ran 2x slower than predicted, plain EP's as predicted
+    assert step({"none": 1.0, "proprophet": 1.5}, {"none": (1.0, 1.0), "proprophet": (2.0, 1.0)}) == ["none"] * 2
+    assert pols[0].last_joint["transient"] == pytest.approx(1.0)
+    assert pols[0].joint_factor["proprophet"] == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("hysteresis", [True, False])
+def test_auto_leaves_flexmoe_only_when_the_loss_exceeds_the_builds_share(hysteresis):
+    """In FlexMoE, a dip of the smoothed advantage below 0 by a loss far below the rebuild's share
+    per re-plan (build / expected stay) does not make auto leave (it would pay the build again to
+    come back: 8192 GPUs, s 0.6, d 0.25 left on an EMA of -0.1 ms and re-entered for 18 ms);
+    a loss above the share does. Mutation hysteresis=False: it leaves on the dip."""
+    from megatron_moe.balance.policies.auto import AutoPolicy, choose
+
+    pols = [AutoPolicy(4, 4) for _ in range(2)]
+    z = np.zeros(4)
+
+    def step(t_flex, build=1.0):
+        for p in pols:
+            p.hysteresis = hysteresis
+            p._proposal = {"none": {"steady": 10e-3, "raw": 10e-3, "link": z},
+                           "proprophet": {"steady": 11e-3, "raw": 11e-3, "link": z},
+                           "flexmoe": {"steady": t_flex, "raw": t_flex, "busy": z, "move": z,
+                                       "build": np.full(4, build)}}
+            p._checked = {}
+        out = choose(pols)
+        for p, c in zip(pols, out):
+            p.choice = c
+        return out
+
+    assert step(9e-3) == ["flexmoe"] * 2            # first re-plan: kept (predicted faster)
+    assert step(9e-3) == ["flexmoe"] * 2
+    dip = step(11.5e-3)                              # EMA 0.2 - 0.3 < 0, loss 1.5 ms << build / 20
+    assert pols[0].adv < 0 and pols[0].loss == pytest.approx(1.5e-3)
+    assert dip == (["flexmoe"] * 2 if hysteresis else ["none"] * 2)
+    if hysteresis:                                   # a loss above the share (build 20 ms / 20): leaves
+        assert step(13e-3, build=0.02) == ["none"] * 2
+
+
+def test_auto_entry_restarts_the_smoothed_advantage():
+    """Entering FlexMoE on this re-plan's advantage (over the expected stay it pays the build)
+    restarts the smoothed advantage there: the negative values before it priced tables the shadow
+    has left, and leaving on them would pay the build again one re-plan later (8192 GPUs, s 1.0,
+    d 0.5: left at re-plan 10, re-entered at 11 for a 30 ms build). Mutation: no restart (the EMA
+    is still negative after the entry, and a loss above the build's share makes auto leave)."""
+    from megatron_moe.balance.policies.auto import AutoPolicy, choose
+
+    pols = [AutoPolicy(4, 4, moves_overlap=False) for _ in range(2)]   # exposed build = the moves
+    z = np.zeros(4)
+
+    def step(t_flex):
+        for p in pols:
+            p._proposal = {"none": {"steady": 10e-3, "raw": 10e-3, "link": z},
+                           "proprophet": {"steady": 11e-3, "raw": 11e-3, "link": z},
+                           "flexmoe": {"steady": t_flex, "raw": t_flex, "busy": z, "move": z,
+                                       "build": np.full(4, 50e-3)}}
+            p._checked = {}
+        out = choose(pols)
+        for p, c in zip(pols, out):
+            p.choice = c
+        return out[0]
+
+    assert [step(t) for t in (12e-3, 13e-3, 13e-3, 13e-3)] == ["none"] * 4   # EMA -1.5 ms
+    assert step(5e-3) == "flexmoe"            # 5 ms x expected stay 20 >= 50 ms build
+    assert step(13e-3) == "flexmoe"           # loss 3 ms > 50 / 20, but the EMA restarted at 5 ms
