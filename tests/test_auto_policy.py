@@ -159,14 +159,15 @@ def _layer_run(gpus, zipf, drift, layer, iters, **auto_kwargs):
 
 def test_auto_first_replan_keeps_converging_flexmoe():
     """256 GPUs, s 1.6, no drift, layer 0: FlexMoE's first table (one planner step from plain) is
-    predicted 37.4 ms against the transient 32.5, but its planner's next step on the same load
+    predicted 37.4 ms against the transient 29.7, but its planner's next step on the same load
     reaches ~25 ms. The first re-plan keeps FlexMoE (lookahead), so auto runs as FlexMoE does;
-    mutation lookahead=False: it leaves, waits and pays a build (> 3% over FlexMoE in 6 iterations)."""
+    mutation lookahead=False: it leaves and runs the transient regime, slower (> 1% in 6
+    iterations, before it would pay a build to come back)."""
     calls, t_auto, t_flex = _layer_run(256, 1.6, 0.0, 0, 6)
     assert set(calls[0]) == {"flexmoe"}, calls
-    assert t_auto <= 1.03 * t_flex, (t_auto, t_flex)
-    calls, t_auto, t_flex = _layer_run(256, 1.6, 0.0, 0, 6, lookahead=False)
-    assert "flexmoe" not in calls[0] and t_auto > 1.03 * t_flex, (calls, t_auto, t_flex)
+    assert t_auto <= 1.001 * t_flex, (t_auto, t_flex)
+    calls, t_mut, t_flex = _layer_run(256, 1.6, 0.0, 0, 6, lookahead=False)
+    assert "flexmoe" not in calls[0] and t_mut > 1.01 * t_flex and t_mut > t_auto, (calls, t_mut, t_flex)
 
 
 def test_auto_enters_flexmoe_when_the_stay_pays_the_build():
