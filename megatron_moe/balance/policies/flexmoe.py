@@ -84,10 +84,10 @@ class SlotTable:
 
     def counts(self) -> np.ndarray:
         """n[e, g] = vExperts of expert e on rank g."""
-        n = np.zeros((self.num_experts, self.num_ranks), dtype=np.int64)
-        g, _ = np.nonzero(self.slots >= 0)
-        np.add.at(n, (self.slots[self.slots >= 0], g), 1)
-        return n
+        used = self.slots >= 0
+        g, _ = np.nonzero(used)
+        return np.bincount(self.slots[used] * self.num_ranks + g,
+                           minlength=self.num_experts * self.num_ranks).reshape(self.num_experts, self.num_ranks)
 
     def replica_groups(self) -> List[List[int]]:
         n = self.counts()

@@ -115,7 +115,7 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         if H.max() - H.min() < alpha * I / E:                  # Eq. 7
             stop = "balanced"
             break
-        if selected.all():
+        if len(steps) == E:                                    # every expert selected (one per step)
             break
         i = int(np.argmax(H))                                  # first maximum = lowest rank
         if used[i]:
@@ -131,7 +131,7 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
             used[i] = True
         o = int(owner[e])
         col = C[:, e]
-        members = np.ones(D, dtype=bool)
+        members = np.ones(D, dtype=bool) if n else None        # (n = 0: every rank)
         nb: List[int] = []
         if n:
             others = np.delete(np.arange(D), o)
