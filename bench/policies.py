@@ -35,12 +35,15 @@ from megatron_moe.sim.report import format_table  # noqa: E402
 from megatron_moe.sim.runner import available_policies, compare  # noqa: E402
 from megatron_moe.sim.traces import load_trace_dir, synthetic_trace  # noqa: E402
 
+# "none" is plain dropless EP (FastMoE / megatron-core), "deepspeed" DeepSpeed-MoE's padded capacity;
+# the papers' own testbeds and cells are bench/paper_tables.py, these are the placeholder cluster's
 PAPERS = [
-    ("flexmoe", "none", "FlexMoE vs DeepSpeed-style EP", "1.70x avg (max 2.10x), 32-64 A100, time to quality"),
+    ("flexmoe", "none", "FlexMoE vs plain dropless EP", "1.70x avg (max 2.10x) vs DeepSpeed-style EP, 32-64 A100, TTQ"),
     ("flexmoe", "fastermoe", "FlexMoE vs FasterMoE", "1.30x avg (max 1.45x)"),
-    ("proprophet", "none", "Pro-Prophet vs DeepSpeed-MoE", "1.18-2.66x, 8-32 RTX 3090/2080Ti"),
+    ("proprophet", "deepspeed", "Pro-Prophet vs DeepSpeed-MoE (padded)", "1.18-2.66x, 8-32 RTX 3090/2080Ti"),
+    ("proprophet", "none", "Pro-Prophet vs plain dropless EP", "(Fig. 14 planner step: 1.26x k=1)"),
     ("proprophet", "fastermoe", "Pro-Prophet vs FasterMoE", "1.01-1.50x"),
-    ("proprophet+overlap", "none", "Pro-Prophet (+scheduler) vs DeepSpeed-MoE", "1.18-2.66x"),
+    ("proprophet+overlap", "deepspeed", "Pro-Prophet (+scheduler) vs DeepSpeed-MoE", "1.18-2.66x"),
     ("fastermoe", "none", "FasterMoE shadowing vs FastMoE EP", "up to 1.95x (16 GPUs), 4.74x (64 GPUs)"),
 ]
 
