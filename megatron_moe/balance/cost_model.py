@@ -149,10 +149,18 @@ class CostModel:
 
     # -- Eqs. 6 and 8 ----------------------------------------------------------------------
     def layer_time(self, R, H, s: int, n: int, D: int, eq8: bool = False) -> float:
-        base = 4.0 * self.t_a2a(R) + 3.0 * self.t_fec(H)
         if eq8:
+            base = 4.0 * self.t_a2a(R) + 3.0 * self.t_fec(H)
             return base + self.t_ptrans(H, s, n, D) + self.t_pagg(H, s, n, D)
-        return base + self.t_trans(s, n, D) + self.t_agg(s, n, D)
+        return self.layer_time_of_max(float(np.max(R)) if len(R) else 0.0,
+                                      float(np.max(H)) if len(H) else 0.0, self.t_trans(s, n, D))
+
+    def layer_time_of_max(self, r_max: float, h_max: float, trans_s: float) -> float:
+        """Eq. 6 (``layer_time`` without eq8) from max(R), max(H) and ``t_trans(s, n, D)`` (= t_agg):
+        the same arithmetic, for Pro-Prophet's search, which has those at hand every step."""
+        msg = r_max * self.input_bytes
+        a2a = msg / self.bandwidth(msg) if msg > 0 else 0.0
+        return 4.0 * a2a + 3.0 * (h_max / self.throughput) + trans_s + trans_s
 
     def trans_split(self, n: int, D: int) -> Tuple[int, int]:
         """Offline block-wise rule (note 2.6): kF experts' Trans fit under FNEC, kB Aggs under BNEC."""

@@ -124,7 +124,9 @@ class Placement:
         return self
 
     def replicated(self) -> List[int]:
-        return [e for e, s in enumerate(self.replica_sets) if len(s) > 1]
+        """Experts with more than one replica, in order (lengths counted in C: auto asks per plan)."""
+        lens = np.fromiter(map(len, self.replica_sets), dtype=np.int64, count=len(self.replica_sets))
+        return np.flatnonzero(lens > 1).tolist()
 
     def mask(self) -> np.ndarray:
         """[D, E] bool: rank d computes its own inputs for expert e."""

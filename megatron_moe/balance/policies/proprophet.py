@@ -111,13 +111,20 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
     members_of = np.zeros(D) if n and getattr(cost, "trans_ring", False) else None
     own: dict = {}                                             # rank -> its experts (owner == i), as met
     stop = "exhausted"
+    # speed (the same arithmetic as the plain loop: tests/test_auto_speed.py pins it): the columns
+    # contiguous, max(H) as H[argmax] (also the next step's rank), Eq. 6 from the maxima and a
+    # per-s table of t_trans (eq8 keeps layer_time, which reads H)
+    CT = np.ascontiguousarray(C.T)
+    thresh = alpha * I / E
+    trans: dict = {}
+    i = int(H.argmax())
     while True:
-        if H.max() - H.min() < alpha * I / E:                  # Eq. 7
+        if H[i] - H.min() < thresh:                            # Eq. 7 (H[i] = max H)
             stop = "balanced"
             break
         if len(steps) == E:                                    # every expert selected (one per step)
             break
-        i = int(np.argmax(H))                                  # first maximum = lowest rank
+        # i: first maximum = lowest rank
         if used[i]:
             stop = "used"
             break
@@ -125,12 +132,12 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         if ex is None:
             ex = own[i] = np.nonzero(owner == i)[0].tolist()
         mine = [e for e in ex if not selected[e]]
-        e = int(min(mine, key=lambda x: (-remote_load[x], x)))
+        e = int(min(mine, key=lambda x: (-remote_load[x], x))) if len(mine) > 1 else int(mine[0])
         selected[e] = True
         if all(selected[x] for x in ex):
             used[i] = True
         o = int(owner[e])
-        col = C[:, e]
+        col = CT[e]
         members = np.ones(D, dtype=bool) if n else None        # (n = 0: every rank)
         nb: List[int] = []
         if n:
@@ -139,7 +146,7 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
             nb = sorted(int(d) for d in others[order[:n]])       # BottomK
             members[nb] = False
         # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
-        moved = np.where(members, col, 0.0) if n else np.array(col)    # (n = 0: every rank a member)
+        moved = np.where(members, col, 0.0) if n else col.copy()    # (n = 0: every rank a member)
         moved[o] = 0.0
         H = H + moved
         ms = moved.sum()
@@ -151,7 +158,14 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         if members_of is not None:
             members_of += members
             s_priced = int(members_of.max())
-        t = cost.layer_time(R, H, s_priced, n, D, eq8)
+        i = int(H.argmax())
+        if eq8:
+            t = cost.layer_time(R, H, s_priced, n, D, eq8)
+        else:
+            ts = trans.get(s_priced)
+            if ts is None:
+                ts = trans[s_priced] = cost.t_trans(s_priced, n, D)
+            t = cost.layer_time_of_max(float(R.max()), float(H[i]), ts)
         times.append(t)
         if t < t_best:                                         # strict: ties keep the shorter prefix
             t_best, cnt, best_H, best_R = t, len(steps), H, R
