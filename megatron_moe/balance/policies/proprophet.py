@@ -94,16 +94,17 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
     I = float(C.sum()) if num_inputs is None else float(num_inputs)
     colsum = C.sum(axis=0)                                     # plain EP loads (ReplaceInputs)
     H = np.bincount(owner, colsum, D).astype(np.float64)
-    R = np.bincount(owner, colsum - C[owner, np.arange(E)], D).astype(np.float64)
+    remote_load = colsum - C[owner, np.arange(E)]              # sum_{d != owner} C[d, e]
+    R = np.bincount(owner, remote_load, D).astype(np.float64)
     H0 = H.copy()
     t_best = cost.layer_time(R, H, 0, 0, D, eq8)
     t_noop = t_best
     best_H, best_R, cnt = H, R, 0
     steps: List[Tuple[int, List[int]]] = []
     times: List[float] = []
-    selected = np.zeros(E, dtype=bool)
-    used = np.zeros(D, dtype=bool)
-    remote_load = C.sum(axis=0) - C[owner, np.arange(E)]     # sum_{d != owner} C[d, e]
+    selected = [False] * E                                     # (lists: read one item at a time)
+    used = [False] * D
+    owner_l = owner.tolist()
     # ring-form Eq. 4 (the simulator's broadcasts): each rank pays the broadcasts of the replica sets
     # it is in and the layer waits for the busiest, so with n > 0 the priced s is the largest number
     # of sets one rank is in (= the plan's length when n = 0); the paper's form keeps s, its (D-n)/D
@@ -111,10 +112,9 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
     members_of = np.zeros(D) if n and getattr(cost, "trans_ring", False) else None
     own: dict = {}                                             # rank -> its experts (owner == i), as met
     stop = "exhausted"
-    # speed (the same arithmetic as the plain loop: tests/test_auto_speed.py pins it): the columns
-    # contiguous, max(H) as H[argmax] (also the next step's rank), Eq. 6 from the maxima and a
+    # speed (the same arithmetic as the plain loop: tests/test_proprophet_search_speed.py pins it):
+    # max(H) as H[argmax] (also the next step's rank), Eq. 6 from the maxima and a
     # per-s table of t_trans (eq8 keeps layer_time, which reads H)
-    CT = np.ascontiguousarray(C.T)
     thresh = alpha * I / E
     trans: dict = {}
     i = int(H.argmax())
@@ -136,8 +136,8 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         selected[e] = True
         if all(selected[x] for x in ex):
             used[i] = True
-        o = int(owner[e])
-        col = CT[e]
+        o = owner_l[e]
+        col = C[:, e]
         members = np.ones(D, dtype=bool) if n else None        # (n = 0: every rank)
         nb: List[int] = []
         if n:
@@ -146,7 +146,7 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
             nb = sorted(int(d) for d in others[order[:n]])       # BottomK
             members[nb] = False
         # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
-        moved = np.where(members, col, 0.0) if n else col.copy()    # (n = 0: every rank a member)
+        moved = np.where(members, col, 0.0) if n else np.array(col)    # (n = 0: every rank a member)
         moved[o] = 0.0
         H = H + moved
         ms = moved.sum()
