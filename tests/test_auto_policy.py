@@ -3,6 +3,8 @@ than the best single policy (none / proprophet / flexmoe) on a small grid, and a
 to one candidate) breaks that; in training (2 gloo ranks, float64) its placements give the same loss,
 grads and updated params as plain EP, and the real training loop logs its choice per layer."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,24 @@ from megatron_moe.testing import run_distributed
 from tests import _policy_cases
 from tests._train_cases import run_pretrain
 from tests.test_balance_training import TINY as BALANCE_TINY
+
+
+@contextlib.contextmanager
+def _choices_per_replan():
+    """Records every EP group's choice at each ``auto.plan_groups`` call (one call per re-plan)."""
+    from megatron_moe.balance.policies import auto as auto_mod
+    calls, orig = [], auto_mod.plan_groups
+
+    def spy(policies, counts):
+        out = orig(policies, counts)
+        calls.append([p.choice for p in policies])
+        return out
+    auto_mod.plan_groups = spy
+    try:
+        yield calls
+    finally:
+        auto_mod.plan_groups = orig
+
 
 # 32 GPUs (EP groups of 32 over 4 nodes), 64 experts, 2 layers x 30 iterations: the cells where each
 # single policy is best differ (proprophet at Zipf 1.6 without drift, flexmoe at 0.6, close at 1.0)
@@ -99,24 +119,13 @@ def test_training_loop_auto_logs_choice(capfd):
 def _group_choices(coordinate: bool):
     """Each plan_groups call's choices (one per EP group) in a 2-group simulation (64 GPUs, 32
     experts: EP groups of 32), and how often plan_groups ran."""
-    from megatron_moe.balance.policies import auto as auto_mod
     from megatron_moe.sim.cluster import load_cluster
     from megatron_moe.sim.runner import simulate
     from megatron_moe.sim.traces import synthetic_trace
 
-    calls = []
-    orig = auto_mod.plan_groups
-
-    def spy(policies, counts):
-        out = orig(policies, counts)
-        calls.append([p.choice for p in policies])
-        return out
-    auto_mod.plan_groups = spy
-    try:
-        tr = synthetic_trace(64, 32, 12, 1, zipf_s=1.0, drift_sigma=0.5, seed=1)
+    tr = synthetic_trace(64, 32, 12, 1, zipf_s=1.0, drift_sigma=0.5, seed=1)
+    with _choices_per_replan() as calls:
         simulate(tr, load_cluster(64), "auto", policy_kwargs={"coordinate": coordinate})
-    finally:
-        auto_mod.plan_groups = orig
     return calls
 
 
@@ -135,25 +144,14 @@ def test_auto_one_regime_over_ep_groups():
 def _layer_run(gpus, zipf, drift, layer, iters, **auto_kwargs):
     """One layer of the bench's trace (64 experts, seed 0) under auto: the choice of each
     plan_groups call (one per re-plan: all EP groups), auto's and FlexMoE's mean iteration time."""
-    from megatron_moe.balance.policies import auto as auto_mod
     from megatron_moe.sim.cluster import load_cluster
     from megatron_moe.sim.runner import simulate
     from megatron_moe.sim.traces import synthetic_trace
 
     tr = synthetic_trace(gpus, 64, iters, 2, zipf_s=zipf, drift_sigma=drift, seed=0)[:, layer:layer + 1]
     cl = load_cluster(gpus)
-    calls = []
-    orig = auto_mod.plan_groups
-
-    def spy(policies, counts):
-        out = orig(policies, counts)
-        calls.append([p.choice for p in policies])
-        return out
-    auto_mod.plan_groups = spy
-    try:
+    with _choices_per_replan() as calls:
         t_auto = simulate(tr, cl, "auto", policy_kwargs=auto_kwargs).mean()["iter_s"]
-    finally:
-        auto_mod.plan_groups = orig
     return calls, t_auto, simulate(tr, cl, "flexmoe").mean()["iter_s"]
 
 
