@@ -120,7 +120,11 @@ class CostModel:
 
     # -- Eqs. 1-5 --------------------------------------------------------------------------
     def t_a2a(self, R) -> float:
-        msg = float(np.max(R)) * self.input_bytes if len(R) else 0.0
+        return self.t_a2a_of_max(float(np.max(R)) if len(R) else 0.0)
+
+    def t_a2a_of_max(self, r_max: float) -> float:
+        """Eq. 1 from max(R) (the busiest rank's received inputs)."""
+        msg = r_max * self.input_bytes
         return msg / self.bandwidth(msg) if msg > 0 else 0.0
 
     def t_fec(self, H) -> float:
@@ -158,9 +162,7 @@ class CostModel:
     def layer_time_of_max(self, r_max: float, h_max: float, trans_s: float) -> float:
         """Eq. 6 (``layer_time`` without eq8) from max(R), max(H) and ``t_trans(s, n, D)`` (= t_agg):
         the same arithmetic, for Pro-Prophet's search, which has those at hand every step."""
-        msg = r_max * self.input_bytes
-        a2a = msg / self.bandwidth(msg) if msg > 0 else 0.0
-        return 4.0 * a2a + 3.0 * (h_max / self.throughput) + trans_s + trans_s
+        return 4.0 * self.t_a2a_of_max(r_max) + 3.0 * (h_max / self.throughput) + trans_s + trans_s
 
     def trans_split(self, n: int, D: int) -> Tuple[int, int]:
         """Offline block-wise rule (note 2.6): kF experts' Trans fit under FNEC, kB Aggs under BNEC."""
