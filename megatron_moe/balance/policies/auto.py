@@ -50,8 +50,7 @@ import numpy as np
 from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s
 from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, Placement, default_owner, loads,
                                                 make_policy, register_policy)
-from megatron_moe.balance.policies.flexmoe import (SlotTable, _Priced, _route_hosts, _sync_hosts, route_real,
-                                                   spill_traffic)
+from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, _sync_hosts, route_real, spill_traffic
 
 __all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
 
@@ -431,7 +430,7 @@ class AutoPolicy(BalancePolicy):
         Returns (steady seconds per rank, link-busy seconds, state moves of the extra ops), as
         ``_flex_parts``; None if it does not fit the memory left."""
         look = copy.copy(pol)
-        look.table = SlotTable(pol.table.slots.copy(), pol.table.num_experts, pol.table.version)
+        look.table = pol.table.copy()
         ops = []
         for _ in range(int(self.max_stay)):
             o = look.step(C)

@@ -70,12 +70,11 @@ class SlotTable:
         if missing:
             raise ValueError(f"flexmoe slot table: experts {sorted(missing)[:5]} have no vExpert")
 
-    @classmethod
-    def _trusted(cls, slots: np.ndarray, num_experts: int, version: int = 0) -> "SlotTable":
-        """A copy of a table already checked (an int64 [ranks, slots] array of a valid table): no
-        second check (it set-built every slot per plan)."""
-        t = object.__new__(cls)
-        t.slots, t.num_experts, t.version = slots, num_experts, version
+    def copy(self) -> "SlotTable":
+        """An independent copy (a table is checked when it is built: a copy needs no second check,
+        which set-built every slot per plan)."""
+        t = object.__new__(SlotTable)
+        t.slots, t.num_experts, t.version = self.slots.copy(), self.num_experts, self.version
         return t
 
     @property
@@ -860,7 +859,7 @@ class FlexMoEPolicy(BalancePolicy):
         object (equal content; auto's per-placement caches then hit)."""
         if current is not None:
             t = self._by_placement.get(self._key(current))
-            self.table = (SlotTable(t.slots.copy(), t.num_experts, t.version) if t is not None else
+            self.table = (t.copy() if t is not None else
                           SlotTable(initial_slots(self.num_experts, self.num_ranks, self.slots_per_rank),
                                     self.num_experts))
         self.last_ops = self.step(np.asarray(counts), priced)     # the balance manager counts them
@@ -871,7 +870,7 @@ class FlexMoEPolicy(BalancePolicy):
         else:
             p, k = self._placement_key(n)
             self._last_plan = (p, k, n)
-        self._by_placement[k] = SlotTable._trusted(self.table.slots.copy(), self.num_experts, self.table.version)
+        self._by_placement[k] = self.table.copy()
         self._by_placement.move_to_end(k)
         while len(self._by_placement) > self.max_tables:
             self._by_placement.popitem(last=False)
