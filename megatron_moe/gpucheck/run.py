@@ -27,7 +27,7 @@ import time
 from megatron_moe.gpucheck.checks import PLANT_ENV, ROOT, SECTIONS
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
-SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600),
+SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 300),
                  "offload": (120, 400), "inference": (120, 400)}
 
 

@@ -106,6 +106,26 @@ class _Layer:
             p.data = t
 
 
+def _main_grads_to_host(orig_copy, pairs):
+    """megatron-core's grads -> masters copy (``main_param.grad = model_param.main_grad.float()``)
+    with the offloaded masters on the host and DDP's main grads in its device buffer: torch refuses
+    a device grad on a host tensor (seen on the first GPU run), so each offloaded pair's main grad
+    is a host copy while the copy runs; the device buffer is put back after it."""
+    def copy():
+        saved = []
+        for mp_, main in pairs:
+            g = getattr(mp_, "main_grad", None)
+            if g is not None and g.device != main.device:
+                saved.append((mp_, g))
+                mp_.main_grad = g.to(main.device)
+        try:
+            return orig_copy()
+        finally:
+            for mp_, g in saved:
+                mp_.main_grad = g
+    return copy
+
+
 class ExpertOffload:
     def __init__(self, args, model_chunks, optimizer=None, device=None):
         self.args = args
@@ -168,6 +188,7 @@ class ExpertOffload:
         # mixed precision: megatron-core's fp32 master copies of offloaded params go to the host
         self._masters = set()
         for sub in _leaf_optimizers(optimizer):
+            pairs = []
             for model_group, main_group in zip(getattr(sub, "float16_groups", []),
                                                getattr(sub, "fp32_from_float16_groups", [])):
                 for mp_, main in zip(model_group, main_group):
@@ -175,6 +196,10 @@ class ExpertOffload:
                         if main.device.type != "cpu":
                             main.data = main.data.cpu().pin_memory() if pin else main.data.cpu()
                         self._masters.add(main)
+                        pairs.append((mp_, main))
+            if pairs:
+                sub._copy_model_grads_to_main_grads = _main_grads_to_host(
+                    sub._copy_model_grads_to_main_grads, pairs)
         offloaded = set(self._param_layer) | self._masters
         self.torch_opts = [o for o in torch_optimizers(optimizer)
                            if any(p in offloaded for g in o.param_groups for p in g["params"])]
