@@ -74,3 +74,27 @@ def run_many(rank, world, argvs, mutations=None):
         finally:
             del os.environ["MEGATRON_MOE_TEST_MUTATE"]
     return out
+
+
+def run_many_spying_masters(rank, world, argvs, mutations=None):
+    """run_many, recording at each host-tier torch step (its pre-hook, right after megatron-core
+    copied the grads and clipped them) whether every offloaded master and parameter was bound to
+    its zero-stride device stand-in: on a GPU that is what lets megatron-core attach DDP's device
+    grads and clip them on the device."""
+    from megatron_moe.offload import manager
+
+    seen = []
+    orig = manager.ExpertOffload._host_step_hook
+
+    def hook(self, opt, args, kwargs):
+        stand = lambda t: t.numel() > 1 and all(st == 0 for st in t.stride())
+        seen.append((len(self._masters),
+                     all(stand(m.data) and m.grad is not None for m in self._masters),
+                     all(stand(p.data) for l in self.layers for p in l.params)))
+        return orig(self, opt, args, kwargs)
+
+    manager.ExpertOffload._host_step_hook = hook
+    try:
+        return run_many(rank, world, argvs, mutations), seen
+    finally:
+        manager.ExpertOffload._host_step_hook = orig

@@ -116,6 +116,29 @@ def test_offload_bit_identical_over_resumes_and_each_mutation_fails(tmp_path):
     assert "error" in r[11] or r[11].get("exit") not in (None, 0), r[11]
 
 
+def test_host_tier_under_bf16_masters_step_on_the_host_grads_clipped_on_the_device(tmp_path):
+    """--bf16: megatron-core's fp32 masters of offloaded experts live on the host. Its step copies
+    DDP's device grads to them and clips them, which on a GPU needs device tensors (the first GPU
+    run crashed there: torch refuses a CUDA grad on a host tensor, and megatron-core's clip asserts
+    CUDA grads). So the masters and parameters are device stand-ins until the torch step, whose
+    pre-hook binds the host copies: the spy sees stand-ins at every step; losses and grad norms
+    equal resident bf16 bit for bit; leaving the host bind out (the step would update stand-ins)
+    breaks the run."""
+    host = _off("host", tmp_path)
+    runs = [_argv(3, "--bf16"), _argv(3, "--bf16", *host), _argv(2, "--bf16", *host)]
+    out = run_distributed(C.run_many_spying_masters, 2, runs, {2: "skip_host_step_bind"},
+                          timeout_s=300)
+    r, seen = out[-1]
+    assert r[0]["history"]["lm_loss"] == r[1]["history"]["lm_loss"]
+    assert r[0]["history"]["grad_norm"] == r[1]["history"]["grad_norm"]
+    assert all(x == x for x in r[1]["history"]["lm_loss"]) and len(r[1]["history"]["lm_loss"]) == 3
+    assert r[1]["stats"]["steps"] >= 1 and r[1]["stats"]["link_bytes"] > 0
+    # three steps of run 1 (torch optimizers with offloaded masters: one per step here)
+    good = [s for s in seen[:3]]
+    assert len(good) == 3 and all(n > 0 and masters and params for n, masters, params in good)
+    assert "error" in r[2] or r[2].get("exit") not in (None, 0), r[2]
+
+
 @pytest.mark.parametrize("argv, message", [
     ("--moe-offload-dir /tmp/x", "--moe-offload-dir needs --moe-expert-offload"),
     ("--moe-expert-offload host --moe-offload-cache-layers 1", "must be >= 2"),

@@ -59,7 +59,8 @@ def nan_fill_from_env() -> bool:
     return os.environ.get("MEGATRON_MOE_OFFLOAD_NAN_FILL", "0") not in ("", "0")
 
 
-MUTATIONS = ("skip_bind", "skip_wait", "skip_rebind", "skip_writeback", "skip_unbind")
+MUTATIONS = ("skip_bind", "skip_wait", "skip_rebind", "skip_writeback", "skip_unbind",
+             "skip_host_step_bind")
 
 
 def mutation_under_test() -> str | None:

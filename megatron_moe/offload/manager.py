@@ -106,26 +106,6 @@ class _Layer:
             p.data = t
 
 
-def _main_grads_to_host(orig_copy, pairs):
-    """megatron-core's grads -> masters copy (``main_param.grad = model_param.main_grad.float()``)
-    with the offloaded masters on the host and DDP's main grads in its device buffer: torch refuses
-    a device grad on a host tensor (seen on the first GPU run), so each offloaded pair's main grad
-    is a host copy while the copy runs; the device buffer is put back after it."""
-    def copy():
-        saved = []
-        for mp_, main in pairs:
-            g = getattr(mp_, "main_grad", None)
-            if g is not None and g.device != main.device:
-                saved.append((mp_, g))
-                mp_.main_grad = g.to(main.device)
-        try:
-            return orig_copy()
-        finally:
-            for mp_, g in saved:
-                mp_.main_grad = g
-    return copy
-
-
 class ExpertOffload:
     def __init__(self, args, model_chunks, optimizer=None, device=None):
         self.args = args
@@ -186,21 +166,19 @@ class ExpertOffload:
                 self.cache.add((layer.index, "m"), torch.zeros(2 * layer.numel))
                 layer.bind(layer.poison)
         # mixed precision: megatron-core's fp32 master copies of offloaded params go to the host
-        self._masters = set()
+        # (host copy, device stand-in) of each: see _bind_step_views
+        self._masters = {}
         for sub in _leaf_optimizers(optimizer):
-            pairs = []
             for model_group, main_group in zip(getattr(sub, "float16_groups", []),
                                                getattr(sub, "fp32_from_float16_groups", [])):
                 for mp_, main in zip(model_group, main_group):
                     if mp_ in self._param_layer:
                         if main.device.type != "cpu":
                             main.data = main.data.cpu().pin_memory() if pin else main.data.cpu()
-                        self._masters.add(main)
-                        pairs.append((mp_, main))
-            if pairs:
-                sub._copy_model_grads_to_main_grads = _main_grads_to_host(
-                    sub._copy_model_grads_to_main_grads, pairs)
-        offloaded = set(self._param_layer) | self._masters
+                        self._masters[main] = (main.data, torch.full(
+                            (), float("nan"), dtype=main.dtype, device=self.device
+                        ).expand(main.shape))
+        offloaded = set(self._param_layer) | set(self._masters)
         self.torch_opts = [o for o in torch_optimizers(optimizer)
                            if any(p in offloaded for g in o.param_groups for p in g["params"])]
         self._hooks = []
@@ -212,14 +190,14 @@ class ExpertOffload:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._acc_hook(layer)))
         for opt in self.torch_opts:
             # CUDA: DDP's main grads stay in its device buffer (clipped there with the global
-            # norm); the host step needs them on the host
+            # norm); the host step needs them, and (host tier) the host copies, on the host
+            if self.mode == "host":
+                self._hooks.append(opt.register_step_pre_hook(self._host_step_hook))
             self._hooks.append(opt.register_step_pre_hook(self._grads_to_host(offloaded)))
             if self.mode == "ssd":
                 opt.step = self._layerwise_step(opt, opt.step)
         # megatron-core's whole step (grads -> .grad, clip, the torch step, under mixed precision
-        # the master -> model copy) sees the step view: the host copy (host tier; a layer still
-        # bound is updated there, not in its slot) or shape-true stand-ins (ssd tier, whose torch
-        # step binds each layer's states itself)
+        # the master -> model copy): see _bind_step_views
         self._optimizer = optimizer
         if optimizer is not None:
             optimizer.step = self._whole_step(optimizer.step)
@@ -308,11 +286,42 @@ class ExpertOffload:
         layer.bound = False
 
     def _bind_step_views(self):
-        """Every layer's .data -> the host copy (host tier) or its stand-ins (ssd tier)."""
+        """Start of megatron-core's step: every offloaded parameter and master -> a shape-true
+        stand-in on the compute device (zero bytes). megatron-core sets ``.grad`` from DDP's
+        device buffer and clips there (it asserts CUDA grads; torch refuses a device grad on a
+        host tensor: both seen on the first GPU run); the torch step's pre-hook then binds the
+        host copies (host tier, _host_step_hook) or each layer's states (ssd tier)."""
         self.link.drain()  # no copy may read a master weight while the step writes it
         for layer in self.layers:
-            layer.bind(layer.host_views if self.mode == "host" else layer.stand_ins)
+            layer.bind(layer.stand_ins)
             layer.bound = False
+        for main, (_, stand_in) in self._masters.items():
+            main.data = stand_in
+
+    @staticmethod
+    def _rebind(p, data):
+        """p.data = data, carrying p.grad to data's device (torch checks .grad against .data)."""
+        g = p.grad
+        if g is not None and g.device != data.device:
+            p.grad = None
+            p.data = data
+            p.grad = g.to(data.device)
+        else:
+            p.data = data
+
+    def _bind_host_copies(self):
+        """Host tier: every layer's .data -> its host copy (a layer still bound is updated there,
+        not in its slot), every master -> its host storage."""
+        for layer in self.layers:
+            for p, v in zip(layer.params, layer.host_views):
+                self._rebind(p, v)
+            layer.bound = False
+        for main, (host, _) in self._masters.items():
+            self._rebind(main, host)
+
+    def _host_step_hook(self, opt, args, kwargs):
+        if self.mutate != "skip_host_step_bind":
+            self._bind_host_copies()
 
     def _upcoming(self, layer, forward):
         n, i = len(self.layers), layer.index
@@ -369,7 +378,10 @@ class ExpertOffload:
             self._bind_step_views()
             try:
                 return orig_step(*args, **kwargs)
-            finally:
+            finally:  # the masters' home is the host, also when the step was skipped (fp16)
+                for main, (host, _) in self._masters.items():
+                    main.grad = None
+                    main.data = host
                 self._weights_changed()
                 self.steps += 1
                 self._interval["steps"] += 1
@@ -450,7 +462,7 @@ class ExpertOffload:
     @contextlib.contextmanager
     def checkpoint_io(self, load: bool = False):
         if self.mode != "ssd":
-            self._bind_step_views()  # the host copy is what is saved, or loaded into
+            self._bind_host_copies()  # the host copy is what is saved, or loaded into
             try:
                 yield
             finally:
