@@ -130,8 +130,8 @@ class CopyLink:
                 dst.copy_(src, non_blocking=self._stream is not None)
         return self._put(job, nbytes, after, count_copy=True)
 
-    def submit(self, fn, nbytes: int = 0) -> CopyHandle:
-        return self._put(fn, nbytes, None, count_copy=False)
+    def submit(self, fn, nbytes: int = 0, after=None) -> CopyHandle:
+        return self._put(fn, nbytes, after, count_copy=False)
 
     def _put(self, fn, nbytes, after, count_copy):
         if self._thread is None:
@@ -269,9 +269,12 @@ class SlotArena:
     def release(self, i: int, after=None):
         if i in self._free:
             raise RuntimeError(f"arena: slot {i} released twice")
-        self._events[i] = after
         if self.nan_fill:
             self._fill(i)
+            if after is not None:  # the next copy into the slot waits for the fill too
+                after = torch.cuda.Event()
+                after.record()
+        self._events[i] = after
         self._free.append(i)
 
     def _fill(self, i):

@@ -249,7 +249,10 @@ class ExpertOffload:
                         torch.cuda.current_stream().synchronize()
                 finally:
                     cache.unpin(key)
-            layer.handle = self.link.submit(job, nbytes=layer.nbytes)
+            # on CUDA the copy stream waits for the slot's last reader (and its NaN fill): the
+            # ssd runs of the first GPU run had no such wait and lost bit-equality from step 2
+            layer.handle = self.link.submit(job, nbytes=layer.nbytes,
+                                            after=self.arena.ready_event(slot))
         return True
 
     def _valid(self, layer):
