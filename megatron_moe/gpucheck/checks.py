@@ -75,7 +75,9 @@ MID = {"gpu": ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-l
                "--moe-router-topk 2 --micro-batch-size 4 --global-batch-size 8 "
                "--vocab-size 32000 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2"),
        "cpu": SMALL["cpu"]}
-ITERS = {"gpu": dict(big=40, fusion=15, resume=8, fp16=12, offload=6, infer=10),
+# the first H100 run: the bf16 model ran 3.5-4.5 s per iteration (host-bound, docs/gpu.md), so 40
+# + 15 iterations took 232 s of the training cap of 240
+ITERS = {"gpu": dict(big=30, fusion=10, resume=8, fp16=12, offload=6, infer=10),
          "cpu": dict(big=6, fusion=4, resume=4, fp16=4, offload=3, infer=4)}
 KERNEL_SHAPES = {"gpu": [(16384, 4096, 64, 8), (16384, 4096, 8, 2)],
                  "cpu": [(256, 64, 16, 4), (256, 64, 8, 2)]}
