@@ -19,6 +19,7 @@ _EXTENSION_MODULES = (
     "megatron_moe.balance",
     "megatron_moe.embedding",
     "megatron_moe.moe.dispatcher",
+    "megatron_moe.moe.grouped_experts",   # --moe-torch-grouped-gemm
     "megatron_moe.offload",
     "megatron_moe.dist_signal_handler",   # --exit-signal, --exit-duration-in-mins
     "megatron_moe.wandb_writer",          # --wandb-project, --wandb-exp-name, ...

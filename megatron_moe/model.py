@@ -27,6 +27,7 @@ SPEC_HOOKS = (
     "megatron_moe.moe.dispatcher",
     "megatron_moe.moe.topo_router",
     "megatron_moe.balance",
+    "megatron_moe.moe.grouped_experts",  # SequentialMLP -> GroupedSequentialMLP (one flag)
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

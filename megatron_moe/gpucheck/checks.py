@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The checks of each section, in order (the runner reports a missing one as FAIL).
 SECTIONS = {
     "kernels": ["environment", "kernels"],  # one process: the environment is recorded first
-    "training": ["training-bf16", "training-fusion"],
+    "training": ["training-bf16", "training-fusion", "training-experts"],
     # its own process and time cap: on the first GPU run the bf16 model's 55 iterations used the
     # whole training cap and these two never ran
     "resume": ["training-resume", "training-fp16"],
@@ -77,8 +77,11 @@ MID = {"gpu": ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-l
        "cpu": SMALL["cpu"]}
 # the first H100 run: the bf16 model ran 3.5-4.5 s per iteration (host-bound, docs/gpu.md), so 40
 # + 15 iterations took 232 s of the training cap of 240
-ITERS = {"gpu": dict(big=30, fusion=10, resume=8, fp16=12, offload=6, infer=10),
-         "cpu": dict(big=6, fusion=4, resume=4, fp16=4, offload=3, infer=4)}
+ITERS = {"gpu": dict(big=30, fusion=10, loop=8, resume=8, fp16=12, offload=6, infer=10),
+         "cpu": dict(big=6, fusion=4, loop=4, resume=4, fp16=4, offload=3, infer=4)}
+# the experts as two grouped GEMMs (megatron_moe/moe/grouped_experts.py): without Transformer
+# Engine megatron-core's expert loop left the first H100 run host-bound at 0.9% MFU
+GROUPED = "--moe-torch-grouped-gemm"
 KERNEL_SHAPES = {"gpu": [(16384, 4096, 64, 8), (16384, 4096, 8, 2)],
                  "cpu": [(256, 64, 16, 4), (256, 64, 8, 2)]}
 WARMUP_ITERS = {"gpu": 5, "cpu": 1}  # iterations left out of tokens/s
@@ -472,7 +475,7 @@ def section_training(rec, mode, work):
     skipped_mem = [] if gpu else ["peak GPU memory (torch.cuda.max_memory_allocated): no CUDA"]
 
     # 1. bf16 ~1B MoE with the fused permute: loss, tokens/s, TFLOP/s, MFU, memory vs estimate
-    argv = _argv(mode, BIG, it["big"], "--bf16", "--moe-permute-fusion", "--log-throughput")
+    argv = _argv(mode, BIG, it["big"], "--bf16", "--moe-permute-fusion", "--log-throughput", GROUPED)
     est = _estimate(argv)
     try:
         run = train(argv)
@@ -505,7 +508,7 @@ def section_training(rec, mode, work):
 
     # 2. tokens/s with --moe-permute-fusion off (same model, same data)
     try:
-        run = train(_argv(mode, BIG, it["fusion"], "--bf16"))
+        run = train(_argv(mode, BIG, it["fusion"], "--bf16", GROUPED))
         off_ms = _steady_ms(run, warm)
         ok = fused_ms is not None and _falls(run["history"]["lm_loss"])
         on_tok = est["tokens_per_iter"] / (fused_ms / 1e3) if fused_ms else float("nan")
@@ -516,6 +519,21 @@ def section_training(rec, mode, work):
                         ratio=on_tok / off_tok, off_losses=run["history"]["lm_loss"]))
     except (Exception, SystemExit):
         _crashed(rec, "training-fusion")
+
+    # 3. tokens/s of megatron-core's expert loop (SequentialMLP) against the grouped GEMMs
+    try:
+        run = train(_argv(mode, BIG, it["loop"], "--bf16", "--moe-permute-fusion"))
+        loop_ms = _steady_ms(run, min(warm, it["loop"] - 2))
+        ok = fused_ms is not None and _falls(run["history"]["lm_loss"])
+        g_tok = est["tokens_per_iter"] / (fused_ms / 1e3) if fused_ms else float("nan")
+        l_tok = est["tokens_per_iter"] / (loop_ms / 1e3)
+        rec.record("training-experts", ok,
+                   f"tokens/s grouped GEMMs {g_tok:.0f} vs expert loop {l_tok:.0f}: "
+                   f"x{g_tok / l_tok:.2f}",
+                   dict(grouped_tokens_per_s=g_tok, loop_tokens_per_s=l_tok, ratio=g_tok / l_tok,
+                        loop_losses=run["history"]["lm_loss"]))
+    except (Exception, SystemExit):
+        _crashed(rec, "training-experts")
 
 
 

@@ -1,0 +1,60 @@
+"""--moe-torch-grouped-gemm (megatron_moe/moe/grouped_experts.py): the experts of the local path as
+two torch grouped GEMMs per layer. In the real pretrain() loop on 2 gloo ranks with EP=2 (2 local
+experts each), SwiGLU, bf16: losses and grad norms equal megatron-core's SequentialMLP loop bit for
+bit, the grouped path ran (its call counter), a checkpoint written by the grouped run resumes under
+the loop with the straight run's numbers (same parameters and layout), and a planted fault (each
+expert's token group shifted by one row) breaks the equality. Plus the parse-time refusals."""
+
+import pytest
+
+from megatron_moe.testing import run_distributed
+from tests import _grouped_cases as G
+
+
+def _argv(iters, *extra):
+    return ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 1 "
+            "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --num-experts 4 "
+            "--moe-ffn-hidden-size 16 --moe-router-topk 2 --swiglu --bf16 "
+            "--moe-token-dispatcher-type alltoall --log-interval 1 --eval-interval 1000 "
+            "--eval-iters 1 --disable-bias-linear --expert-model-parallel-size 2 "
+            f"--train-iters {iters}").split() + list(extra)
+
+
+def test_grouped_experts_equal_the_loop_and_share_its_checkpoints(tmp_path):
+    g = "--moe-torch-grouped-gemm"
+    ck = str(tmp_path / "ck")
+    runs = [_argv(4),                                                  # 0 loop
+            _argv(4, g),                                               # 1 grouped
+            _argv(4, g, "--save", ck, "--exit-interval", "2"),         # 2 grouped 1-2, saved
+            _argv(4, "--load", ck),                                    # 3 loop 3-4 from it
+            _argv(2, g)]                                               # 4 planted fault
+    out = run_distributed(G.run_counted, 2, runs, 4, timeout_s=400)
+    r = out[-1]
+    h = lambda k, key="lm_loss": r[k]["history"][key]
+    assert len(h(0)) == 4 and all(x == x for x in h(0))
+    assert h(1) == h(0) and h(1, "grad_norm") == h(0, "grad_norm")
+    assert h(2) == h(0)[:2] and h(3) == h(0)[2:] and h(3, "grad_norm") == h(0, "grad_norm")[2:]
+    # 2 layers x 2 micro-batches (global 8 / micro 2 / DP 2) per step
+    for rank_out in out:
+        assert rank_out[0]["grouped_calls"] == 0 and rank_out[3]["grouped_calls"] == 0
+        assert rank_out[1]["grouped_calls"] == 2 * 2 * 4
+        assert rank_out[2]["grouped_calls"] == 2 * 2 * 2 and rank_out[4]["grouped_calls"] > 0
+    assert h(4) != h(0)[:2]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--add-bias-linear", "--add-bias-linear"),
+    ("--expert-tensor-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
+     "--expert-tensor-parallel-size 1"),
+    ("--moe-balance-policy proprophet", "--moe-balance-policy"),
+    ("--moe-expert-offload host", "--moe-expert-offload"),
+])
+def test_refusals(extra, message, capsys):
+    from megatron_moe import arguments
+
+    argv = _argv(2, "--moe-torch-grouped-gemm", *extra.split())
+    with pytest.raises(SystemExit):
+        arguments.parse_args(argv, world_size=4)
+    err = capsys.readouterr().err
+    assert "--moe-torch-grouped-gemm" in err and message in err, err
