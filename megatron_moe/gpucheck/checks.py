@@ -501,10 +501,10 @@ def section_training(rec, mode, work):
                    skipped_mem + ([] if peak or not gpu else ["MFU: no bf16 peak known for "
                                                               "this GPU"]) +
                    ([] if gpu else ["MFU: no GPU peak on the CPU"]))
-        fused_ms = ms
+        fused_ms, grouped_first = ms, losses[0]
     except (Exception, SystemExit):
         _crashed(rec, "training-bf16")
-        fused_ms = None
+        fused_ms = grouped_first = None
 
     # 2. tokens/s with --moe-permute-fusion off (same model, same data)
     try:
@@ -524,13 +524,17 @@ def section_training(rec, mode, work):
     try:
         run = train(_argv(mode, BIG, it["loop"], "--bf16", "--moe-permute-fusion"))
         loop_ms = _steady_ms(run, min(warm, it["loop"] - 2))
-        ok = fused_ms is not None and _falls(run["history"]["lm_loss"])
+        # the same init and data: the first iteration's loss (before any update) must agree, a
+        # grouped kernel that mis-reads a token group (silently, on misaligned memory) cannot
+        first = abs(run["history"]["lm_loss"][0] - grouped_first) if grouped_first else float("nan")
+        ok = fused_ms is not None and _falls(run["history"]["lm_loss"]) and first < 1e-3
         g_tok = est["tokens_per_iter"] / (fused_ms / 1e3) if fused_ms else float("nan")
         l_tok = est["tokens_per_iter"] / (loop_ms / 1e3)
         rec.record("training-experts", ok,
                    f"tokens/s grouped GEMMs {g_tok:.0f} vs expert loop {l_tok:.0f}: "
-                   f"x{g_tok / l_tok:.2f}",
+                   f"x{g_tok / l_tok:.2f}; first-iteration loss |diff| {first:.2g} (< 1e-3)",
                    dict(grouped_tokens_per_s=g_tok, loop_tokens_per_s=l_tok, ratio=g_tok / l_tok,
+                        first_loss_abs_diff=first,
                         loop_losses=run["history"]["lm_loss"]))
     except (Exception, SystemExit):
         _crashed(rec, "training-experts")
