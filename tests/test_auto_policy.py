@@ -186,6 +186,19 @@ def test_auto_enters_flexmoe_when_the_stay_pays_the_build():
     assert not ent or ent[0] > 18, regime
 
 
+def test_auto_builds_nothing_the_rest_of_the_run_cannot_pay_back():
+    """256 GPUs, s 1.0, drift 0.5, layer 1, 30 iterations: auto leaves FlexMoE after re-plan 12
+    and, by ski rental, would re-enter at the last re-plan, paying a replica build that no
+    iteration uses (the simulator tells it the re-plans left: ``remaining``). With the horizon
+    rule it stays transient to the end; mutation horizon=False: it builds at the end, 2.5 ms
+    slower per iteration (of 30)."""
+    calls, t_auto, _ = _layer_run(256, 1.0, 0.5, 1, 30)
+    regime = ["flexmoe" if set(c) == {"flexmoe"} else "transient" for c in calls]
+    assert regime[1] == "flexmoe" and regime[-1] == "transient", regime
+    calls, t_mut, _ = _layer_run(256, 1.0, 0.5, 1, 30, horizon=False)
+    assert set(calls[-1]) == {"flexmoe"} and t_mut > 1.03 * t_auto, (t_mut, t_auto)
+
+
 def test_auto_transient_priced_with_its_candidates_factor():
     """The layer's drift factors are per candidate: a factor learnt on Pro-Prophet's plans
     (realised 2x predicted) does not multiply plain EP's price when every group runs plain EP.

@@ -228,6 +228,8 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 flex_out[l] = (np.empty_like(c), np.empty((groups, p, p)))
             local, traffic = flex_out[l]
             layer_pols = [pols[(g, l)] for g in range(groups)]
+            for pol in layer_pols:  # this plan serves iterations it+1 .. iters-1
+                pol.remaining = (iters - 1 - it) / pol.interval
             for g in range(groups):
                 placement = prev.get((g, l)) or Placement.plain(n_exp, p)
                 if placement.has_vexperts:

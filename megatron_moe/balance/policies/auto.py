@@ -72,19 +72,24 @@ class AutoPolicy(BalancePolicy):
                  memory_left_bytes: Optional[float] = None, candidates=CANDIDATES,
                  drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
                  moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, coordinate: bool = True,
-                 lookahead: bool = True, amortised: bool = True, hysteresis: bool = True, **_ignored):
+                 lookahead: bool = True, amortised: bool = True, hysteresis: bool = True,
+                 horizon: bool = True, **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
         self.eq8, self.interval, self.persistent = bool(eq8), max(1, int(interval)), bool(persistent)
         self.memory_left_bytes = memory_left_bytes
         self.drift_ema, self.max_stay = float(drift_ema), float(max_stay)
+        # re-plans left in the run that a plan made now serves (None: unknown). The simulator sets
+        # it before each plan: a build the rest of the run cannot pay back is not made
+        self.remaining: Optional[float] = None
         self.moves_overlap = bool(moves_overlap)
         self.force = force                       # tests' mutation: always this candidate
         self.coordinate = bool(coordinate)       # tests' mutation (False): every EP group chooses alone
         self.lookahead = bool(lookahead)         # tests' mutation (False): first re-plan on the one-step table
         self.amortised = bool(amortised)         # tests' mutation (False): enter FlexMoE by ski rental only
         self.hysteresis = bool(hysteresis)       # tests' mutation (False): leave FlexMoE when the EMA dips
+        self.horizon = bool(horizon)             # tests' mutation (False): ignore the run's end (remaining)
         self.owner = default_owner(num_experts, num_ranks)
         self._to_owner = np.zeros((num_experts, num_ranks))
         self._to_owner[np.arange(num_experts), self.owner] = 1.0
@@ -490,7 +495,10 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     exceeds the build's share per re-plan (build / expected stay): leaving costs that rebuild
     again, so a brief dip does not. At the first re-plan (the table one FlexMoE step from plain,
     nothing built at a cost) FlexMoE is kept if it is predicted faster, or if staying pays over the
-    expected stay with the table FlexMoE's planner reaches on this load (``_lookahead``).
+    expected stay with the table FlexMoE's planner reaches on this load (``_lookahead``). Where the
+    run's end is known (``remaining`` re-plans, set by the simulator), no build is entered that the
+    rest of the run could not pay back even if FlexMoE's layers took no time (remaining x transient
+    time < build): ski rental alone entered at the last re-plans of short runs.
     Returns each group's choice; ``force`` (a test's mutation) overrides it."""
     p0 = policies[0]
     if p0.force is not None:
@@ -556,6 +564,9 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
         p0.regret = max(0.0, getattr(p0, "regret", 0.0) + adv)
         p0.last_joint.update(build=build, regret=p0.regret)
         stay_in = (p0.adv > 0 and p0.regret >= build) or (p0.amortised and adv * stay >= build)
+        # no build the rest of the run cannot pay back even if FlexMoE ran in no time
+        if p0.horizon and p0.remaining is not None:
+            stay_in = stay_in and p0.remaining * t_tr >= build
         if stay_in:
             p0.regret, p0.loss = 0.0, 0.0
             if p0.amortised:
