@@ -292,6 +292,13 @@ class BalanceManager:
         for m in self.layers:
             m.balance.step_replicas(bool(update_successful), grad_norm)
 
+    def _set_horizon(self, policy, iteration: int) -> None:
+        """auto's horizon rule: the re-plans a plan made after ``iteration`` serves (as the
+        simulator sets it; unknown when the run is sized by --train-samples)."""
+        total = getattr(self.args, "train_iters", None)
+        if hasattr(policy, "remaining") and total:
+            policy.remaining = max(0, int(total) - int(iteration)) / self.args.moe_balance_interval
+
     def _replan_expected(self) -> bool:
         k = self.args.moe_balance_interval
         return k == 1 or (self._next_iteration is not None and self._next_iteration % k == 0)
@@ -306,6 +313,7 @@ class BalanceManager:
         it = self.scheduler.iteration
         C = st.counts.numpy().copy()
         self.log.record("plan_start", st.layer_number, it)
+        self._set_horizon(policy, it + 1)  # after_step's iteration: the one these counts complete
         placement = policy.plan(self.stats.peek(st.layer_number, C), st._active_placement)
         st.plan_ahead = (it, C, placement)
         self.log.record("plan", st.layer_number, it)
@@ -343,6 +351,7 @@ class BalanceManager:
                     self.log.record("plan_apply", st.layer_number, self.scheduler.iteration)
                 else:
                     policy = self.policies[st.layer_number]
+                    self._set_horizon(policy, iteration)
                     st.placement = policy.plan(self.stats.predict(st.layer_number), used)
                     self.log.record("plan", st.layer_number, self.scheduler.iteration)
                 for op in getattr(self.policies[st.layer_number], "last_ops", None) or []:
