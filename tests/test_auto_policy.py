@@ -279,3 +279,24 @@ def test_auto_entry_restarts_the_smoothed_advantage():
     assert [step(t) for t in (12e-3, 13e-3, 13e-3, 13e-3)] == ["none"] * 4   # EMA -1.5 ms
     assert step(5e-3) == "flexmoe"            # 5 ms x expected stay 20 >= 50 ms build
     assert step(13e-3) == "flexmoe"           # loss 3 ms > 50 / 20, but the EMA restarted at 5 ms
+
+
+def test_training_tells_auto_the_replans_left():
+    """The balance manager sets auto's ``remaining`` before each plan from --train-iters and
+    --moe-balance-interval (the plan after iteration i serves iterations i+1..T: (T - i) / k
+    re-plans), and leaves it unknown when the run is sized by --train-samples."""
+    from types import SimpleNamespace
+
+    from megatron_moe.balance import BalanceManager
+    from megatron_moe.balance.policies.auto import AutoPolicy
+
+    pol = AutoPolicy(8, 4)
+    mgr = SimpleNamespace(args=SimpleNamespace(train_iters=100, moe_balance_interval=4))
+    BalanceManager._set_horizon(mgr, pol, 60)
+    assert pol.remaining == 10.0
+    BalanceManager._set_horizon(mgr, pol, 100)
+    assert pol.remaining == 0.0
+    pol.remaining = None
+    mgr.args.train_iters = None
+    BalanceManager._set_horizon(mgr, pol, 60)
+    assert pol.remaining is None
