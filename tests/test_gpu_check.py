@@ -45,6 +45,9 @@ def test_every_check_runs_and_passes(cpu_run):
     assert all(f"| {n} | PASS |" in md for n in names)
     assert (out / "gpu_check_loss.png").stat().st_size > 0
     assert report["info"]["megatron_core"] == megatron.core.__version__
+    # the profile of a training iteration with the time the checks left (scripts/gpu_profile.py)
+    assert "gpu-check profile: profiled 2 iterations" in p.stdout, p.stdout[-2000:]
+    assert "== by self CPU time ==" in (out / "gpu_profile.txt").read_text()
 
 
 def test_figures_prove_the_checks_ran(cpu_run):

@@ -201,7 +201,29 @@ def main(argv=None):
     print(f"gpu-check: {report['passed']} passed, {report['failed']} failed, {report['skipped']} "
           f"skipped in {report['wall_s']:.0f}s; report {os.path.join(a.outdir, 'gpu_report.md')}",
           flush=True)
+    left = budget - (time.monotonic() - t_start)
+    if "training" in names and left >= (30 if a.cpu else 90):
+        profile(a.outdir, a.cpu, left, log_path)
     return 1 if report["failed"] else 0
+
+
+def profile(outdir, cpu, limit_s, log_path):
+    """Where a training iteration's time goes (scripts/gpu_profile.py -> OUTDIR/gpu_profile.txt),
+    with the time the checks left: the first GPU run needed a second device call for it."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_profile.py"), outdir]
+    cmd += (["--cpu", "--layers", "2", "--iters", "3", "--warmup", "1"] if cpu else
+            ["--iters", "6", "--warmup", "4", "--extra", "--moe-permute-fusion --moe-torch-grouped-gemm"])
+    with open(log_path, "a") as log:
+        log.write(f"\n===== profile (limit {limit_s:.0f}s): {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                timeout=limit_s, start_new_session=True).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    path = os.path.join(outdir, "gpu_profile.txt")
+    head = open(path).readline().strip() if rc == 0 and os.path.exists(path) else f"failed ({rc})"
+    print(f"gpu-check profile: {head}", flush=True)
 
 
 if __name__ == "__main__":
