@@ -58,3 +58,25 @@ def test_refusals(extra, message, capsys):
         arguments.parse_args(argv, world_size=4)
     err = capsys.readouterr().err
     assert "--moe-torch-grouped-gemm" in err and message in err, err
+
+
+def test_a_misaligned_chunk_is_copied_for_grouped_mm():
+    """A chunk of the permuted tokens (a slice at a row offset) need not start on the 16 bytes
+    grouped_mm's CUDA path requires (its TORCH_CHECK "expected data_ptr to be aligned to 16 bytes";
+    the CPU path does not check): _aligned copies exactly those, and the result equals the
+    per-expert matmuls."""
+    import torch
+
+    from megatron_moe.moe.grouped_experts import _aligned
+
+    buf = torch.randn(17 * 8 + 1, dtype=torch.bfloat16)
+    x = buf[1:].view(17, 8)                     # 2 bytes past an aligned start
+    w = torch.randn(2, 8, 8, dtype=torch.bfloat16)
+    offs = torch.tensor([5, 17], dtype=torch.int32)
+    assert x.data_ptr() % 16 != 0
+    a = _aligned(x)
+    assert a.data_ptr() % 16 == 0 and torch.equal(a, x)
+    out = torch.nn.functional.grouped_mm(a, w, offs=offs)
+    assert torch.equal(out, torch.cat([x[:5] @ w[0], x[5:] @ w[1]]))
+    y = torch.randn(16, 8, dtype=torch.bfloat16)
+    assert _aligned(y) is y                     # aligned and contiguous: no copy

@@ -106,10 +106,17 @@ class GroupedSequentialMLP(SequentialMLP):
         offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
         w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2F or F, H]
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
-        h = torch.nn.functional.grouped_mm(x.contiguous(), w1.transpose(1, 2), offs=offs)
+        h = torch.nn.functional.grouped_mm(_aligned(x), w1.transpose(1, 2), offs=offs)
         h, _ = MLP.forward(self._activation, h, permuted_probs)
-        out = torch.nn.functional.grouped_mm(h.contiguous(), w2.transpose(1, 2), offs=offs)
+        out = torch.nn.functional.grouped_mm(_aligned(h), w2.transpose(1, 2), offs=offs)
         return out, None
+
+
+def _aligned(t):
+    """grouped_mm needs a contiguous operand starting on a 16-byte boundary (TMA loads); a slice of
+    a larger buffer (a chunk of the permuted tokens) may start anywhere: copied then."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def customize_spec(args, spec):
