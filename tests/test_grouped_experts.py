@@ -2,8 +2,9 @@
 two torch grouped GEMMs per layer. In the real pretrain() loop on 2 gloo ranks with EP=2 (2 local
 experts each), SwiGLU, bf16: losses and grad norms equal megatron-core's SequentialMLP loop bit for
 bit, the grouped path ran (its call counter), a checkpoint written by the grouped run resumes under
-the loop with the straight run's numbers (same parameters and layout), and a planted fault (each
-expert's token group shifted by one row) breaks the equality. Plus the parse-time refusals."""
+the loop with the straight run's numbers (same parameters and layout), the same holds inside the
+chunked MoE layer (--moe-a2a-overlap-degree 2), and a planted fault (each expert's token group
+shifted by one row) breaks the equality. Plus the parse-time refusals."""
 
 import pytest
 
@@ -28,7 +29,9 @@ def test_grouped_experts_equal_the_loop_and_share_its_checkpoints(tmp_path):
             _argv(4, g),                                               # 1 grouped
             _argv(4, g, "--save", ck, "--exit-interval", "2"),         # 2 grouped 1-2, saved
             _argv(4, "--load", ck),                                    # 3 loop 3-4 from it
-            _argv(2, g)]                                               # 4 planted fault
+            _argv(2, g),                                               # 4 planted fault
+            _argv(2, "--moe-a2a-overlap-degree", "2"),                 # 5 chunked layer, loop
+            _argv(2, g, "--moe-a2a-overlap-degree", "2")]              # 6 chunked layer, grouped
     out = run_distributed(G.run_counted, 2, runs, 4, timeout_s=400)
     r = out[-1]
     h = lambda k, key="lm_loss": r[k]["history"][key]
@@ -41,6 +44,7 @@ def test_grouped_experts_equal_the_loop_and_share_its_checkpoints(tmp_path):
         assert rank_out[1]["grouped_calls"] == 2 * 2 * 4
         assert rank_out[2]["grouped_calls"] == 2 * 2 * 2 and rank_out[4]["grouped_calls"] > 0
     assert h(4) != h(0)[:2]
+    assert h(6) == h(5) and h(6, "grad_norm") == h(5, "grad_norm") and r[6]["grouped_calls"] > 0
 
 
 @pytest.mark.parametrize("extra, message", [
