@@ -42,6 +42,7 @@ CONFIGS = {
     "stock": ("", True),
     "fused permute (pool)": ("--moe-permute-fusion", True),
     "fused permute (no pool)": ("--moe-permute-fusion", False),
+    "grouped experts": ("--moe-torch-grouped-gemm", True),
     "a2a hierarchical": ("--moe-a2a-algorithm hierarchical", True),
     "a2a pipe": ("--moe-a2a-algorithm pipe", True),
     "compression fp16": ("--moe-a2a-compression fp16", True),
