@@ -34,7 +34,9 @@ def main():
     C.init_process(mode)
     argv = C._argv(mode, C.BIG, a.iters, "--bf16", *a.extra.split())
     argv[argv.index("--num-layers") + 1] = str(a.layers)
-    n_mb = 4  # global 8 / micro 2, world size 1
+    # micro-batches per iteration at world size 1: forward_step calls per iteration
+    flag = lambda name: int(argv[argv.index(name) + 1])  # noqa: E731
+    n_mb = flag("--global-batch-size") // flag("--micro-batch-size")
     calls = {"n": 0}
     acts = [ProfilerActivity.CPU] + ([] if a.cpu else [ProfilerActivity.CUDA])
     prof = profile(activities=acts, with_stack=True)

@@ -505,13 +505,14 @@ def section_training(rec, mode, work):
     except (Exception, SystemExit):
         _crashed(rec, "training-bf16")
         fused_ms = grouped_first = None
+    fused_tok = est["tokens_per_iter"] / (fused_ms / 1e3) if fused_ms else float("nan")
 
     # 2. tokens/s with --moe-permute-fusion off (same model, same data)
     try:
         run = train(_argv(mode, BIG, it["fusion"], "--bf16", GROUPED))
         off_ms = _steady_ms(run, warm)
         ok = fused_ms is not None and _falls(run["history"]["lm_loss"])
-        on_tok = est["tokens_per_iter"] / (fused_ms / 1e3) if fused_ms else float("nan")
+        on_tok = fused_tok
         off_tok = est["tokens_per_iter"] / (off_ms / 1e3)
         rec.record("training-fusion", ok,
                    f"tokens/s fusion on {on_tok:.0f} vs off {off_tok:.0f}: x{on_tok / off_tok:.2f}",
@@ -528,7 +529,7 @@ def section_training(rec, mode, work):
         # grouped kernel that mis-reads a token group (silently, on misaligned memory) cannot
         first = abs(run["history"]["lm_loss"][0] - grouped_first) if grouped_first else float("nan")
         ok = fused_ms is not None and _falls(run["history"]["lm_loss"]) and first < 1e-3
-        g_tok = est["tokens_per_iter"] / (fused_ms / 1e3) if fused_ms else float("nan")
+        g_tok = fused_tok
         l_tok = est["tokens_per_iter"] / (loop_ms / 1e3)
         rec.record("training-experts", ok,
                    f"tokens/s grouped GEMMs {g_tok:.0f} vs expert loop {l_tok:.0f}: "
@@ -540,13 +541,12 @@ def section_training(rec, mode, work):
         _crashed(rec, "training-experts")
 
 
-
 def section_resume(rec, mode, work):
     import torch
 
     init_process(mode, deterministic=True)
     it = ITERS[mode]
-    # 3. save and resume: iterations n/2+1..n after a load equal the uninterrupted run's
+    # 1. save and resume: iterations n/2+1..n after a load equal the uninterrupted run's
     torch.use_deterministic_algorithms(True, warn_only=True)
     n = it["resume"]
     ckpt = os.path.join(work, "resume_ckpt")
@@ -568,7 +568,7 @@ def section_resume(rec, mode, work):
     finally:
         torch.use_deterministic_algorithms(False)
 
-    # 4. fp16 with dynamic loss scaling
+    # 2. fp16 with dynamic loss scaling
     try:
         run = train(_argv(mode, SMALL, it["fp16"], "--fp16", "--initial-loss-scale", "65536",
                           "--moe-permute-fusion"))

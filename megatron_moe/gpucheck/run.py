@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from megatron_moe.gpucheck.checks import PLANT_ENV, ROOT, SECTIONS
+from megatron_moe.gpucheck.checks import GROUPED, PLANT_ENV, ROOT, SECTIONS
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
 SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 300),
@@ -212,7 +212,7 @@ def profile(outdir, cpu, limit_s, log_path):
     with the time the checks left: the first GPU run needed a second device call for it."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_profile.py"), outdir]
     cmd += (["--cpu", "--layers", "2", "--iters", "3", "--warmup", "1"] if cpu else
-            ["--iters", "6", "--warmup", "4", "--extra", "--moe-permute-fusion --moe-torch-grouped-gemm"])
+            ["--iters", "6", "--warmup", "4", "--extra", f"--moe-permute-fusion {GROUPED}"])
     with open(log_path, "a") as log:
         log.write(f"\n===== profile (limit {limit_s:.0f}s): {' '.join(cmd)}\n")
         log.flush()
@@ -222,7 +222,10 @@ def profile(outdir, cpu, limit_s, log_path):
         except subprocess.TimeoutExpired:
             rc = "timeout"
     path = os.path.join(outdir, "gpu_profile.txt")
-    head = open(path).readline().strip() if rc == 0 and os.path.exists(path) else f"failed ({rc})"
+    head = f"failed ({rc})"
+    if rc == 0 and os.path.exists(path):
+        with open(path) as f:
+            head = f.readline().strip()
     print(f"gpu-check profile: {head}", flush=True)
 
 

@@ -191,10 +191,10 @@ class ExpertOffload:
         for opt in self.torch_opts:
             # CUDA: DDP's main grads stay in its device buffer (clipped there with the global
             # norm); the host step needs them, and (host tier) the host copies, on the host
-            if self.mode == "host":
+            if self.mode == "host":  # binds the host copies and carries the grads with them
                 self._hooks.append(opt.register_step_pre_hook(self._host_step_hook))
-            self._hooks.append(opt.register_step_pre_hook(self._grads_to_host(offloaded)))
-            if self.mode == "ssd":
+            else:
+                self._hooks.append(opt.register_step_pre_hook(self._grads_to_host(offloaded)))
                 opt.step = self._layerwise_step(opt, opt.step)
         # megatron-core's whole step (grads -> .grad, clip, the torch step, under mixed precision
         # the master -> model copy): see _bind_step_views
