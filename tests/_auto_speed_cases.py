@@ -50,15 +50,24 @@ def record(cell, counter=None):
     gpus, experts, z, d, layers, iters, kw = cell
     trace = synthetic_trace(gpus, experts, iters, layers, zipf_s=z, drift_sigma=d, seed=0)
     steps = []
-    orig = auto_mod.plan_groups
+    orig, orig_layers = auto_mod.plan_groups, auto_mod.plan_layers
 
-    def plan_groups(policies, counts):
-        out = orig(policies, counts)
+    def note(policies, out):
         steps.append({"choice": [pol.choice for pol in policies], "placement": [_digest(p) for p in out],
                       "price": [{c: pol.last_price.get(c) for c in sorted(pol.last_price)} for pol in policies]})
         if counter is not None:
             counter["plan_groups"] = counter.get("plan_groups", 0) + 1
             counter["groups"] = counter.get("groups", 0) + len(policies)
+
+    def plan_groups(policies, counts):
+        out = orig(policies, counts)
+        note(policies, out)
+        return out
+
+    def plan_layers(layers, counts):     # several layers and EP groups: one step per layer, in order
+        out = orig_layers(layers, counts)
+        for policies, o in zip(layers, out):
+            note(policies, o)
         return out
 
     step = FlexMoEPolicy.step
@@ -68,11 +77,11 @@ def record(cell, counter=None):
             counter["shared"] = counter.get("shared", 0) + 1
         return step(self, origin, priced)
 
-    auto_mod.plan_groups, FlexMoEPolicy.step = plan_groups, counted_step
+    auto_mod.plan_groups, auto_mod.plan_layers, FlexMoEPolicy.step = plan_groups, plan_layers, counted_step
     try:
         res = simulate(trace, load_cluster(gpus), "auto", policy_kwargs=dict(kw))
     finally:
-        auto_mod.plan_groups, FlexMoEPolicy.step = orig, step
+        auto_mod.plan_groups, auto_mod.plan_layers, FlexMoEPolicy.step = orig, orig_layers, step
     values = {k: np.asarray(v, dtype=np.float64).ravel().tolist() for k, v in sorted(res.values.items())}
     return {"cell": [gpus, experts, z, d, layers, iters, kw], "steps": steps, "values": values}
 

@@ -141,6 +141,48 @@ def test_auto_one_regime_over_ep_groups():
     assert any("flexmoe" in c and set(c) != {"flexmoe"} for c in alone), alone
 
 
+def _layers_run(**auto_kwargs):
+    """1024 GPUs (16 EP groups of 64), 64 experts, s 1.6, d 0.25, 2 layers x 30 (the bench's cell):
+    auto's mean iteration time and every group's choice per layer at each plan_layers call."""
+    from megatron_moe.balance.policies import auto as auto_mod
+    from megatron_moe.sim.cluster import load_cluster
+    from megatron_moe.sim.runner import simulate
+    from megatron_moe.sim.traces import synthetic_trace
+
+    tr = synthetic_trace(1024, 64, 30, 2, zipf_s=1.6, drift_sigma=0.25, seed=0)
+    calls, orig = [], auto_mod.plan_layers
+
+    def spy(layers, counts):
+        out = orig(layers, counts)
+        calls.append([[p.choice for p in lay] for lay in layers])
+        return out
+    auto_mod.plan_layers = spy
+    try:
+        t = simulate(tr, load_cluster(1024), "auto", policy_kwargs=auto_kwargs).mean()["iter_s"]
+    finally:
+        auto_mod.plan_layers = orig
+    return calls, t, simulate(tr, load_cluster(1024), "flexmoe").mean()["iter_s"]
+
+
+def test_auto_one_regime_over_layers():
+    """With several EP groups the iteration ends with the slowest group's sum over the layers, and
+    FlexMoE's slowest group differs from layer to layer: priced layer by layer (each by its own
+    slowest group) FlexMoE was overpriced and entered late. Auto chooses for all layers at once:
+    one plan_layers call per re-plan, both layers in one regime at every call, and here it runs as
+    fast as FlexMoE (the best single policy). Mutation joint_layers=False (layer by layer, one
+    plan_groups call per layer): > 3% slower."""
+    calls, t_auto, t_flex = _layers_run()
+    assert len(calls) == 30 and all(len(c) == 2 and all(len(lay) == 16 for lay in c) for c in calls)
+    regimes = [{("flexmoe" if set(lay) == {"flexmoe"} else "transient") for lay in c} for c in calls]
+    assert all(len(r) == 1 for r in regimes), regimes
+    assert {"flexmoe"} in regimes and {"transient"} in regimes, regimes
+    assert t_auto <= 1.01 * t_flex, (t_auto, t_flex)
+    with _choices_per_replan() as per_layer:
+        calls, t_mut, _ = _layers_run(joint_layers=False)
+    assert not calls and len(per_layer) == 60
+    assert t_mut > 1.03 * t_auto, (t_mut, t_auto)
+
+
 def _layer_run(gpus, zipf, drift, layer, iters, **auto_kwargs):
     """One layer of the bench's trace (64 experts, seed 0) under auto: the choice of each
     plan_groups call (one per re-plan: all EP groups), auto's and FlexMoE's mean iteration time."""

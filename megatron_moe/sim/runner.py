@@ -8,11 +8,13 @@ of the trace and runs its own policy instance; all groups run concurrently on th
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .cluster import Cluster
 from .engine import Assignment, IterationBreakdown, simulate_iterations
@@ -65,6 +67,19 @@ class _Timer:
         return r, (dt if self.mode == "measured" else float(self.mode))
 
 
+def _one_blas_thread(fn):
+    """Run ``fn`` with BLAS on one thread. The simulator's products are small (at most an EP group's
+    E x G or G x G per call), and on the 2-core host OpenBLAS's second thread doubled the CPU seconds
+    of a FlexMoE or auto run at 8192 GPUs without shortening its wall time (docs/sim.md, *Simulator
+    speed*); the same products in one thread give the same floats."""
+    @functools.wraps(fn)
+    def run(*a, **kw):
+        with threadpool_limits(limits=1, user_api="blas"):
+            return fn(*a, **kw)
+    return run
+
+
+@_one_blas_thread
 def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorithm: str = "flat",
              ep_size: Optional[int] = None, plan_time: Union[str, float] = 0.0,
              policy_kwargs: Optional[Dict] = None, degree: int = 1) -> IterationBreakdown:
@@ -134,7 +149,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         pols = {(g, l): FlexMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
     elif base == "auto":
         # per group and layer the cost model picks none / proprophet (transient) / flexmoe (persistent)
-        from megatron_moe.balance.policies.auto import AutoPolicy, plan_groups
+        from megatron_moe.balance.policies.auto import AutoPolicy, plan_groups, plan_layers
         for k, v in _training_planner_defaults().items():
             kw.setdefault(k, v)
         pols = {(g, l): AutoPolicy(n_exp, p, cost=cluster.cost_model(ranks[g]), planner_cost=costs[g], **kw)
@@ -153,6 +168,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 for g in range(groups) for l in range(layers)}
     prev = {}
     flex_out = {}
+    auto_joint = {}                                 # auto with layers: the later layers' assignments
 
     def run_replicas(g, placement, c, local, traffic, trans, agg):
         """Transient replica sets (Pro-Prophet): inputs of a replica rank stay there; Trans/Agg."""
@@ -222,33 +238,56 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         elif base == "auto":
             # as flexmoe: the plan from this iteration's counts applies from the next one, its state
             # moves (when it picks flexmoe) are charged now, best effort. One choice per layer over
-            # all EP groups (auto.plan_groups: the iteration waits for the slowest group). Output
+            # all EP groups (auto.plan_groups: the iteration waits for the slowest group); with
+            # several layers and groups, one choice for all layers (auto.plan_layers: it waits for
+            # the slowest group's sum over layers), made when the engine asks for layer 0 (it asks
+            # for every layer of an iteration before running it). With one group the iteration is
+            # the layers' sum, so each layer chooses alone (exact, and layers may differ). Output
             # arrays reused per layer as in flexmoe (every group's rows are rewritten below)
-            if l not in flex_out:
-                flex_out[l] = (np.empty_like(c), np.empty((groups, p, p)))
-            local, traffic = flex_out[l]
-            layer_pols = [pols[(g, l)] for g in range(groups)]
-            for pol in layer_pols:  # this plan serves iterations it+1 .. iters-1
-                pol.remaining = (iters - 1 - it) / pol.interval
-            for g in range(groups):
-                placement = prev.get((g, l)) or Placement.plain(n_exp, p)
-                if placement.has_vexperts:
-                    run_flex(g, layer_pols[g].run_priced(c[g], placement), local, traffic, agg)
-                else:
-                    run_replicas(g, placement, c, local, traffic, trans, agg)
-            was = [pol.choice for pol in layer_pols]
-            planned, dt = timer(plan_groups, layer_pols, list(c))
-            plan_h[:] = dt / groups
-            for g, pol in enumerate(layer_pols):
-                prev[(g, l)] = planned[g]
-                if pol.choice == "flexmoe":
-                    if was[g] != "flexmoe":                      # switching in: replicas built from owners
-                        n = pol.vexperts_array(planned[g])
-                        moves = [(int(owner[e]), int(r), float(costs[g].state_bytes))
-                                 for e, r in zip(*np.nonzero(n)) if r != owner[e]]
+            joint = layers > 1 and groups > 1 and pols[(0, 0)].joint_layers
+            if joint and l > 0:
+                return auto_joint.pop(l)
+            todo = range(layers) if joint else [l]
+            runs = {}
+            for k in todo:
+                ck = trace[it, k].reshape(groups, p, n_exp).astype(np.float64)
+                if k not in flex_out:
+                    flex_out[k] = (np.empty_like(ck), np.empty((groups, p, p)))
+                local, traffic = flex_out[k]
+                trans, agg, adj = (np.zeros((groups, p)) for _ in range(3))
+                layer_pols = [pols[(g, k)] for g in range(groups)]
+                for pol in layer_pols:  # this plan serves iterations it+1 .. iters-1
+                    pol.remaining = (iters - 1 - it) / pol.interval
+                for g in range(groups):
+                    placement = prev.get((g, k)) or Placement.plain(n_exp, p)
+                    if placement.has_vexperts:
+                        run_flex(g, layer_pols[g].run_priced(ck[g], placement), local, traffic, agg)
                     else:
-                        moves = pol.cands["flexmoe"].adjustment_bytes(pol.last_ops)
-                    charge_moves(g, moves, adj)
+                        run_replicas(g, placement, ck, local, traffic, trans, agg)
+                runs[k] = (ck, layer_pols, local, traffic, trans, agg, adj, [pol.choice for pol in layer_pols])
+            if joint:
+                planned, dt = timer(plan_layers, [runs[k][1] for k in todo], [list(runs[k][0]) for k in todo])
+                dt /= layers
+            else:
+                got, dt = timer(plan_groups, runs[l][1], list(runs[l][0]))
+                planned = {l: got}
+            for k in todo:
+                ck, layer_pols, local, traffic, trans, agg, adj, was = runs[k]
+                for g, pol in enumerate(layer_pols):
+                    prev[(g, k)] = planned[k][g]
+                    if pol.choice == "flexmoe":
+                        if was[g] != "flexmoe":                      # switching in: replicas built from owners
+                            n = pol.vexperts_array(planned[k][g])
+                            moves = [(int(owner[e]), int(r), float(costs[g].state_bytes))
+                                     for e, r in zip(*np.nonzero(n)) if r != owner[e]]
+                        else:
+                            moves = pol.cands["flexmoe"].adjustment_bytes(pol.last_ops)
+                        charge_moves(g, moves, adj)
+                plan_h = np.full(groups, dt / groups)
+                runs[k] = Assignment(local, traffic, trans, agg, np.zeros(groups), plan_h, adj)
+            if joint:
+                auto_joint.update((k, runs[k]) for k in todo if k != l)
+            return runs[l]
         else:   # proprophet: plan from the previous iteration's counts (locality), applied now
             local = np.empty_like(c); traffic = np.empty((groups, p, p))
             for g in range(groups):

@@ -26,7 +26,9 @@ with the slowest group): each group picks its cheapest stateless candidate (none
 or every group runs FlexMoE. Switching into FlexMoE builds every non-owner replica at once (its
 exposed part is priced by the same best-effort rule); it is done when the advantage FlexMoE would
 have had, summed since it last was not positive, reaches that build (ski rental), and FlexMoE is
-left when its smoothed advantage turns negative. The regime starts persistent (all tables are
+left when its smoothed advantage turns negative. In the simulator, with several layers and several
+EP groups, one regime is chosen for all layers at once (:func:`plan_layers`): the iteration ends
+with the slowest group's sum over layers, which the layers' own slowest groups overstate. The regime starts persistent (all tables are
 plain before the first plan, so nothing needs building: FlexMoE's first ops move during the plain
 iteration, as FlexMoE's own do) and the first re-plan keeps it if FlexMoE is predicted faster.
 
@@ -52,7 +54,7 @@ from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, 
                                                 make_policy, register_policy)
 from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, _sync_hosts, route_real, spill_traffic
 
-__all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups"]
+__all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups", "plan_layers"]
 
 CANDIDATES = ("none", "proprophet", "flexmoe")
 
@@ -73,7 +75,7 @@ class AutoPolicy(BalancePolicy):
                  drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
                  moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, coordinate: bool = True,
                  lookahead: bool = True, amortised: bool = True, hysteresis: bool = True,
-                 horizon: bool = True, **_ignored):
+                 horizon: bool = True, joint_layers: bool = True, **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
@@ -90,6 +92,7 @@ class AutoPolicy(BalancePolicy):
         self.amortised = bool(amortised)         # tests' mutation (False): enter FlexMoE by ski rental only
         self.hysteresis = bool(hysteresis)       # tests' mutation (False): leave FlexMoE when the EMA dips
         self.horizon = bool(horizon)             # tests' mutation (False): ignore the run's end (remaining)
+        self.joint_layers = bool(joint_layers)   # tests' mutation (False): the simulator plans layer by layer
         self.owner = default_owner(num_experts, num_ranks)
         self._to_owner = np.zeros((num_experts, num_ranks))
         self._to_owner[np.arange(num_experts), self.owner] = 1.0
@@ -327,14 +330,15 @@ class AutoPolicy(BalancePolicy):
             return busy
         return busy + 2.0 * self._member_collectives_s(p)
 
-    def exposed_moves_s(self, busy: np.ndarray, move: np.ndarray, iteration_s: float) -> float:
+    def exposed_moves_s(self, busy: np.ndarray, move: np.ndarray, iteration_s: float, blocks: int = 1) -> float:
         """Best effort (FlexMoE, as the simulator runs it): the state moves fill each rank's idle
-        link time of an iteration lasting ``iteration_s``; the slowest rank's excess is exposed.
-        Without ``moves_overlap`` every move is exposed."""
+        link time of an iteration lasting ``iteration_s`` (the MoE time of ``blocks`` layers, whose
+        busy link seconds and moves ``busy`` and ``move`` sum); the slowest rank's excess is
+        exposed. Without ``moves_overlap`` every move is exposed."""
         if not self.moves_overlap:
             return float(move.max())
-        # the block's non-MoE forward and backward have no all-to-all: idle link time too
-        idle = iteration_s + self.cost.t_fnec + self.cost.t_bnec - busy
+        # the blocks' non-MoE forward and backward have no all-to-all: idle link time too
+        idle = iteration_s + blocks * (self.cost.t_fnec + self.cost.t_bnec) - busy
         return float(np.maximum(0.0, move - idle).max())
 
     def price(self, name: str, counts: np.ndarray, p: Placement, ops=(), switching: Optional[bool] = None):
@@ -468,7 +472,7 @@ class AutoPolicy(BalancePolicy):
         return fx.load_state_dict(d["flexmoe"]) if fx is not None and d.get("flexmoe") else True
 
 
-def choose(policies: Sequence[AutoPolicy]) -> List[str]:
+def choose(policies: Sequence) -> List:
     """One layer's choice over its EP groups (one ``AutoPolicy`` each, after ``propose``).
 
     The groups are synchronised: the iteration ends with the slowest group, so a layer's time under
@@ -499,42 +503,72 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
     run's end is known (``remaining`` re-plans, set by the simulator), no build is entered that the
     rest of the run could not pay back even if FlexMoE's layers took no time (remaining x transient
     time < build): ski rental alone entered at the last re-plans of short runs.
-    Returns each group's choice; ``force`` (a test's mutation) overrides it."""
-    p0 = policies[0]
+    Several layers (``policies`` a list of layers, each a list of its EP groups' policies; the
+    simulator's :func:`plan_layers`): the iteration ends with the slowest group's SUM over layers,
+    so one regime is chosen for all of them and every time above is the slowest group's sum. Chosen
+    layer by layer, each layer priced by its own slowest group, FlexMoE was overpriced where its
+    slowest group differs between layers (8192 GPUs, 2 layers, s 1.0, d 0: 95 ms priced as the sum
+    of the layers' maxima against 81 ms the slowest group's sum, which is what the iteration took).
+    The state of the rules lives on the first layer's first group.
+    Returns each group's choice (per layer when given layers); ``force`` (a test's mutation)
+    overrides it."""
+    layered = len(policies) > 0 and isinstance(policies[0], (list, tuple))
+    layers = [list(x) for x in policies] if layered else [list(policies)]
+    p0 = layers[0][0]
+    flat = [pol for lay in layers for pol in lay]
+
+    def out(regime: Optional[List[List[str]]]) -> List:
+        return regime if layered else regime[0]
     if p0.force is not None:
-        return [p0.force] * len(policies)
-    props = [pol._proposal for pol in policies]
-    stateless = [c for c in CANDIDATES if c in p0.cands and "steady" in props[0][c] and "busy" not in props[0][c]]
-    per_group = [min((c for c in stateless if "steady" in pr[c]), key=lambda c: (pr[c]["steady"], c))
-                 for pr in props]
-    # layer-level drift factors, per candidate: the slowest group's realised time over the slowest
-    # group's predicted one, for each candidate's last plans (all are re-priced every re-plan).
-    # Over many groups the maximum of noisy realisations exceeds the maximum of the predictions,
-    # more for the noisier candidate, which the groups' own factors (ratios of means) do not see.
-    # Per candidate: a factor learnt on Pro-Prophet's plans does not price plain EP's.
+        return out([[p0.force] * len(lay) for lay in layers])
+    props = [[pol._proposal for pol in lay] for lay in layers]
+
+    def slowest(per: List[np.ndarray]) -> float:
+        """The slowest group's sum over layers of per-layer [groups] seconds (one layer: its max)."""
+        return float(np.max(np.sum(per, axis=0)))
+
+    def exposed(busy, move, iteration_s: float) -> float:
+        """The slowest group's exposed state moves (``busy[l][g]``, ``move[l][g]``: per-rank link
+        seconds): every layer's moves of an iteration share its idle link time, as the simulator
+        charges them (one iteration lasting ``iteration_s``)."""
+        return max(pol.exposed_moves_s(sum(b[g] for b in busy), sum(m[g] for m in move), iteration_s, len(layers))
+                   for g, pol in enumerate(layers[0]))
+    stateless = [c for c in CANDIDATES if c in p0.cands and "steady" in props[0][0][c] and "busy" not in props[0][0][c]]
+    per_group = [[min((c for c in stateless if "steady" in pr[c]), key=lambda c: (pr[c]["steady"], c))
+                  for pr in lp] for lp in props]
+    # drift factors, per candidate: the slowest group's realised time over the slowest group's
+    # predicted one, for each candidate's last plans (all are re-priced every re-plan). Over many
+    # groups the maximum of noisy realisations exceeds the maximum of the predictions, more for the
+    # noisier candidate, which the groups' own factors (ratios of means) do not see. Per candidate:
+    # a factor learnt on Pro-Prophet's plans does not price plain EP's.
     w = p0.drift_ema
     jf = getattr(p0, "joint_factor", None) or {c: 1.0 for c in p0.cands}
-    if all(pol._checked for pol in policies):
+    if all(pol._checked for pol in flat):
         for c in jf:
-            pairs = [pol._checked.get(c) for pol in policies]
-            if all(pq is not None for pq in pairs):
-                jf[c] = (1 - w) * jf[c] + w * max(r for r, _ in pairs) / max(q for _, q in pairs)
+            pairs = [[pol._checked.get(c) for pol in lay] for lay in layers]
+            if all(pq is not None for lay in pairs for pq in lay):
+                real = slowest([np.array([r for r, _ in lay]) for lay in pairs])
+                jf[c] = (1 - w) * jf[c] + w * real / slowest([np.array([q for _, q in lay]) for lay in pairs])
     p0.joint_factor = jf
-    t_tr = max(pr[c]["raw"] * jf[c] for pr, c in zip(props, per_group))
-    flex = [pr.get("flexmoe", {}) for pr in props]
+    t_tr = slowest([np.array([pr[c]["raw"] * jf[c] for pr, c in zip(lp, lc)]) for lp, lc in zip(props, per_group)])
+    flex = [[pr.get("flexmoe", {}) for pr in lp] for lp in props]
     p0.last_joint = {"transient": t_tr}
-    if not all("busy" in f for f in flex):          # no persistent candidate (or it does not fit)
+    if not all("busy" in f for lf in flex for f in lf):    # no persistent candidate (or it does not fit)
         p0.adv = None
-        return per_group
-    steady = max(f["raw"] for f in flex) * jf["flexmoe"]
-    ops_s = max(pol.exposed_moves_s(f["busy"], f["move"], steady) for pol, f in zip(policies, flex))
+        return out(per_group)
+    # a layer's state moves use its own idle link time (per layer, against that layer's slowest
+    # group); the moves of all layers add up in the iteration
+    flex_g = [np.array([f["raw"] for f in lf]) * jf["flexmoe"] for lf in flex]
+    steady = slowest(flex_g)
+    ops_s = exposed([[f["busy"] for f in lf] for lf in flex], [[f["move"] for f in lf] for lf in flex], steady)
     t_flex = steady + ops_s / p0.interval
     adv = t_tr - t_flex
     p0.last_joint.update(flexmoe=t_flex)
     # the build runs while the current (transient) placement does: its idle links hide part
-    build = max(pol.exposed_moves_s(pr[c]["link"], f["build"], t_tr)
-                for pol, pr, c, f in zip(policies, props, per_group, flex))
+    build = exposed([[pr[c]["link"] for pr, c in zip(lp, lc)] for lp, lc in zip(props, per_group)],
+                    [[f["build"] for f in lf] for lf in flex], t_tr)
     stay = p0.expected_stay()
+    everywhere = [["flexmoe"] * len(lay) for lay in layers]
     if getattr(p0, "adv", None) is None:
         # first re-plan: nothing to smooth and no prediction checked yet; the persistent table is
         # one FlexMoE step from plain (moved in the plain iteration's idle time). Its next steps on
@@ -546,13 +580,15 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
         p0.adv, p0.loss = 0.0, 0.0
         p0.last_joint.update(build=build)
         keep = p0.choice == "flexmoe" and adv > 0
-        if p0.choice == "flexmoe" and not keep and all(f.get("look") is not None for f in flex):
-            lsteady = max(float(f["look"][0].max()) for f in flex) * jf["flexmoe"]
-            lmoves = max(pol.exposed_moves_s(f["look"][1], f["look"][2], lsteady) for pol, f in zip(policies, flex))
+        if p0.choice == "flexmoe" and not keep and all(f.get("look") is not None for lf in flex for f in lf):
+            look_g = [np.array([float(f["look"][0].max()) for f in lf]) * jf["flexmoe"] for lf in flex]
+            lsteady = slowest(look_g)
+            lmoves = exposed([[f["look"][1] for f in lf] for lf in flex], [[f["look"][2] for f in lf] for lf in flex],
+                             lsteady)
             staying = -adv + lmoves / p0.interval + (stay - 1.0) * (lsteady - t_tr)
             p0.last_joint.update(lookahead=lsteady, staying=staying)
             keep = staying < 0
-        return ["flexmoe"] * len(policies) if keep else per_group
+        return out(everywhere if keep else per_group)
     p0.adv = (1 - w) * p0.adv + w * adv
     p0.last_joint["advantage"] = p0.adv
     if p0.choice == "flexmoe":
@@ -571,7 +607,7 @@ def choose(policies: Sequence[AutoPolicy]) -> List[str]:
             p0.regret, p0.loss = 0.0, 0.0
             if p0.amortised:
                 p0.adv = max(p0.adv, adv)
-    return ["flexmoe"] * len(policies) if stay_in else per_group
+    return out(everywhere if stay_in else per_group)
 
 
 def plan_groups(policies: Sequence[AutoPolicy], counts: Sequence[np.ndarray]) -> List[Placement]:
@@ -582,6 +618,18 @@ def plan_groups(policies: Sequence[AutoPolicy], counts: Sequence[np.ndarray]) ->
     for pol, c in zip(policies, counts):
         pol.propose(c)
     return [pol.commit(c) for pol, c in zip(policies, choose(policies))]
+
+
+def plan_layers(layers: Sequence[Sequence[AutoPolicy]], counts: Sequence[Sequence[np.ndarray]]) -> List[List[Placement]]:
+    """Plan every MoE layer of an iteration together (``layers[l][g]``: layer l's EP group g, with
+    ``counts[l][g]``): one regime for all layers and groups (:func:`choose` with layers). The
+    simulator's entry point with several layers and several EP groups."""
+    if not all(pol.coordinate for lay in layers for pol in lay):
+        return [[pol.plan(c) for pol, c in zip(lay, lc)] for lay, lc in zip(layers, counts)]
+    for lay, lc in zip(layers, counts):
+        for pol, c in zip(lay, lc):
+            pol.propose(c)
+    return [[pol.commit(c) for pol, c in zip(lay, lch)] for lay, lch in zip(layers, choose(layers))]
 
 
 register_policy(AutoPolicy)
