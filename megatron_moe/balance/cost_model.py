@@ -162,7 +162,16 @@ class CostModel:
     def layer_time_of_max(self, r_max: float, h_max: float, trans_s: float) -> float:
         """Eq. 6 (``layer_time`` without eq8) from max(R), max(H) and ``t_trans(s, n, D)`` (= t_agg):
         the same arithmetic, for Pro-Prophet's search, which has those at hand every step."""
-        return 4.0 * self.t_a2a_of_max(r_max) + 3.0 * (h_max / self.throughput) + trans_s + trans_s
+        return self.layer_time_of_parts(self.a2a_term_of_max(r_max), h_max, trans_s)
+
+    def a2a_term_of_max(self, r_max: float) -> float:
+        """Eq. 6's all-to-all term (4 x Eq. 1) from max(R)."""
+        return 4.0 * self.t_a2a_of_max(r_max)
+
+    def layer_time_of_parts(self, a2a_term: float, h_max: float, trans_s: float) -> float:
+        """Eq. 6 from its all-to-all term (:meth:`a2a_term_of_max`), max(H) and ``t_trans``: the
+        search keeps the all-to-all term while max(R) does not move."""
+        return a2a_term + 3.0 * (h_max / self.throughput) + trans_s + trans_s
 
     def trans_split(self, n: int, D: int) -> Tuple[int, int]:
         """Offline block-wise rule (note 2.6): kF experts' Trans fit under FNEC, kB Aggs under BNEC."""

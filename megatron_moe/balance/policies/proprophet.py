@@ -23,6 +23,7 @@ again and the greedy stops on "used" after 2-3 experts (docs/sim.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -55,6 +56,15 @@ def fanouts(D: int) -> List[int]:
         out.append(D - k)
         k //= 2
     return out or [0]
+
+
+@functools.lru_cache(maxsize=16)
+def _owned(E: int, D: int) -> Tuple[Tuple[int, ...], ...]:
+    """Per rank, the experts it owns (``default_owner``), ascending."""
+    own: List[List[int]] = [[] for _ in range(D)]
+    for e, o in enumerate(default_owner(E, D).tolist()):
+        own[o].append(e)
+    return tuple(map(tuple, own))
 
 
 @dataclasses.dataclass
@@ -99,7 +109,8 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
     H0 = H.copy()
     t_best = cost.layer_time(R, H, 0, 0, D, eq8)
     t_noop = t_best
-    best_H, best_R, cnt = H, R, 0
+    # H and R are updated in place below: the best prefix's are copies (the plain arrays if none wins)
+    best_H, best_R, cnt = H.copy(), R.copy(), 0
     steps: List[Tuple[int, List[int]]] = []
     times: List[float] = []
     selected = [False] * E                                     # (lists: read one item at a time)
@@ -110,14 +121,17 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
     # of sets one rank is in (= the plan's length when n = 0); the paper's form keeps s, its (D-n)/D
     # is already the average share
     members_of = np.zeros(D) if n and getattr(cost, "trans_ring", False) else None
-    own: dict = {}                                             # rank -> its experts (owner == i), as met
+    own = _owned(E, D)                                         # rank -> its experts (owner == i)
     stop = "exhausted"
     # speed (the same arithmetic as the plain loop: tests/test_proprophet_search_speed.py pins it):
     # max(H) as H[argmax] (also the next step's rank), Eq. 6 from the maxima and a
-    # per-s table of t_trans (eq8 keeps layer_time, which reads H)
+    # per-s table of t_trans (eq8 keeps layer_time, which reads H); max(R) and its all-to-all term
+    # recomputed only when the entry a step lowers could have been the maximum
     thresh = alpha * I / E
     trans: dict = {}
     i = int(H.argmax())
+    r_max = float(R.max()) if len(R) else 0.0
+    a2a4 = None
     while True:
         if H[i] - H.min() < thresh:                            # Eq. 7 (H[i] = max H)
             stop = "balanced"
@@ -128,9 +142,7 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         if used[i]:
             stop = "used"
             break
-        ex = own.get(i)
-        if ex is None:
-            ex = own[i] = np.nonzero(owner == i)[0].tolist()
+        ex = own[i]
         mine = [e for e in ex if not selected[e]]
         e = int(min(mine, key=lambda x: (-remote_load[x], x))) if len(mine) > 1 else int(mine[0])
         selected[e] = True
@@ -148,11 +160,16 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
         # incremental ReplaceInputs: inputs of e from the new replica ranks stay there
         moved = np.where(members, col, 0.0) if n else np.array(col)    # (n = 0: every rank a member)
         moved[o] = 0.0
-        H = H + moved
+        H += moved
         ms = moved.sum()
         H[o] -= ms
-        R = R.copy()
+        r_old = R[o]
         R[o] -= ms
+        r_new = R[o]
+        if r_old == r_max or r_new != r_new:                   # (the max may have dropped; NaN)
+            r_max, a2a4 = float(R.max()), None
+        elif r_new > r_max:
+            r_max, a2a4 = float(r_new), None
         steps.append((e, nb))
         s_priced = len(steps)
         if members_of is not None:
@@ -165,10 +182,12 @@ def search(C, cost: CostModel, alpha: float, n: int, num_inputs: Optional[float]
             ts = trans.get(s_priced)
             if ts is None:
                 ts = trans[s_priced] = cost.t_trans(s_priced, n, D)
-            t = cost.layer_time_of_max(float(R.max()), float(H[i]), ts)
+            if a2a4 is None:
+                a2a4 = cost.a2a_term_of_max(r_max)
+            t = cost.layer_time_of_parts(a2a4, float(H[i]), ts)
         times.append(t)
         if t < t_best:                                         # strict: ties keep the shorter prefix
-            t_best, cnt, best_H, best_R = t, len(steps), H, R
+            t_best, cnt, best_H, best_R = t, len(steps), H.copy(), R.copy()
     return SearchResult(steps[:cnt], steps, times, t_best, t_noop, H0, best_H, best_R, stop, n)
 
 
