@@ -196,7 +196,8 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
             adj[g, src] += t; adj[g, dst] += t
 
     def assign(it: int, l: int) -> Assignment:
-        c = trace[it, l].reshape(groups, p, n_exp).astype(np.float64)
+        # (auto converts the layers it plans itself: with several layers all at layer 0)
+        c = None if base == "auto" else trace[it, l].reshape(groups, p, n_exp).astype(np.float64)
         z = np.zeros((groups, p))
         plan_s = np.zeros(groups); plan_h = np.zeros(groups)
         trans = z.copy(); agg = z.copy(); adj = z.copy()
