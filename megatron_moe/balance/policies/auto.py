@@ -226,9 +226,12 @@ class AutoPolicy(BalancePolicy):
             if len(rows) <= n.shape[0] // 4:
                 _, _, r0, traffic0, keep0 = last
                 traffic, keep = traffic0.copy(), keep0.copy()
-                i = np.flatnonzero(np.isin(r0["he"], rows) & (r0["frac_h"] > 0))
+                changed = np.zeros(n.shape[0], dtype=bool)
+                changed[rows] = True
+                in_rows = changed[r0["he"]]                  # (np.isin's answer, by lookup)
+                i = np.flatnonzero(in_rows & (r0["frac_h"] > 0))
                 np.subtract.at(traffic.T, r0["hg"][i], r0["spill"][r0["he"][i]] * r0["frac_h"][i, None])
-                i = np.flatnonzero(np.isin(r0["he"], rows))
+                i = np.flatnonzero(in_rows)
                 np.subtract.at(keep, r0["hg"][i], r0["keep_h"][i])
                 if len(rows):
                     nr = n[rows]

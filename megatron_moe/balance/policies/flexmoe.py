@@ -299,7 +299,13 @@ def spill_traffic(r: Dict, into: np.ndarray) -> np.ndarray:
         rows = spill[he[m]]
         rows *= frac_h[m, None]
         if k == 0:
-            into[hg[m]] = rows
+            if len(m) == len(rest) and not into.flags.c_contiguous:
+                # every rank (hg[m] ascending, unique: all of them in order) into the callers'
+                # transposed view: in bands of 16 rows, ~4x faster than one scatter writing columns
+                for i in range(0, len(m), 16):
+                    into[i:i + 16] = rows[i:i + 16]
+            else:
+                into[hg[m]] = rows
             rest[hg[m]] = False
         else:
             into[hg[m]] += rows
@@ -371,10 +377,11 @@ class _Priced:
     are held sparse (row-major entries: rank, processed inputs, seconds); the per-rank sums are
     ``np.bincount`` over them in expert order, the same additions as the dense column sum."""
 
-    def __init__(self, origin, n, cost):
+    def __init__(self, origin, n, cost, copy: bool = True):
+        """``copy=False``: ``n`` is a fresh array nobody else holds (``SlotTable.counts()``), kept."""
         origin = np.asarray(origin, dtype=np.float64)
         self.o_t, self.cost = origin.T, cost
-        self.n = np.array(n)
+        self.n = np.array(n) if copy else n             # (updated in place below)
         self.ne = self.n.sum(axis=1)                    # vExperts per expert, kept up to date
         self.route = r = _full_parts(self.o_t, self.n, self.ne, cost)
         if r is None:
@@ -394,9 +401,10 @@ class _Priced:
     def _set_rows(self, rows, proc: np.ndarray, terms: np.ndarray) -> None:
         """Replace the entries of ``rows`` (ascending) by the nonzeros of their dense rows."""
         ptr, old, gs, ps, ts, at = self._ptr, self._ptr.copy(), [], [], [], 0
+        keep = (proc != 0) | (terms != 0)                      # (all rows at once)
         for i, e in enumerate(rows):
             a, b = old[e], old[e + 1]
-            nz = np.flatnonzero((proc[i] != 0) | (terms[i] != 0))
+            nz = np.flatnonzero(keep[i])
             gs += [self._g[at:a], nz]
             ps += [self._p[at:a], proc[i][nz]]
             ts += [self._t[at:a], terms[i][nz]]
@@ -515,7 +523,8 @@ class _TablePlacement(Placement):
         hosts[np.arange(n.shape[0]), owner] = True           # the owner keeps the master copy
         self.num_ranks = int(num_ranks)
         self._n, self._hosts = n, hosts
-        self._ranks, self._lens = np.nonzero(hosts)[1], hosts.sum(axis=1)   # row by row: sorted
+        # row by row: sorted (the flat indices' columns: np.nonzero's second array, without its first)
+        self._ranks, self._lens = np.flatnonzero(hosts) % hosts.shape[1], hosts.sum(axis=1)
         self._sets = self._vx = self._akey = None
         if not checked:
             self.validate()
@@ -658,7 +667,7 @@ class FlexMoEPolicy(BalancePolicy):
         pricing of this ``origin`` and the current table) avoids pricing every expert again."""
         slots = self.table.slots
         if priced is None:
-            priced = _Priced(origin, self.table.counts(), self.cost)
+            priced = _Priced(origin, self.table.counts(), self.cost, copy=False)
         n = priced.n
         t0 = priced.time()
         ne = priced.ne
@@ -723,7 +732,7 @@ class FlexMoEPolicy(BalancePolicy):
         ops: List[Tuple] = []
         slots = self.table.slots
         if priced is None:
-            priced = _Priced(origin, self.table.counts(), self.cost)
+            priced = _Priced(origin, self.table.counts(), self.cost, copy=False)
         n = priced.n                                        # follows the swaps (priced.swap)
         cands = range(self.num_experts) if experts is None else sorted(set(experts))
         for _ in range(self.max_migrations):
@@ -778,7 +787,7 @@ class FlexMoEPolicy(BalancePolicy):
         """Eq. 5 of ``origin`` on the current slot table; :meth:`_Priced.dispatch` gives what the
         simulator runs with it, and ``step(origin, priced)`` starts from it (call dispatch first:
         the step updates it)."""
-        return _Priced(origin, self.table.counts(), self.cost)
+        return _Priced(origin, self.table.counts(), self.cost, copy=False)
 
     def step(self, origin: np.ndarray, priced: Optional[_Priced] = None) -> List[Tuple]:
         origin = np.asarray(origin)
