@@ -165,9 +165,12 @@ class AutoPolicy(BalancePolicy):
         ``counts`` array steps the table from it (as the flexmoe policy shares it with its step)."""
         fx = self.cands.get("flexmoe")
         last = self._prev.get("flexmoe")
-        if fx is not None and last is not None and last[0] is p \
-                and np.array_equal(fx.table.counts(), self.vexperts_array(p)):
-            pr = fx.price(counts)
+        n = fx.table.counts() if fx is not None and last is not None and last[0] is p else None
+        if n is not None:       # (a table placement's own int array compares faster than the float one)
+            a = p.vexperts_array() if hasattr(p, "vexperts_array") else None
+            n = n if np.array_equal(n, a if a is not None else self.vexperts_array(p)) else None
+        if n is not None:
+            pr = fx.price(counts, n)
             self._shared = (counts, pr)
             return pr
         return _Priced(counts, self.vexperts_array(p), self.pc)

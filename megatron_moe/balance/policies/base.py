@@ -43,7 +43,7 @@ class Placement:
     @classmethod
     def plain(cls, num_experts: int, num_ranks: int) -> "Placement":
         owner = default_owner(num_experts, num_ranks)
-        return cls([[int(o)] for o in owner], num_ranks)
+        return cls([[o] for o in owner.tolist()], num_ranks)
 
     @classmethod
     def from_plan(cls, plan, num_experts: int, num_ranks: int) -> "Placement":

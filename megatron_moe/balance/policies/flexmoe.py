@@ -783,11 +783,12 @@ class FlexMoEPolicy(BalancePolicy):
         return ops
 
     # -- Alg. 1 -----------------------------------------------------------------------------------
-    def price(self, origin: np.ndarray) -> _Priced:
+    def price(self, origin: np.ndarray, counts: Optional[np.ndarray] = None) -> _Priced:
         """Eq. 5 of ``origin`` on the current slot table; :meth:`_Priced.dispatch` gives what the
         simulator runs with it, and ``step(origin, priced)`` starts from it (call dispatch first:
-        the step updates it)."""
-        return _Priced(origin, self.table.counts(), self.cost, copy=False)
+        the step updates it). ``counts``: the table's ``counts()`` when the caller just made them
+        (a fresh array, kept and updated by the pricing)."""
+        return _Priced(origin, self.table.counts() if counts is None else counts, self.cost, copy=False)
 
     def step(self, origin: np.ndarray, priced: Optional[_Priced] = None) -> List[Tuple]:
         origin = np.asarray(origin)
