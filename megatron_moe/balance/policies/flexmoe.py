@@ -144,7 +144,10 @@ def route_real(origin: np.ndarray, n: np.ndarray):
     spill = o - keep
     spare = capacity - keep                                     # sign-fixed: >= 0
     s = spare.sum(axis=1, keepdims=True)
-    frac = np.divide(spare, s, out=np.zeros_like(spare), where=s > 0)
+    pos = s > 0
+    if pos.all() and spare.flags.c_contiguous:     # (the same quotients, C-ordered as zeros_like's)
+        return keep, spill, spare / s
+    frac = np.divide(spare, s, out=np.zeros_like(spare), where=pos)
     return keep, spill, frac
 
 
@@ -179,15 +182,17 @@ def expert_terms(origin_t: np.ndarray, n: np.ndarray, cost) -> np.ndarray:
     return _expert_parts(origin_t, n, cost)[1]
 
 
-def _expert_parts(origin_t: np.ndarray, n: np.ndarray, cost):
-    """(processed[k, G], seconds[k, G]) of :func:`expert_terms`."""
+def _expert_parts(origin_t: np.ndarray, n: np.ndarray, cost, sync: Optional[np.ndarray] = None):
+    """(processed[k, G], seconds[k, G]) of :func:`expert_terms`; ``sync``: ``_sync_rows(cost, n)``
+    when the caller has it."""
     keep, spill, frac = route_real(origin_t.T, n)
-    proc = keep + spill.sum(axis=1, keepdims=True) * frac
+    ssum = spill.sum(axis=1, keepdims=True)
+    proc = keep + ssum * frac
     t = cost.compute_s(proc)
     if cost.pair_s_per_input is not None:
-        t = t + 4.0 * frac * _pair_product(spill, cost)
+        t = t + 4.0 * frac * _pair_product(spill, cost, ssum)
     hosts = n > 0
-    return proc, t + _sync_rows(cost, n)[:, None] * hosts
+    return proc, t + (_sync_rows(cost, n) if sync is None else sync)[:, None] * hosts
 
 
 def _pair_structure(cost):
@@ -211,17 +216,19 @@ def _pair_structure(cost):
     return st
 
 
-def _pair_product(spill: np.ndarray, cost) -> np.ndarray:
+def _pair_product(spill: np.ndarray, cost, ssum: Optional[np.ndarray] = None) -> np.ndarray:
     """``spill @ cost.pair_s_per_input``.  When the per-input link cost is one rate within a node
     and one between nodes (a simulator cluster without NVLink pairs, or a CostModel's single rate)
     it is computed from per-node sums, O(E x G x nodes) instead of the O(E x G^2) matmul that
-    dominated FlexMoE at 256-rank groups; the structure is checked once per cost object."""
+    dominated FlexMoE at 256-rank groups; the structure is checked once per cost object.
+    ``ssum``: ``spill.sum(axis=1, keepdims=True)`` when the caller has it."""
     st = _pair_structure(cost)
     if st is False:
         return spill @ cost.pair_s_per_input
     c_in, c_out, onehot, _ = st
     node_sum = (spill @ onehot) @ onehot.T                      # [k, G] spill from g's node
-    return c_out * (spill.sum(axis=1, keepdims=True) - node_sum) + c_in * (node_sum - spill)
+    ssum = spill.sum(axis=1, keepdims=True) if ssum is None else ssum
+    return c_out * (ssum - node_sum) + c_in * (node_sum - spill)
 
 
 def _sync_value(cost, row: np.ndarray, hs) -> float:
@@ -396,7 +403,7 @@ class _Priced:
             self._ptr = np.concatenate([[0], np.cumsum(r["k"])])
             self._g, self._p, self._t = r["hg"], r["proc_h"], r["t_h"]
             self.base = np.bincount(self._g, weights=self._t, minlength=self.n.shape[1])
-        self._rows: Dict = {}                           # (expert, count row bytes) -> (proc, seconds)
+        self._rows: Dict = {}                           # (expert, count row bytes) -> (proc, seconds, sync)
 
     def _set_rows(self, rows, proc: np.ndarray, terms: np.ndarray) -> None:
         """Replace the entries of ``rows`` (ascending) by the nonzeros of their dense rows."""
@@ -438,11 +445,13 @@ class _Priced:
     def loads(self) -> np.ndarray:
         return np.bincount(self._g, weights=self._p, minlength=self.n.shape[1])
 
-    def trial(self, rows, n_rows) -> float:
-        """Modelled time with ``rows`` of n replaced by ``n_rows``."""
-        proc, t = _expert_parts(self.o_t[rows], n_rows, self.cost)
+    def trial(self, rows, n_rows, sync: Optional[np.ndarray] = None) -> float:
+        """Modelled time with ``rows`` of n replaced by ``n_rows`` (``sync``: their ``_sync_rows``
+        when the caller has it; kept with the rows, as their prices, for an accepted candidate)."""
+        sync = _sync_rows(self.cost, n_rows) if sync is None else sync
+        proc, t = _expert_parts(self.o_t[rows], n_rows, self.cost, sync)
         for i, e in enumerate(rows):
-            self._rows[(int(e), n_rows[i].tobytes())] = (proc[i], t[i])
+            self._rows[(int(e), n_rows[i].tobytes())] = (proc[i], t[i], sync[i])
         return float((self.base - self._dense(self._t, rows).sum(axis=0) + t.sum(axis=0)).max())
 
     def update(self, n) -> None:
@@ -479,11 +488,13 @@ class _Priced:
         hits = [self._rows.get((e, self.n[e].tobytes())) for e in rows]
         if all(h is not None for h in hits):
             proc, terms = np.array([h[0] for h in hits]), np.array([h[1] for h in hits])
+            sync = [h[2] for h in hits]
         else:
-            proc, terms = _expert_parts(self.o_t[rows], self.n[rows], self.cost)
+            sync = _sync_rows(self.cost, self.n[rows])
+            proc, terms = _expert_parts(self.o_t[rows], self.n[rows], self.cost, sync)
         self._rows.clear()
         self._set_rows(rows, proc, terms)
-        self.sync_e[rows] = _sync_rows(self.cost, self.n[rows])
+        self.sync_e[rows] = sync
 
     def dispatch(self, local: Optional[np.ndarray] = None, traffic: Optional[np.ndarray] = None):
         """What the simulator runs for these counts and the table they were priced with (call it
@@ -764,10 +775,11 @@ class FlexMoEPolicy(BalancePolicy):
                             r1[1, b] -= 1
                             r1[1, a] += 1
                         # only rows e and f change: price them alone, confirm a hit exactly
-                        s1 = sync - sync_e[rows].sum() + _sync_rows(self.cost, r1).sum()
+                        sync1 = _sync_rows(self.cost, r1)
+                        s1 = sync - sync_e[rows].sum() + sync1.sum()
                         if not s1 < sync:
                             continue
-                        if priced.trial(rows, r1) <= t0 * (1 + 1e-12):   # Eq. 5 does not rise
+                        if priced.trial(rows, r1, sync1) <= t0 * (1 + 1e-12):   # Eq. 5 does not rise
                             found = (a, sa, int(b), sb, int(e), f)
                             break
                     if found:
