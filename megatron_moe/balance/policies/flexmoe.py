@@ -84,7 +84,7 @@ class SlotTable:
     def counts(self) -> np.ndarray:
         """n[e, g] = vExperts of expert e on rank g."""
         used = self.slots >= 0
-        g, _ = np.nonzero(used)
+        g = np.flatnonzero(used) // used.shape[1]                # (np.nonzero(used)[0], without the columns)
         return np.bincount(self.slots[used] * self.num_ranks + g,
                            minlength=self.num_experts * self.num_ranks).reshape(self.num_experts, self.num_ranks)
 
@@ -535,7 +535,8 @@ class _TablePlacement(Placement):
         self.num_ranks = int(num_ranks)
         self._n, self._hosts = n, hosts
         # row by row: sorted (the flat indices' columns: np.nonzero's second array, without its first)
-        self._ranks, self._lens = np.flatnonzero(hosts) % hosts.shape[1], hosts.sum(axis=1)
+        self._flat = np.flatnonzero(hosts)
+        self._ranks, self._lens = self._flat % hosts.shape[1], hosts.sum(axis=1)
         self._sets = self._vx = self._akey = None
         if not checked:
             self.validate()
@@ -547,7 +548,7 @@ class _TablePlacement(Placement):
         """:meth:`FlexMoEPolicy._list_key` of this placement, from its arrays (made once)."""
         if self._akey is None:
             self._akey = (self._lens.astype(np.int64).tobytes(), self._ranks.astype(np.int64).tobytes(),
-                          ("hosts", self._n.shape, self._n[self._hosts].tobytes()))
+                          ("hosts", self._n.shape, self._n.ravel()[self._flat].tobytes()))   # (= _n[_hosts])
         return self._akey
 
     def _build(self) -> None:
@@ -672,6 +673,18 @@ class FlexMoEPolicy(BalancePolicy):
             return 0.0
         return float(self.cost.link_s_per_byte[a, b])
 
+    def _nearest(self, hosts: np.ndarray, g: int) -> int:
+        """``min(hosts, key=lambda h: (self._link(h, g), h))`` for ascending ``hosts``: the first
+        smallest link (vectorised; the loop where a link is NaN, which orders by position)."""
+        if self.cost.link_s_per_byte is None:
+            link = np.zeros(len(hosts))
+        else:
+            link = self.cost.link_s_per_byte[hosts, g].astype(np.float64)
+            if np.isnan(link).any():
+                return int(min(hosts, key=lambda h: (self._link(h, g), h)))
+        link[hosts == g] = -1.0
+        return int(hosts[np.argmin(link)])
+
     # -- Alg. 2 -----------------------------------------------------------------------------------
     def make_plan(self, origin: np.ndarray, priced: Optional[_Priced] = None) -> List[Tuple]:
         """One (Shrink, Expand) pair or a lone Expand; ``priced`` (the scheduler loop's running
@@ -690,7 +703,8 @@ class FlexMoEPolicy(BalancePolicy):
         if len(free):
             cands = [(int(i) // slots.shape[1], int(i) % slots.shape[1], FREE) for i in free]
         else:
-            ok = (ne >= 2) & (np.arange(self.num_experts) != e_hot)
+            ok = ne >= 2
+            ok[e_hot] = False
             if not ok.any():
                 return []
             c = np.where(ok, cap, np.inf)
@@ -716,7 +730,7 @@ class FlexMoEPolicy(BalancePolicy):
         (t1, *_), g, s, e_cold = best
         if not t1 < 1.0 - 1e-12:             # strictly lower, beyond summation-order rounding
             return []
-        src = int(min(hot_hosts, key=lambda h: (self._link(h, g), h)))
+        src = self._nearest(hot_hosts, g)
         plan = [("expand", e_hot, src, g, s)]
         if e_cold != FREE:
             plan.insert(0, ("shrink", e_cold, g, s))
