@@ -28,9 +28,10 @@ exposed part is priced by the same best-effort rule); it is done when the advant
 have had, summed since it last was not positive, reaches that build (ski rental), and FlexMoE is
 left when its smoothed advantage turns negative. In the simulator, with several layers and several
 EP groups, one regime is chosen for all layers at once (:func:`plan_layers`): the iteration ends
-with the slowest group's sum over layers, which the layers' own slowest groups overstate. The regime starts persistent (all tables are
-plain before the first plan, so nothing needs building: FlexMoE's first ops move during the plain
-iteration, as FlexMoE's own do) and the first re-plan keeps it if FlexMoE is predicted faster.
+with the slowest group's sum over layers, which the layers' own slowest groups overstate. The
+regime starts persistent (all tables are plain before the first plan, so nothing needs building:
+FlexMoE's first ops move during the plain iteration, as FlexMoE's own do) and the first re-plan
+keeps it if FlexMoE is predicted faster.
 
 Drift: every candidate's previous plan was priced on the counts it was planned from; at the next
 re-plan the same plan is priced on the counts that really came. The ratio (EMA) is that candidate's
@@ -165,14 +166,13 @@ class AutoPolicy(BalancePolicy):
         ``counts`` array steps the table from it (as the flexmoe policy shares it with its step)."""
         fx = self.cands.get("flexmoe")
         last = self._prev.get("flexmoe")
-        n = fx.table.counts() if fx is not None and last is not None and last[0] is p else None
-        if n is not None:       # (a table placement's own int array compares faster than the float one)
-            a = p.vexperts_array() if hasattr(p, "vexperts_array") else None
-            n = n if np.array_equal(n, a if a is not None else self.vexperts_array(p)) else None
-        if n is not None:
-            pr = fx.price(counts, n)
-            self._shared = (counts, pr)
-            return pr
+        if fx is not None and last is not None and last[0] is p:
+            n = fx.table.counts()
+            a = p.vexperts_array() if hasattr(p, "vexperts_array") else None   # (ints compare faster)
+            if np.array_equal(n, a if a is not None else self.vexperts_array(p)):
+                pr = fx.price(counts, n)
+                self._shared = (counts, pr)
+                return pr
         return _Priced(counts, self.vexperts_array(p), self.pc)
 
     def vexperts_array(self, p: Placement) -> np.ndarray:
@@ -523,7 +523,7 @@ def choose(policies: Sequence) -> List:
     p0 = layers[0][0]
     flat = [pol for lay in layers for pol in lay]
 
-    def out(regime: Optional[List[List[str]]]) -> List:
+    def out(regime: List[List[str]]) -> List:
         return regime if layered else regime[0]
     if p0.force is not None:
         return out([[p0.force] * len(lay) for lay in layers])
@@ -562,8 +562,7 @@ def choose(policies: Sequence) -> List:
     if not all("busy" in f for lf in flex for f in lf):    # no persistent candidate (or it does not fit)
         p0.adv = None
         return out(per_group)
-    # a layer's state moves use its own idle link time (per layer, against that layer's slowest
-    # group); the moves of all layers add up in the iteration
+    # every layer's state moves share the iteration's idle link time (``exposed``)
     flex_g = [np.array([f["raw"] for f in lf]) * jf["flexmoe"] for lf in flex]
     steady = slowest(flex_g)
     ops_s = exposed([[f["busy"] for f in lf] for lf in flex], [[f["move"] for f in lf] for lf in flex], steady)
@@ -619,17 +618,20 @@ def choose(policies: Sequence) -> List:
 def plan_groups(policies: Sequence[AutoPolicy], counts: Sequence[np.ndarray]) -> List[Placement]:
     """Plan one layer for all its EP groups together (:func:`choose`): the simulator's entry point,
     where every group's counts are at hand."""
-    if not all(pol.coordinate for pol in policies):
-        return [pol.plan(c) for pol, c in zip(policies, counts)]
-    for pol, c in zip(policies, counts):
-        pol.propose(c)
-    return [pol.commit(c) for pol, c in zip(policies, choose(policies))]
+    return _plan([policies], [counts])[0]
 
 
-def plan_layers(layers: Sequence[Sequence[AutoPolicy]], counts: Sequence[Sequence[np.ndarray]]) -> List[List[Placement]]:
+def plan_layers(layers: Sequence[Sequence[AutoPolicy]],
+                counts: Sequence[Sequence[np.ndarray]]) -> List[List[Placement]]:
     """Plan every MoE layer of an iteration together (``layers[l][g]``: layer l's EP group g, with
     ``counts[l][g]``): one regime for all layers and groups (:func:`choose` with layers). The
     simulator's entry point with several layers and several EP groups."""
+    return _plan(layers, counts)
+
+
+def _plan(layers, counts) -> List[List[Placement]]:
+    """:func:`plan_layers`' work, which :func:`plan_groups` does for one layer (the tests spy on
+    the two entry points apart)."""
     if not all(pol.coordinate for lay in layers for pol in lay):
         return [[pol.plan(c) for pol, c in zip(lay, lc)] for lay, lc in zip(layers, counts)]
     for lay, lc in zip(layers, counts):
