@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput under skewed routing, 2 ranks (EP=2, gloo), all configurations measured in one run,
-round-robin per iteration: the stock megatron-core MoE layer, ours with policy none, ours with
-Pro-Prophet, ours with Pro-Prophet + overlap (scheduler + Eq. 8), FlexMoE (transient replicas: this
+round-robin per iteration: the stock megatron-core MoE layer, ours with policy none, FasterMoE
+(shadowing, Alg. 1), ours with Pro-Prophet, ours with Pro-Prophet + overlap (scheduler + Eq. 8), FlexMoE (transient replicas: this
 loop steps torch Adam), auto, and megatron-core with forced load balancing (the upper bound).
 Repeated with balanced routing (skew 0). ``--repeats 3`` gives the median of 3 whole runs.
 
@@ -129,6 +129,11 @@ def main(argv=None):
             print("   proprophet placement: rank max/mean %.3f -> %.3f, replicated experts %.0f" % (
                 m["balance/rank_max_over_mean_before"], m["balance/rank_max_over_mean_after"],
                 m["balance/replicated_experts"]))
+        lead = [c for c in ("proprophet", "proprophet+overlap") if c in configs]
+        if "fastermoe" in configs and lead:     # issue 21 item 4: the paper's lead (1.01-1.50x)
+            for label in ("wall", "critical-CPU"):
+                print(f"   [{label}] over FasterMoE (median of {a.repeats} runs, ratios within each run): " + ", ".join(
+                    f"{c} x{statistics.median(r[label][c] / r[label]['fastermoe'] for r in runs):.3f}" for c in lead))
         singles = [c for c in ("none", "proprophet", "flexmoe") if c in configs]
         if "auto" in configs and singles:
             for label in ("wall", "critical-CPU"):
