@@ -35,8 +35,9 @@ keeps it if FlexMoE is predicted faster.
 
 Drift: every candidate's previous plan was priced on the counts it was planned from; at the next
 re-plan the same plan is priced on the counts that really came. The ratio (EMA) is that candidate's
-drift factor and multiplies its next prediction, so a placement that decays fast under drifting
-routing is charged for it. The observed drift ||C_j - C_{j-1}||_1 / ||C_{j-1}||_1 is recorded too.
+drift factor; it scales the part of its next prediction that the counts decide (the slowest rank's
+compute and all-to-alls, :meth:`AutoPolicy.scaled`; not Trans/Agg or the replica sync), so a
+placement that decays fast under drifting routing is charged for it. The observed drift ||C_j - C_{j-1}||_1 / ||C_{j-1}||_1 is recorded too.
 
 The FlexMoE candidate is stateful: its slot table is stepped at every re-plan even while another
 candidate is chosen (a shadow table), so switching to it starts from a table adapted to the load.
@@ -76,7 +77,7 @@ class AutoPolicy(BalancePolicy):
                  drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
                  moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, coordinate: bool = True,
                  lookahead: bool = True, amortised: bool = True, hysteresis: bool = True,
-                 horizon: bool = True, joint_layers: bool = True, **_ignored):
+                 horizon: bool = True, joint_layers: bool = True, factor_on_base: bool = True, **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
@@ -94,6 +95,7 @@ class AutoPolicy(BalancePolicy):
         self.hysteresis = bool(hysteresis)       # tests' mutation (False): leave FlexMoE when the EMA dips
         self.horizon = bool(horizon)             # tests' mutation (False): ignore the run's end (remaining)
         self.joint_layers = bool(joint_layers)   # tests' mutation (False): the simulator plans layer by layer
+        self.factor_on_base = bool(factor_on_base)   # tests' mutation (False): drift factors scale whole prices
         self.owner = default_owner(num_experts, num_ranks)
         self._to_owner = np.zeros((num_experts, num_ranks))
         self._to_owner[np.arange(num_experts), self.owner] = 1.0
@@ -412,7 +414,7 @@ class AutoPolicy(BalancePolicy):
                                                                   else pol.table.counts(), dtype=np.float64))
             ops = list(getattr(pol, "last_ops", None) or [])
             self._prev[c] = (p, self._base(C, p))
-            entry = {"placement": p, "ops": ops}
+            entry = {"placement": p, "ops": ops, "base": self._prev[c][1]}
             if c == "flexmoe" and self.persistent and not p.is_plain():
                 switching = self.choice != "flexmoe"
                 parts = self._flex_parts(C, p, ops, False)
@@ -421,21 +423,31 @@ class AutoPolicy(BalancePolicy):
                     steady, busy, move = parts
                     build = self._persistent_s(p, ops, True)[1]
                     t = self._flex_time(steady, busy, build if switching else move, switching)
-                    entry.update(steady=float(steady.max()) * self.factor[c], busy=busy, move=move, build=build,
-                                 raw=float(steady.max()))
+                    entry.update(steady=self.scaled(float(steady.max()), entry["base"], self.factor[c]), busy=busy,
+                                 move=move, build=build, raw=float(steady.max()))
                     if first and not switching and self.lookahead:
                         entry["look"] = self._lookahead(C, pol)
             else:
                 t = self.price(c, C, p, ops)
-                entry["steady"], entry["raw"] = t * self.factor[c], t
+                entry["steady"], entry["raw"] = self.scaled(t, entry["base"], self.factor[c]), t
                 entry["link"] = self._link_busy(c, C, p)
             prop[c] = entry
             if t is not None:
                 raw[c] = t
-                times[c] = t * self.factor[c]
+                times[c] = self.scaled(t, entry["base"], self.factor[c])
         self._proposal = prop
         self.last_times, self.last_price = times, raw     # this group alone: scaled and unscaled
         return times
+
+    def scaled(self, price: float, base: float, factor: float) -> float:
+        """A price under a drift factor. The factor is measured on the part of a plan's time that the
+        counts decide (compute and all-to-alls of the slowest rank: ``_checked``), so only that part
+        is scaled; Trans/Agg and the replica sync move the same bytes whatever the counts. (Scaling
+        whole prices charged Pro-Prophet's broadcasts for drift: 8192 GPUs, s 1.6, d 0.5, transient
+        predicted ~8% above what it took, FlexMoE ~6% below, and auto entered FlexMoE twice on it.)"""
+        if not self.factor_on_base:
+            return price * factor
+        return price + (factor - 1.0) * base
 
     def _lookahead(self, C: np.ndarray, pol):
         """FlexMoE's table as its own planner takes it on the load ``C``: a copy of the (shadow)
@@ -556,14 +568,15 @@ def choose(policies: Sequence) -> List:
                 real = slowest([np.array([r for r, _ in lay]) for lay in pairs])
                 jf[c] = (1 - w) * jf[c] + w * real / slowest([np.array([q for _, q in lay]) for lay in pairs])
     p0.joint_factor = jf
-    t_tr = slowest([np.array([pr[c]["raw"] * jf[c] for pr, c in zip(lp, lc)]) for lp, lc in zip(props, per_group)])
+    t_tr = slowest([np.array([p0.scaled(pr[c]["raw"], pr[c]["base"], jf[c]) for pr, c in zip(lp, lc)])
+                    for lp, lc in zip(props, per_group)])
     flex = [[pr.get("flexmoe", {}) for pr in lp] for lp in props]
     p0.last_joint = {"transient": t_tr}
     if not all("busy" in f for lf in flex for f in lf):    # no persistent candidate (or it does not fit)
         p0.adv = None
         return out(per_group)
     # every layer's state moves share the iteration's idle link time (``exposed``)
-    flex_g = [np.array([f["raw"] for f in lf]) * jf["flexmoe"] for lf in flex]
+    flex_g = [np.array([p0.scaled(f["raw"], f["base"], jf["flexmoe"]) for f in lf]) for lf in flex]
     steady = slowest(flex_g)
     ops_s = exposed([[f["busy"] for f in lf] for lf in flex], [[f["move"] for f in lf] for lf in flex], steady)
     t_flex = steady + ops_s / p0.interval
@@ -586,7 +599,8 @@ def choose(policies: Sequence) -> List:
         p0.last_joint.update(build=build)
         keep = p0.choice == "flexmoe" and adv > 0
         if p0.choice == "flexmoe" and not keep and all(f.get("look") is not None for lf in flex for f in lf):
-            look_g = [np.array([float(f["look"][0].max()) for f in lf]) * jf["flexmoe"] for lf in flex]
+            look_g = [np.array([p0.scaled(float(f["look"][0].max()), f["base"], jf["flexmoe"]) for f in lf])
+                      for lf in flex]
             lsteady = slowest(look_g)
             lmoves = exposed([[f["look"][1] for f in lf] for lf in flex], [[f["look"][2] for f in lf] for lf in flex],
                              lsteady)
