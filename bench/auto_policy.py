@@ -15,6 +15,7 @@ until 2026-11-27); the printed table says which size each cell ran.
 
     python bench/auto_policy.py                                   # 32..8192 GPUs, s 0.6..1.6, drift 0..0.5
     python bench/auto_policy.py --gpus 32 256 --zipf 1.0 --drift 0.1
+    python bench/auto_policy.py --auto-kwargs '{"factor_on_base": false}'   # a rule switched off (the tests' mutations)
 """
 
 from __future__ import annotations
@@ -71,7 +72,22 @@ def main(argv=None):
     ap.add_argument("--big-iterations", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bound", type=float, default=1.03)
+    ap.add_argument("--auto-kwargs", default=None, metavar="JSON",
+                    help="keyword arguments for AutoPolicy, e.g. '{\"factor_on_base\": false}'")
     args = ap.parse_args(argv)
+    auto_kwargs = None
+    if args.auto_kwargs:
+        import inspect
+        import json
+
+        from megatron_moe.balance.policies.auto import AutoPolicy
+        try:
+            auto_kwargs = json.loads(args.auto_kwargs)
+        except json.JSONDecodeError as e:
+            ap.error(f"--auto-kwargs: not JSON ({e})")
+        known = set(inspect.signature(AutoPolicy.__init__).parameters) - {"self", "_ignored"}
+        if not isinstance(auto_kwargs, dict) or set(auto_kwargs) - known:
+            ap.error(f"--auto-kwargs: a JSON object of AutoPolicy's arguments ({', '.join(sorted(known))})")
     print(f"{'GPUs':>5} {'zipf':>4} {'drift':>5} {'LxI':>6} | " + " ".join(f"{p:>10}" for p in SINGLE + ("auto",))
           + " | auto/best | choices none/pp/flex | cpu s", flush=True)
     worst, worst_cell = 0.0, None
@@ -81,7 +97,7 @@ def main(argv=None):
         for z in args.zipf:
             for d in args.drift:
                 t0 = time.process_time()
-                times, ch = run_cell(gpus, args.experts, z, d, layers, iters, args.seed)
+                times, ch = run_cell(gpus, args.experts, z, d, layers, iters, args.seed, auto_kwargs)
                 best = min(times[p] for p in SINGLE)
                 ratio = times["auto"] / best
                 if ratio > worst:
