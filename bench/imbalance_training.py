@@ -41,6 +41,8 @@ def _gap_share(v, n):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="imbalance_training.py", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, choices=(2, 4),
+                   help="gloo ranks (EP = ranks); 4 ranks on 2 CPUs: read the critical-CPU figures")
     p.add_argument("--skew", type=float, default=3.0)
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
@@ -70,6 +72,8 @@ def main(argv=None):
         with os.fdopen(fd, "w") as f:
             json.dump(prof, f)
         print("calibrated profile:", json.dumps({k: v for k, v in prof.items() if k != "meta"}))
+    if a.experts % a.ranks:
+        p.error(f"--experts {a.experts} must be a multiple of --ranks {a.ranks} (EP = ranks)")
     configs = [c for c in a.configs.split(",") if c]
     bad = sorted(set(configs) - set(_balance_bench.CONFIGS))
     if bad or "stock" not in configs:
@@ -80,12 +84,12 @@ def main(argv=None):
     policies = [c for c in configs if c not in ("stock", "forced")]
     for skew in skews:
         o = dict(opts, skew=skew)
-        tokens = 2 * a.mbs * a.seq
+        tokens = a.ranks * a.mbs * a.seq
         runs = []
         for _ in range(a.repeats):
             load0 = os.getloadavg()[0]
             # production mode: no strict device checks (a test harness wrapping every torch call)
-            out = run_distributed(_balance_bench.bench_rank, 2, o, timeout_s=1200, collective_timeout_s=600,
+            out = run_distributed(_balance_bench.bench_rank, a.ranks, o, timeout_s=1200, collective_timeout_s=600,
                                   env={STRICT_DEVICES_ENV: "0"})
             # tokens/s from the median iteration; critical path: per iteration the busiest rank's CPU
             # seconds (the iteration time if every rank had its own core; the wall clock on an
@@ -100,8 +104,8 @@ def main(argv=None):
               f"interleaved per iteration; host load average {min(loads):.1f}-{max(loads):.1f} on "
               f"{os.cpu_count()} CPUs ==")
         others = min(r["load"][0] for r in runs)      # before a run: the host's other work
-        if others + 2 > (os.cpu_count() or 1) + 0.5:
-            print(f"  host oversubscribed (load {others:.1f} before a run + 2 ranks > {os.cpu_count()} CPUs): the "
+        if others + a.ranks > (os.cpu_count() or 1) + 0.5:
+            print(f"  host oversubscribed (load {others:.1f} before a run + {a.ranks} ranks > {os.cpu_count()} CPUs): the "
                   "ranks share cores with other work, so the wall clock measures total work more than the "
                   "critical path (see the critical-CPU figures)")
         for label in ("wall", "critical-CPU"):

@@ -27,3 +27,12 @@ def test_short_run(tmp_path, capsys):
         assert f"[{label}] best policy " in out
     assert len(r["runs"]) == 1 and "host load average" in out
     assert "proprophet" in json.loads((tmp_path / "r.json").read_text())["3.0"]["wall"]["x_stock"]
+
+
+def test_ranks_must_divide_experts(capsys):
+    """EP = --ranks: an expert count it does not divide is refused naming both flags."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench.main(["--ranks", "4", "--experts", "6", "--profile", "unused.json"])
+    assert "--experts 6 must be a multiple of --ranks 4" in capsys.readouterr().err
