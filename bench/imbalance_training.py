@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Throughput under skewed routing, 2 ranks (EP=2, gloo), all configurations measured in one run,
-round-robin per iteration: the stock megatron-core MoE layer, ours with policy none, FasterMoE
-(shadowing, Alg. 1), ours with Pro-Prophet, ours with Pro-Prophet + overlap (scheduler + Eq. 8), FlexMoE (transient replicas: this
-loop steps torch Adam), auto, and megatron-core with forced load balancing (the upper bound).
+"""Throughput under skewed routing, 2 ranks (EP=2, gloo; ``--ranks 4``: EP=4), all configurations
+measured in one run, round-robin per iteration: the stock megatron-core MoE layer, ours with policy
+none, FasterMoE (shadowing, Alg. 1), ours with Pro-Prophet, ours with Pro-Prophet + overlap
+(scheduler + Eq. 8), FlexMoE (transient replicas: this loop steps torch Adam), auto, and
+megatron-core with forced load balancing (the upper bound).
 Repeated with balanced routing (skew 0). ``--repeats 3`` gives the median of 3 whole runs.
 
 Printed per config (issue 21 item 6): x stock and the share of the stock -> forced-balance gap it

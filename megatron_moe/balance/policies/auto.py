@@ -37,7 +37,8 @@ Drift: every candidate's previous plan was priced on the counts it was planned f
 re-plan the same plan is priced on the counts that really came. The ratio (EMA) is that candidate's
 drift factor; it scales the part of its next prediction that the counts decide (the slowest rank's
 compute and all-to-alls, :meth:`AutoPolicy.scaled`; not Trans/Agg or the replica sync), so a
-placement that decays fast under drifting routing is charged for it. The observed drift ||C_j - C_{j-1}||_1 / ||C_{j-1}||_1 is recorded too.
+placement that decays fast under drifting routing is charged for it. The observed drift
+||C_j - C_{j-1}||_1 / ||C_{j-1}||_1 is recorded too.
 
 The FlexMoE candidate is stateful: its slot table is stepped at every re-plan even while another
 candidate is chosen (a shadow table), so switching to it starts from a table adapted to the load.
