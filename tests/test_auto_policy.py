@@ -380,8 +380,9 @@ def test_bench_grid_passes_auto_kwargs(capsys):
     from bench.auto_policy import main
 
     cell = ["--gpus", "32", "--zipf", "1.0", "--drift", "0.5"]
-    assert main(cell) == 0
+    assert main(cell) == 0 and "cells above it: 0" in capsys.readouterr().out
     assert main(cell + ["--auto-kwargs", '{"factor_on_base": false}']) == 1
+    assert "at seed=0 GPUs=32 zipf=1.0 drift=0.5 (bound 1.03); cells above it: 1" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(cell + ["--auto-kwargs", '{"bogus": 1}'])
     assert "--auto-kwargs: a JSON object of AutoPolicy's arguments" in capsys.readouterr().err
