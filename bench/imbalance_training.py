@@ -64,6 +64,13 @@ def main(argv=None):
                    help="whole runs per skew; tokens/s is the median over them (issue 21: auto vs the "
                         "best single policy, median of 3)")
     a = p.parse_args(argv)
+    # flag checks before the (slow) calibration
+    if a.experts % a.ranks:
+        p.error(f"--experts {a.experts} must be a multiple of --ranks {a.ranks} (EP = ranks)")
+    configs = [c for c in a.configs.split(",") if c]
+    bad = sorted(set(configs) - set(_balance_bench.CONFIGS))
+    if bad or "stock" not in configs:
+        raise SystemExit(f"--configs: unknown {bad} (and 'stock' is required as the reference)")
     profile = a.profile
     if profile is None:
         from tools.calibrate_balance import calibrate
@@ -73,12 +80,6 @@ def main(argv=None):
         with os.fdopen(fd, "w") as f:
             json.dump(prof, f)
         print("calibrated profile:", json.dumps({k: v for k, v in prof.items() if k != "meta"}))
-    if a.experts % a.ranks:
-        p.error(f"--experts {a.experts} must be a multiple of --ranks {a.ranks} (EP = ranks)")
-    configs = [c for c in a.configs.split(",") if c]
-    bad = sorted(set(configs) - set(_balance_bench.CONFIGS))
-    if bad or "stock" not in configs:
-        raise SystemExit(f"--configs: unknown {bad} (and 'stock' is required as the reference)")
     opts = dict(vars(a), profile=profile, configs=configs)
     results = {}
     skews = [float(x) for x in a.skews.split(",")] if a.skews else [a.skew, 0.0]
