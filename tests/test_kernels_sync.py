@@ -68,7 +68,9 @@ def launches(monkeypatch):
 def test_topk_api_no_sync(launches, pad):
     T, E, k, h = 24, 8, 2, 16
     idx, p, _, _ = make_routing(T, E, k, seed=1)
-    x = torch.randn(T, h, requires_grad=True)
+    # seeded: the row-dot gradient sums in another order than the reference, and an unseeded draw
+    # once landed 1.55e-6 off on two elements (CI, session 33)
+    x = torch.randn(T, h, generator=torch.Generator().manual_seed(1), requires_grad=True)
     p = p.clone().requires_grad_(True)
     cap = 5 if pad else None
     with count_host_syncs() as syncs:
@@ -97,7 +99,7 @@ def test_mcore_dropin_no_sync(launches, drop_and_pad):
     or without probs; neither reads anything back from the device."""
     T, E, k, h = 17, 8, 2, 12
     _, _, rmap, dense = make_routing(T, E, k, seed=6)
-    x = torch.randn(T, h, requires_grad=True)
+    x = torch.randn(T, h, generator=torch.Generator().manual_seed(6), requires_grad=True)
     nout = E * 3 if drop_and_pad else T * k
     probs = dense.clone().requires_grad_(True)
     with count_host_syncs() as syncs:
@@ -120,7 +122,7 @@ def test_documented_syncs_stay_and_are_counted(launches):
     padding, is data-dependent: one read-back each (docs/kernels.md)."""
     T, E, k = 20, 8, 2
     idx, _, rmap, _ = make_routing(T, E, k, seed=2)
-    x = torch.randn(T, 8)
+    x = torch.randn(T, 8, generator=torch.Generator().manual_seed(2))
     with count_host_syncs() as s1:
         kernels.permute(x, rmap)                       # no num_out_tokens
     with count_host_syncs() as s2:
