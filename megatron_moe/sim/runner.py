@@ -278,9 +278,8 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                     prev[(g, k)] = planned[k][g]
                     if pol.choice == "flexmoe":
                         if was[g] != "flexmoe":                      # switching in: replicas built from owners
-                            n = pol.vexperts_array(planned[k][g])
-                            moves = [(int(owner[e]), int(r), float(costs[g].state_bytes))
-                                     for e, r in zip(*np.nonzero(n)) if r != owner[e]]
+                            moves = [(int(a), int(b), float(costs[g].state_bytes))
+                                     for a, b in zip(*pol.build_moves(planned[k][g]))]
                         else:
                             moves = pol.cands["flexmoe"].adjustment_bytes(pol.last_ops)
                         charge_moves(g, moves, adj)

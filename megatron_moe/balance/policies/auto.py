@@ -23,10 +23,12 @@ takes the slowest rank:
 
 The choice (:func:`choose`) is made per layer over all EP groups together (their iteration ends
 with the slowest group): each group picks its cheapest stateless candidate (none / Pro-Prophet),
-or every group runs FlexMoE. Switching into FlexMoE builds every non-owner replica at once (its
-exposed part is priced by the same best-effort rule); it is done when the advantage FlexMoE would
-have had, summed since it last was not positive, reaches that build (ski rental), and FlexMoE is
-left when its smoothed advantage turns negative. In the simulator, with several layers and several
+or every group runs FlexMoE. Switching into FlexMoE builds every non-owner replica at once, each
+expert's state down a chain of its new hosts (:meth:`AutoPolicy.build_moves`; its exposed part is
+priced by the same best-effort rule); it is done when the advantage FlexMoE would have had, summed
+since it last was not positive, reaches that build (ski rental) and this re-plan's advantage
+exceeds how far FlexMoE's prices have been missing (``margin``), and FlexMoE is left when its
+smoothed advantage turns negative. In the simulator, with several layers and several
 EP groups, one regime is chosen for all layers at once (:func:`plan_layers`): the iteration ends
 with the slowest group's sum over layers, which the layers' own slowest groups overstate. The
 regime starts persistent (all tables are plain before the first plan, so nothing needs building:
@@ -78,7 +80,8 @@ class AutoPolicy(BalancePolicy):
                  drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
                  moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, coordinate: bool = True,
                  lookahead: bool = True, amortised: bool = True, hysteresis: bool = True,
-                 horizon: bool = True, joint_layers: bool = True, factor_on_base: bool = True, **_ignored):
+                 horizon: bool = True, joint_layers: bool = True, factor_on_base: bool = True,
+                 chain_build: bool = True, margin: bool = True, **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
@@ -97,6 +100,8 @@ class AutoPolicy(BalancePolicy):
         self.horizon = bool(horizon)             # tests' mutation (False): ignore the run's end (remaining)
         self.joint_layers = bool(joint_layers)   # tests' mutation (False): the simulator plans layer by layer
         self.factor_on_base = bool(factor_on_base)   # tests' mutation (False): drift factors scale whole prices
+        self.chain_build = bool(chain_build)         # tests' mutation (False): a build sends every copy from the owner
+        self.margin = bool(margin)                   # tests' mutation (False): enter on any predicted advantage
         self.owner = default_owner(num_experts, num_ranks)
         self._to_owner = np.zeros((num_experts, num_ranks))
         self._to_owner[np.arange(num_experts), self.owner] = 1.0
@@ -298,12 +303,38 @@ class AutoPolicy(BalancePolicy):
         sync = self._cached(("sync", id(p)), p, lambda: np.bincount(
             g, _sync_hosts(self.pc, n, e, g, np.bincount(e, minlength=self.num_experts))[e], self.num_ranks))
         if switching:                                    # switching in: every non-owner replica is new
-            keep = g != self.owner[e]
-            a, b = self.owner[e[keep]], g[keep]
+            a, b = self._build_pairs(e, g)
         else:
             ab = [(a, b) for a, b, nb in self.cands["flexmoe"].adjustment_bytes(ops) if nb > 0]
             a, b = (np.array(v, dtype=np.int64).reshape(-1) for v in (zip(*ab) if ab else ((), ())))
         return sync, self._move_s(a, b)
+
+    def build_moves(self, p: Placement):
+        """(src, dst) rank arrays of the state copies that build ``p``'s replicas when FlexMoE is
+        entered (every non-owner vExpert host is new; the state is at the owner)."""
+        e, g = np.divmod(np.flatnonzero(self._vx(p) > 0), self.num_ranks)
+        return self._build_pairs(e, g)
+
+    def _build_pairs(self, e: np.ndarray, g: np.ndarray):
+        """Copies for new hosts ``g[i]`` of experts ``e[i]``: each expert's state goes down a chain
+        owner -> h1 -> h2 -> ... (hosts on the owner's node first, then node by node), sent in
+        chunks as a pipelined broadcast (NCCL's ring), so every rank sends and receives it at most
+        once. Sent from the owner to each host in turn (``chain_build=False``), the owner of a hot
+        expert with k new hosts carried k copies, the busiest link of the iteration (its
+        all-to-all's hot receiver): a 60 ms exposed build at 32 GPUs, s 1.6, d 0.25."""
+        new = g != self.owner[e]
+        e, g = e[new], g[new]
+        if not self.chain_build or len(e) == 0:
+            return self.owner[e], g
+        node = self.pc.node if self.pc.node is not None else np.zeros(self.num_ranks, dtype=np.int64)
+        far = node[g] != node[self.owner[e]]
+        order = np.lexsort((g, node[g], far, e))        # by expert, then owner's node first
+        e, g = e[order], g[order]
+        a = np.empty_like(g)
+        a[1:] = g[:-1]
+        first = np.r_[True, e[1:] != e[:-1]]
+        a[first] = self.owner[e[first]]
+        return a, g
 
     def _move_s(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Per rank: state-move seconds of the moves a[i] -> b[i] (``PlannerCost.state_move_s``
@@ -512,7 +543,10 @@ def choose(policies: Sequence) -> List:
     it last was not positive (``regret``), and FlexMoE is entered when that sum reaches the build's
     exposed time and the smoothed advantage (EMA, weight ``drift_ema``, from 0) is positive; or
     when this re-plan's advantage over the expected stay (``expected_stay``: ~1/drift re-plans, as
-    ``price`` spreads a build) pays the build. Entering restarts the smoothing at that advantage
+    ``price`` spreads a build) pays the build; either way only when this re-plan's advantage exceeds
+    the margin (the spread of FlexMoE's realised / predicted ratio about its drift factor times the
+    slowest group's base: under drift 0.5 entries predicted 2-4% ahead ran 30-60% behind).
+    Entering restarts the smoothing at that advantage
     (the earlier ones priced tables the shadow has left). FlexMoE is left when the smoothed
     advantage is negative and the disadvantage summed since it last was not positive (``loss``)
     exceeds the build's share per re-plan (build / expected stay): leaving costs that rebuild
@@ -562,13 +596,16 @@ def choose(policies: Sequence) -> List:
     # a factor learnt on Pro-Prophet's plans does not price plain EP's.
     w = p0.drift_ema
     jf = getattr(p0, "joint_factor", None) or {c: 1.0 for c in p0.cands}
+    jv = getattr(p0, "joint_spread", None) or {c: 0.0 for c in p0.cands}
     if all(pol._checked for pol in flat):
         for c in jf:
             pairs = [[pol._checked.get(c) for pol in lay] for lay in layers]
             if all(pq is not None for lay in pairs for pq in lay):
                 real = slowest([np.array([r for r, _ in lay]) for lay in pairs])
-                jf[c] = (1 - w) * jf[c] + w * real / slowest([np.array([q for _, q in lay]) for lay in pairs])
-    p0.joint_factor = jf
+                ratio = real / slowest([np.array([q for _, q in lay]) for lay in pairs])
+                jv[c] = (1 - w) * jv[c] + w * (ratio - jf[c]) ** 2
+                jf[c] = (1 - w) * jf[c] + w * ratio
+    p0.joint_factor, p0.joint_spread = jf, jv
     t_tr = slowest([np.array([p0.scaled(pr[c]["raw"], pr[c]["base"], jf[c]) for pr, c in zip(lp, lc)])
                     for lp, lc in zip(props, per_group)])
     flex = [[pr.get("flexmoe", {}) for pr in lp] for lp in props]
@@ -582,7 +619,12 @@ def choose(policies: Sequence) -> List:
     ops_s = exposed([[f["busy"] for f in lf] for lf in flex], [[f["move"] for f in lf] for lf in flex], steady)
     t_flex = steady + ops_s / p0.interval
     adv = t_tr - t_flex
-    p0.last_joint.update(flexmoe=t_flex)
+    # how far FlexMoE's factor-corrected price has missed (its ratio's spread about the factor,
+    # EMA): an entry must win by more than that (under drift 0.5 its next tables priced 2-4% under
+    # the transient ran 30-60% over it; at drift 0 the spread is ~0 and nothing changes)
+    margin = float(np.sqrt(jv["flexmoe"])) * slowest([np.array([f["base"] for f in lf]) for lf in flex]) \
+        if p0.margin else 0.0
+    p0.last_joint.update(flexmoe=t_flex, margin=margin)
     # the build runs while the current (transient) placement does: its idle links hide part
     build = exposed([[pr[c]["link"] for pr, c in zip(lp, lc)] for lp, lc in zip(props, per_group)],
                     [[f["build"] for f in lf] for lf in flex], t_tr)
@@ -619,7 +661,8 @@ def choose(policies: Sequence) -> List:
     else:
         p0.regret = max(0.0, getattr(p0, "regret", 0.0) + adv)
         p0.last_joint.update(build=build, regret=p0.regret)
-        stay_in = (p0.adv > 0 and p0.regret >= build) or (p0.amortised and adv * stay >= build)
+        stay_in = (p0.adv > 0 and p0.regret >= build) or (p0.amortised and (adv - margin) * stay >= build)
+        stay_in = stay_in and adv > margin
         # no build the rest of the run cannot pay back even if FlexMoE ran in no time
         if p0.horizon and p0.remaining is not None:
             stay_in = stay_in and p0.remaining * t_tr >= build
