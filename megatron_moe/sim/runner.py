@@ -277,7 +277,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                 for g, pol in enumerate(layer_pols):
                     prev[(g, k)] = planned[k][g]
                     if pol.choice == "flexmoe":
-                        if was[g] != "flexmoe":                      # switching in: replicas built from owners
+                        if was[g] != "flexmoe":              # switching in: each expert down a chain from its owner
                             moves = [(int(a), int(b), float(costs[g].state_bytes))
                                      for a, b in zip(*pol.build_moves(planned[k][g]))]
                         else:
