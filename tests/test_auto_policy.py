@@ -224,6 +224,25 @@ def test_auto_enters_flexmoe_when_the_stay_pays_the_build():
     assert t_mut > 1.015 * t_auto, (t_mut, t_auto)
 
 
+def _synthetic_step(pols, t_flex, build):
+    """One ``choose`` over synthetic proposals of every group: plain EP 10 ms, Pro-Prophet 11 ms,
+    FlexMoE ``t_flex`` with a build of ``build`` s on every rank, no drift checked. The choices
+    become the groups' current ones; returns them."""
+    from megatron_moe.balance.policies.auto import choose
+
+    z = np.zeros(4)
+    for p in pols:
+        p._proposal = {"none": {"steady": 10e-3, "raw": 10e-3, "base": 10e-3, "link": z},
+                       "proprophet": {"steady": 11e-3, "raw": 11e-3, "base": 11e-3, "link": z},
+                       "flexmoe": {"steady": t_flex, "raw": t_flex, "base": t_flex, "busy": z, "move": z,
+                                   "build": np.full(4, build)}}
+        p._checked = {}
+    out = choose(pols)
+    for p, c in zip(pols, out):
+        p.choice = c
+    return out
+
+
 @pytest.mark.parametrize("horizon", [True, False])
 def test_auto_builds_nothing_the_rest_of_the_run_cannot_pay_back(horizon):
     """Where the run's end is known (``remaining`` re-plans, set by the simulator and by training
@@ -233,23 +252,14 @@ def test_auto_builds_nothing_the_rest_of_the_run_cannot_pay_back(horizon):
     Mutation horizon=False: it builds at the end. (In the simulator's grid the rule no longer acts
     since the chained build: 32 s0.6 d0.5 had built at the last re-plan, 2.8% slower, with the
     builds sent from the owner.)"""
-    from megatron_moe.balance.policies.auto import AutoPolicy, choose
+    from megatron_moe.balance.policies.auto import AutoPolicy
 
     pols = [AutoPolicy(4, 4, moves_overlap=False, horizon=horizon) for _ in range(2)]
-    z = np.zeros(4)
 
     def step(t_flex, remaining):
         for p in pols:
             p.remaining = remaining
-            p._proposal = {"none": {"steady": 10e-3, "raw": 10e-3, "base": 10e-3, "link": z},
-                           "proprophet": {"steady": 11e-3, "raw": 11e-3, "base": 11e-3, "link": z},
-                           "flexmoe": {"steady": t_flex, "raw": t_flex, "base": t_flex, "busy": z, "move": z,
-                                       "build": np.full(4, 60e-3)}}
-            p._checked = {}
-        out = choose(pols)
-        for p, c in zip(pols, out):
-            p.choice = c
-        return out[0]
+        return _synthetic_step(pols, t_flex, 60e-3)[0]
 
     assert step(12e-3, 8.0) == "none"                 # first re-plan: FlexMoE predicted slower, left
     assert step(5e-3, 4.0) == ("none" if horizon else "flexmoe")
@@ -311,23 +321,12 @@ def test_auto_leaves_flexmoe_only_when_the_loss_exceeds_the_builds_share(hystere
     per re-plan (build / expected stay) does not make auto leave (it would pay the build again to
     come back: 8192 GPUs, s 0.6, d 0.25 left on an EMA of -0.1 ms and re-entered for 18 ms);
     a loss above the share does. Mutation hysteresis=False: it leaves on the dip."""
-    from megatron_moe.balance.policies.auto import AutoPolicy, choose
+    from megatron_moe.balance.policies.auto import AutoPolicy
 
-    pols = [AutoPolicy(4, 4) for _ in range(2)]
-    z = np.zeros(4)
+    pols = [AutoPolicy(4, 4, hysteresis=hysteresis) for _ in range(2)]
 
     def step(t_flex, build=1.0):
-        for p in pols:
-            p.hysteresis = hysteresis
-            p._proposal = {"none": {"steady": 10e-3, "raw": 10e-3, "base": 10e-3, "link": z},
-                           "proprophet": {"steady": 11e-3, "raw": 11e-3, "base": 11e-3, "link": z},
-                           "flexmoe": {"steady": t_flex, "raw": t_flex, "base": t_flex, "busy": z, "move": z,
-                                       "build": np.full(4, build)}}
-            p._checked = {}
-        out = choose(pols)
-        for p, c in zip(pols, out):
-            p.choice = c
-        return out
+        return _synthetic_step(pols, t_flex, build)
 
     assert step(9e-3) == ["flexmoe"] * 2            # first re-plan: kept (predicted faster)
     assert step(9e-3) == ["flexmoe"] * 2
@@ -344,22 +343,12 @@ def test_auto_entry_restarts_the_smoothed_advantage():
     has left, and leaving on them would pay the build again one re-plan later (8192 GPUs, s 1.0,
     d 0.5: left at re-plan 10, re-entered at 11 for a 30 ms build). Mutation: no restart (the EMA
     is still negative after the entry, and a loss above the build's share makes auto leave)."""
-    from megatron_moe.balance.policies.auto import AutoPolicy, choose
+    from megatron_moe.balance.policies.auto import AutoPolicy
 
     pols = [AutoPolicy(4, 4, moves_overlap=False) for _ in range(2)]   # exposed build = the moves
-    z = np.zeros(4)
 
     def step(t_flex):
-        for p in pols:
-            p._proposal = {"none": {"steady": 10e-3, "raw": 10e-3, "base": 10e-3, "link": z},
-                           "proprophet": {"steady": 11e-3, "raw": 11e-3, "base": 11e-3, "link": z},
-                           "flexmoe": {"steady": t_flex, "raw": t_flex, "base": t_flex, "busy": z, "move": z,
-                                       "build": np.full(4, 50e-3)}}
-            p._checked = {}
-        out = choose(pols)
-        for p, c in zip(pols, out):
-            p.choice = c
-        return out[0]
+        return _synthetic_step(pols, t_flex, 50e-3)[0]
 
     assert [step(t) for t in (12e-3, 13e-3, 13e-3, 13e-3)] == ["none"] * 4   # EMA -1.5 ms
     assert step(5e-3) == "flexmoe"            # 5 ms x expected stay 20 >= 50 ms build
