@@ -311,8 +311,9 @@ class AutoPolicy(BalancePolicy):
 
     def build_moves(self, p: Placement):
         """(src, dst) rank arrays of the state copies that build ``p``'s replicas when FlexMoE is
-        entered (every non-owner vExpert host is new; the state is at the owner)."""
-        e, g = np.divmod(np.flatnonzero(self._vx(p) > 0), self.num_ranks)
+        entered (every non-owner vExpert host is new; the state is at the owner). The simulator
+        asks it for the plan just committed, whose array ``vexperts_array`` keeps."""
+        e, g = np.divmod(np.flatnonzero(self.vexperts_array(p) > 0), self.num_ranks)
         return self._build_pairs(e, g)
 
     def _build_pairs(self, e: np.ndarray, g: np.ndarray):
