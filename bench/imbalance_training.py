@@ -13,6 +13,13 @@ The ranks run without the strict device checks of the tests (production mode).
 
     python bench/imbalance_training.py [--skew 3] [--iters 12] [--repeats 3] [--profile profile.json]
 
+``--link-gbps G`` puts every MoE transfer (all-to-all, Trans/Agg; megatron-core's dispatcher included)
+behind an emulated link of G GB/s (``--moe-ep-link-gbps``, comm/link.py): the wait uses no CPU, so
+what a policy hides behind compute is really hidden; the profile folds the link in
+(``calibrate_balance.with_link``), and the bench prints each config's link time per iteration and
+the share of it hidden. This is how the papers' dear Trans/Agg (issue 21 item 4) are reproduced on
+one host; the dense-gradient all-reduce stays off the link (the same for every config).
+
 Skew option: router logits += -skew * expert_id, so expert 0 (and the rank owning it) is hot; the model
 trains without an auxiliary loss. Without --profile the cost-model constants are calibrated first
 (tools/calibrate_balance.py).
@@ -56,6 +63,8 @@ def main(argv=None):
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--profile", default=None)
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulated expert-parallel link (GB/s) for every config's MoE transfers")
     p.add_argument("--configs", default=",".join(_balance_bench.CONFIGS),
                    help="comma-separated subset of " + ",".join(_balance_bench.CONFIGS))
     p.add_argument("--skews", default=None, help="comma-separated skews (default: --skew and 0)")
@@ -71,11 +80,15 @@ def main(argv=None):
     bad = sorted(set(configs) - set(_balance_bench.CONFIGS))
     if bad or "stock" not in configs:
         raise SystemExit(f"--configs: unknown {bad} (and 'stock' is required as the reference)")
+    if a.link_gbps is not None and not a.link_gbps > 0:
+        p.error(f"--link-gbps must be > 0 (got {a.link_gbps})")
     profile = a.profile
     if profile is None:
-        from tools.calibrate_balance import calibrate
+        from tools.calibrate_balance import calibrate, with_link
 
         prof = calibrate(a.hidden, a.ffn, a.mbs * a.seq * a.topk // a.experts * 2, a.seq, reps=2)
+        if a.link_gbps is not None:
+            prof = with_link(prof, a.link_gbps)
         fd, profile = tempfile.mkstemp(suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(prof, f)
@@ -99,7 +112,8 @@ def main(argv=None):
             runs.append({"wall": {n: tokens / statistics.median(t) for n, t in out[0]["times"].items()},
                          "critical-CPU": {n: tokens / statistics.median(max(c) for c in zip(*(r["cpu"][n] for r in out)))
                                           for n in out[0]["cpu"]},
-                         "load": (load0, os.getloadavg()[0]), "metrics": out[0]["metrics"]})
+                         "load": (load0, os.getloadavg()[0]), "metrics": out[0]["metrics"],
+                         "link": out[0].get("link", {})})
         res = {"runs": runs, "metrics": runs[-1]["metrics"]}
         loads = [x for r in runs for x in r["load"]]
         print(f"\n== skew {skew:g} (router logits -= {skew:g} * expert id); {a.repeats} run(s), configs "
@@ -130,6 +144,14 @@ def main(argv=None):
                 print(f"  [{label}] best policy {best}: x{x[best]:.3f} stock, "
                       f"{gap.get(best, float('nan')) * 100:.1f}% of the gap (issue 21: >= 1.35x and >= 70%: "
                       f"{'met' if ok else 'NOT met'})")
+        if a.link_gbps is not None:
+            print(f"   emulated link {a.link_gbps:g} GB/s, rank 0, ms per iteration (median of {a.repeats} runs): "
+                  "its link busy sending / it blocked on transfers (the critical-CPU figures leave these "
+                  "waits out: read the wall clock)")
+            for n in configs:
+                busy = statistics.median(r["link"][n]["busy_s"] for r in runs) * 1e3
+                exp = statistics.median(r["link"][n]["exposed_s"] for r in runs) * 1e3
+                print(f"  {n:>20s}: {busy:8.1f} {exp:8.1f}")
         m = res["metrics"].get("proprophet", {})
         if m:
             print("   proprophet placement: rank max/mean %.3f -> %.3f, replicated experts %.0f" % (

@@ -57,7 +57,10 @@ def _initialize_topology(args):
 
     from megatron_moe import topology
 
+    from megatron_moe.comm import link
+
     topology.reset()
+    link.configure(getattr(args, "moe_ep_link_gbps", None))
     topo = topology.configure(args=args)
     if dist.get_world_size() % topo.ranks_per_node:
         raise ValueError(f"--ranks-per-node {topo.ranks_per_node} ({topo.source}) must divide the "

@@ -75,10 +75,24 @@ def _average_dense_grads(model, world):
         g.copy_(f)
 
 
+def _use_link(o):
+    """Every config's MoE transfers behind the emulated link (comm/link.py): ours go through comm/,
+    megatron-core's dispatcher is rebound to comm's all-to-all as training does with the flag."""
+    from megatron_moe.comm import link
+    from megatron_moe.moe import dispatcher
+
+    link.configure(o["link_gbps"])
+    dispatcher.customize_spec(argparse.Namespace(num_experts=o["experts"], moe_ep_link_gbps=o["link_gbps"]), None)
+
+
 def bench_rank(rank, world, o):
     from megatron.core import parallel_state as ps
 
+    from megatron_moe.comm import link
+
     ps.initialize_model_parallel(expert_model_parallel_size=world)
+    if o.get("link_gbps") is not None:
+        _use_link(o)
     torch.manual_seed(100 + rank)
     seq, mbs = o["seq"], o["mbs"]
     tokens = torch.randint(0, 256, (mbs, seq))
@@ -88,9 +102,11 @@ def bench_rank(rank, world, o):
     runs = {name: _build(name, o) for name in o["configs"]}
     times = {name: [] for name in runs}
     cpu = {name: [] for name in runs}     # this rank's CPU seconds per iteration (all its threads)
+    on_link = {name: {"busy_s": 0.0, "exposed_s": 0.0, "p2p_bytes": 0, "a2a_bytes": 0} for name in runs}   # emulated link, per iteration
     for it in range(o["warmup"] + o["iters"]):
         for name, (model, opt, mgr) in runs.items():   # round robin: drift hits every config alike
             dist.barrier()
+            link.reset_stats()
             t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss = model(tokens, pos, mask, labels=labels).mean()
@@ -106,5 +122,8 @@ def bench_rank(rank, world, o):
             if it >= o["warmup"]:
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(c1 - c0)
+                for k, v in link.stats().items():
+                    if k in on_link[name]:
+                        on_link[name][k] += v / o["iters"]
     metrics = {name: (mgr.metrics() if mgr is not None else {}) for name, (_, _, mgr) in runs.items()}
-    return {"times": times, "cpu": cpu, "metrics": metrics}
+    return {"times": times, "cpu": cpu, "metrics": metrics, "link": on_link}

@@ -126,6 +126,10 @@ def equivalence_rank(rank, world, cases):
         expected = {"trans_sent": 0, "agg_recv": 0}
         mbs = case.get("microbatches", 1)
         mgr.scheduler.num_microbatches = mbs
+        if case.get("link_gbps"):                # every transfer behind the emulated link (comm/link.py)
+            from megatron_moe.comm import link
+
+            link.configure(case["link_gbps"])
         for it in range(iters):
             spec = case["plans"][it] if it < len(case["plans"]) else "planned"
             for m in mgr.layers:
@@ -170,7 +174,13 @@ def equivalence_rank(rank, world, cases):
         assert mgr2.state_dict() == sd
         got = {"trans_sent": sum(m.balance.bytes_trans_sent for m in mgr.layers),
                "agg_recv": sum(m.balance.bytes_agg_recv for m in mgr.layers)}
-        results.append(dict(worst, replicated=replicated, bytes=got, expected_bytes=expected,
+        link_stats = {}
+        if case.get("link_gbps"):
+            from megatron_moe.comm import link
+
+            link_stats = dict(link.stats(), sent=got["trans_sent"] + sum(m.balance.bytes_agg_sent for m in mgr.layers))
+            link.configure(None)
+        results.append(dict(worst, replicated=replicated, bytes=got, expected_bytes=expected, link=link_stats,
                             events=[(e["op"], e["layer"], e["iteration"]) for e in log.events],
                             events_full=[{k: v for k, v in e.items() if k != "seq"} for e in log.events],
                             placements=used, metrics=mgr.metrics()))

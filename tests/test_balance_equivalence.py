@@ -11,6 +11,8 @@ CASES2 = [
     dict(topk=1, iters=2, plans=["random", "planned"], overlap=True, microbatches=2),
     # the same run planned sequentially in after_step: placements must equal the plan-ahead ones
     dict(topk=2, iters=3, plans=["all", "planned", "planned"], overlap=True, split=True, plan_ahead=False),
+    # behind the emulated link (--moe-ep-link-gbps): sends leave from the link thread, math unchanged
+    dict(topk=2, iters=2, plans=["all", "planned"], overlap=True, split=True, link_gbps=2.0),
 ]
 CASES4 = [
     dict(topk=1, iters=2, plans=["random", "planned"], n=1),
@@ -98,6 +100,8 @@ def _check(cases, out):
             assert r["bytes"] == r["expected_bytes"], (case, r)
             check_invariants(r["events"], case.get("overlap", False), case["iters"], r["events_full"],
                              case.get("plan_ahead"))
+            if case.get("link_gbps"):    # every Trans/Agg byte this rank sent went through the link
+                assert r["link"]["p2p_bytes"] == r["link"]["sent"] > 0, r["link"]
     for case, r in zip(cases, out[0]):
         if case.get("policy", "proprophet") != "none":
             assert sum(rank_out[cases.index(case)]["replicated"] for rank_out in out) > 0

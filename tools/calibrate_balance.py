@@ -18,6 +18,10 @@ it with ``save_profile`` and reads it with ``CostModel.from_profile`` in trainin
   exchange that crosses no rank, and the bandwidth table's best point-to-point times do not show it;
 * ``t_fnec``/``t_bnec``: forward/backward of one dense attention block of the given shape
   (seq x batch tokens), measured; BNEC from a real backward, not 2x.
+
+``--moe-ep-link-gbps G`` writes the profile of training run with the same flag: every transfer then
+takes its gloo time plus bytes / G (comm/link.py), so each measured bandwidth b becomes
+1 / (1 / b + 1 / G) (``with_link``).
 """
 
 from __future__ import annotations
@@ -136,6 +140,17 @@ def calibrate(hidden, ffn, tokens, seq, sizes=None, reps=3):
     return prof
 
 
+def with_link(prof: dict, gbps: float) -> dict:
+    """The profile of the same ranks behind an emulated link of ``gbps`` GB/s (comm/link.py adds
+    bytes / bandwidth to every transfer, so the per-byte times add)."""
+    link_bps = gbps * 1e9
+    fold = lambda b: 1.0 / (1.0 / b + 1.0 / link_bps)  # noqa: E731
+    out = dict(prof, a2a_bandwidth=[[m, fold(b)] for m, b in prof["a2a_bandwidth"]],
+               trans_bandwidth=fold(prof["trans_bandwidth"]))
+    out["meta"] = dict(prof.get("meta", {}), ep_link_gbps=gbps)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="calibrate_balance.py", description=__doc__.splitlines()[0])
     p.add_argument("--hidden-size", type=int, default=256)
@@ -143,12 +158,18 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=1024, help="tokens per expert GEMM timing")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--moe-ep-link-gbps", type=float, default=None,
+                   help="the training run's emulated link (GB/s): fold it into the bandwidths")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.moe_ep_link_gbps is not None and not a.moe_ep_link_gbps > 0:
+        p.error(f"--moe-ep-link-gbps must be > 0 (got {a.moe_ep_link_gbps})")
     from megatron_moe.balance.cost_model import save_profile
 
-    prof = save_profile(a.out, calibrate(a.hidden_size, a.ffn_hidden_size, a.tokens, a.seq_length,
-                                         reps=a.reps))
+    prof = calibrate(a.hidden_size, a.ffn_hidden_size, a.tokens, a.seq_length, reps=a.reps)
+    if a.moe_ep_link_gbps is not None:
+        prof = with_link(prof, a.moe_ep_link_gbps)
+    prof = save_profile(a.out, prof)
     print(json.dumps(prof))
     return prof
 

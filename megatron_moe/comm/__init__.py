@@ -8,6 +8,7 @@ Public API::
     all_gather_rows(t, group); isend(t, peer, group, tag); irecv(t, peer, group, tag)
     count_exchanges()  # Counter of (algorithm, compression) issued inside the block
     strict.enable() / strict.hot_path()  # device checks of every collective (tests), see strict.py
+    link.configure(gbps) / link.stats()  # emulated expert-parallel link (--moe-ep-link-gbps), link.py
     register_algorithm(name, fn, supports_async=False); register_compression(name, obj)
     record_wire_bytes(intra, nbytes)  # byte accounting from inside a registered algorithm
     chunked_moe_exchange(tokens, input_splits, output_splits, expert_fn, group, degree,
@@ -22,7 +23,7 @@ from megatron_moe.comm.alltoall import (all_to_all, all_to_all_async, available_
                                         count_exchanges, count_wire_bytes, formula_wire_stats,
                                         get_algorithm, record_wire_bytes, register_algorithm,
                                         start_all_to_all, wire_stats)
-from megatron_moe.comm import strict
+from megatron_moe.comm import link, strict
 from megatron_moe.comm.collectives import all_gather_rows, irecv, isend
 from megatron_moe.comm.compress import (Compressor, available_compressions, get_compression,
                                         register_compression)
@@ -55,6 +56,11 @@ def add_arguments(parser):
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="Ranks per node (default: topology file, else LOCAL_WORLD_SIZE). "
                         "Smaller values emulate several nodes on one machine.")
+    g.add_argument("--moe-ep-link-gbps", type=float, default=None,
+                   help="Emulate an expert-parallel network link of this bandwidth (GB/s) for the MoE "
+                        "data path (all-to-all, Trans/Agg, replica moves): each rank's transfers queue "
+                        "on one link and wait, without using CPU, for bytes/bandwidth. For measuring "
+                        "communication hiding on CPU machines; see docs/comm.md (default: off).")
     g.add_argument("--topology-file", default=None,
                    help="JSON: ranks_per_node, intra/inter_bandwidth_gbps, intra/inter_latency_us.")
     g.add_argument("--moe-router-topology", default="none",
@@ -75,6 +81,9 @@ def validate_args(args):
         raise ValueError(f"--moe-a2a-overlap-degree={args.moe_a2a_overlap_degree} must be >= 1")
     get_algorithm(getattr(args, "moe_a2a_algorithm", "flat"))
     get_compression(getattr(args, "moe_a2a_compression", "none"))
+    gbps = getattr(args, "moe_ep_link_gbps", None)
+    if gbps is not None and not gbps > 0:
+        raise ValueError(f"--moe-ep-link-gbps={gbps} must be > 0")
     rpn = getattr(args, "ranks_per_node", None)
     if rpn is not None and rpn < 1:
         raise ValueError(f"--ranks-per-node={rpn} must be >= 1")

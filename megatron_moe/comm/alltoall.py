@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe import topology
+from megatron_moe.comm import link
 from megatron_moe.comm.compress import get_compression
 
 __all__ = ["all_to_all", "all_to_all_async", "count_exchanges", "register_algorithm", "available_algorithms", "get_algorithm",
@@ -294,14 +295,18 @@ register_algorithm("pipe", _pipe, supports_async=True)
 class _Pending:
     """An issued exchange; ``wait()`` returns the decompressed output."""
 
-    def __init__(self, out_b, handle, wire_dtype, decompress, out_shape):
+    def __init__(self, out_b, handle, wire_dtype, decompress, out_shape, link_bytes=0):
         self.out_b, self.handle, self.wire_dtype = out_b, handle, wire_dtype
         self.decompress, self.out_shape = decompress, out_shape
+        self.link_bytes = link_bytes          # this rank's window on an emulated link (comm/link.py)
 
     def wait(self) -> torch.Tensor:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
+        if self.link_bytes:
+            link.exchange_window(self.link_bytes)
+            self.link_bytes = 0
         y = self.out_b.view(self.wire_dtype)
         return self.decompress(y).reshape(self.out_shape)
 
@@ -332,7 +337,12 @@ def start_all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm=
         out_b, handle = algo.fn(wb, out_s, in_s, group, rpn, async_op=True)
     else:
         out_b, handle = algo.fn(wb, out_s, in_s, group, rpn), None
-    return _Pending(out_b, handle, w.dtype, decompress, out_shape)
+    link_bytes = 0
+    if link.active():      # the bytes this rank sends to / receives from other ranks, the larger
+        me = _group_rank(group)
+        link_bytes = wb.shape[1] * max(sum(s for j, s in enumerate(in_s) if j != me),
+                                       sum(s for j, s in enumerate(out_s) if j != me))
+    return _Pending(out_b, handle, w.dtype, decompress, out_shape, link_bytes)
 
 
 def _exchange(x, out_s, in_s, group, algorithm, rpn, compression):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_moe.comm import link
+
 __all__ = ["all_gather_rows", "isend", "irecv"]
 
 
@@ -26,10 +28,15 @@ def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def isend(t: torch.Tensor, peer: int, group, tag: int = 0):
-    """Asynchronous send of ``t`` to group rank ``peer``; returns the work handle."""
+    """Asynchronous send of ``t`` to group rank ``peer``; returns the work handle. With an emulated
+    link (comm/link.py) the send leaves when its window on the link ends."""
+    if link.active():
+        return link.send(t, dist.get_global_rank(group, peer), group, tag)
     return dist.isend(t, dist.get_global_rank(group, peer), group, tag=tag)
 
 
 def irecv(t: torch.Tensor, peer: int, group, tag: int = 0):
     """Asynchronous receive into ``t`` (allocate it on the payload's device) from group rank ``peer``."""
+    if link.active():        # nothing delayed here (the sender's link is); the wait is timed
+        return link.recv(t, dist.get_global_rank(group, peer), group, tag)
     return dist.irecv(t, dist.get_global_rank(group, peer), group, tag=tag)

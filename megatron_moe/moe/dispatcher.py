@@ -7,8 +7,9 @@ megatron-core's; this module rebinds those names inside ``token_dispatcher`` to:
 
 * ``kernels.permute`` / ``kernels.unpermute`` with ``--moe-permute-fusion`` (Triton on GPU, a fused
   index path on CPU; bit-identical to megatron-core's unfused path, see tests/test_dispatcher.py),
-* ``megatron_moe.comm.all_to_all`` with ``--moe-a2a-algorithm`` other than ``flat`` or with
-  ``--moe-a2a-compression`` (hierarchical / pipe all-to-all, compression).
+* ``megatron_moe.comm.all_to_all`` with ``--moe-a2a-algorithm`` other than ``flat``, with
+  ``--moe-a2a-compression`` (hierarchical / pipe all-to-all, compression), or with
+  ``--moe-ep-link-gbps`` (the emulated link, comm/link.py, must see megatron-core's exchanges too).
 
 The same choice (:func:`exchange_config`, :func:`permute_fns`) is read by the layers that exchange
 tokens themselves: ``ChunkedMoELayer`` and the balanced layer (``--moe-balance-policy``), so the
@@ -126,7 +127,7 @@ def customize_spec(args, spec):
     compression = getattr(args, "moe_a2a_compression", "none") or "none"
     global _EXCHANGE
     _EXCHANGE = ExchangeConfig(algorithm, compression, bool(getattr(args, "moe_permute_fusion", False)))
-    if algorithm != "flat" or compression != "none":
+    if algorithm != "flat" or compression != "none" or getattr(args, "moe_ep_link_gbps", None) is not None:
         _rebind("all_to_all", adapt_all_to_all(functools.partial(
             _pluggable_all_to_all, algorithm=algorithm, compression=compression,
             ranks_per_node=None)))  # derived per EP group from the topology

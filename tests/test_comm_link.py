@@ -1,0 +1,141 @@
+"""The emulated expert-parallel link (megatron_moe/comm/link.py, ``--moe-ep-link-gbps``).
+
+What is checked: a send through ``comm.isend`` lands at the receiver no earlier than its window on
+the sender's link ends (a lower bound that sleeping guarantees, not a performance figure), windows
+queue FIFO on one link, an all-to-all blocks for the larger of its cross-rank send / receive bytes,
+data arrive bit-exact, and each skipped step (mutation) shows: no wait, or no window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_moe import comm
+from megatron_moe.comm import link
+from megatron_moe.testing import run_distributed
+
+GBPS = 0.01          # 10 MB/s: 1 MB takes 0.1 s on the link
+MB = 1 << 20
+
+
+def _p2p_rank(rank, world, n_msgs):
+    link.configure(GBPS)
+    group = dist.group.WORLD
+    out = {}
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        payloads = [torch.full((MB // 4,), float(i + 1)) for i in range(n_msgs)]
+        works = [comm.isend(p, 1, group, tag=i) for i, p in enumerate(payloads)]
+        out["issue_s"] = time.perf_counter() - t0        # issuing does not block
+        for w in works:
+            w.wait()
+    else:
+        bufs = [torch.empty(MB // 4) for _ in range(n_msgs)]
+        works = [comm.irecv(b, 0, group, tag=i) for i, b in enumerate(bufs)]
+        done = []
+        for w in works:
+            w.wait()
+            done.append(time.perf_counter() - t0)
+        out["done_s"] = done
+        out["exact"] = all(bool((b == i + 1).all()) for i, b in enumerate(bufs))
+    out["stats"] = link.stats()
+    link.configure(None)
+    return out
+
+
+def _a2a_rank(rank, world, rows_to_peer):
+    link.configure(GBPS)
+    group = dist.group.WORLD
+    row = 1024                                   # fp32 elements: 4 KB per row
+    ins = [0] * world
+    ins[rank] = 3
+    for j in range(world):
+        if j != rank:
+            ins[j] = rows_to_peer[rank]
+    outs = [rows_to_peer[j] if j != rank else 3 for j in range(world)]
+    x = torch.arange(sum(ins) * row, dtype=torch.float32).reshape(-1, row) + 1e6 * rank
+    y = comm.all_to_all(x, outs, ins, group)
+    windows = link.stats()["a2a_windows"]
+    link.configure(None)
+    ref = torch.empty(sum(outs), row)
+    dist.all_to_all_single(ref, x, outs, ins, group=group)
+    return {"exact": bool(torch.equal(y, ref)), "windows": windows}
+
+
+def _a2a_stats_rank(rank, world, rows_to_peer):
+    link.configure(GBPS)
+    group = dist.group.WORLD
+    row = 1024
+    ins = [3 if j == rank else rows_to_peer[rank] for j in range(world)]
+    outs = [3 if j == rank else rows_to_peer[j] for j in range(world)]
+    x = torch.ones(sum(ins), row)
+    dist.barrier()
+    t0 = time.perf_counter()
+    comm.all_to_all(x, outs, ins, group)
+    elapsed = time.perf_counter() - t0
+    st = link.stats()
+    link.configure(None)
+    return {"elapsed": elapsed, "stats": st}
+
+
+def test_send_lands_after_its_window_and_windows_queue():
+    out = run_distributed(_p2p_rank, 2, 3, timeout_s=120, collective_timeout_s=60)
+    sender, receiver = out[0], out[1]
+    assert sender["stats"]["p2p_bytes"] == 3 * MB and sender["stats"]["p2p_windows"] == 3
+    assert sender["stats"]["busy_s"] == pytest.approx(3 * MB / (GBPS * 1e9))
+    assert receiver["stats"]["p2p_windows"] == 0          # receives are not modelled ...
+    assert receiver["stats"]["exposed_s"] >= 3 * MB / (GBPS * 1e9) * 0.9   # ... but their waits count
+    assert receiver["exact"]
+    # FIFO on one link: the k-th message cannot land before k windows have passed
+    window = MB / (GBPS * 1e9)
+    for k, t in enumerate(receiver["done_s"], start=1):
+        assert t >= k * window * 0.99, (k, t)
+    assert sender["issue_s"] < window                    # isend returned before the window ended
+
+
+def test_send_window_skipped_is_visible(monkeypatch):
+    monkeypatch.setenv(link.MUTATE_ENV, "skip_send_window")
+    out = run_distributed(_p2p_rank, 2, 3, timeout_s=120, collective_timeout_s=60)
+    window = MB / (GBPS * 1e9)
+    # the mutation sends at once: the last of three 0.1 s windows cannot have been waited for
+    assert out[1]["done_s"][-1] < 3 * window * 0.99
+    assert out[1]["exact"]
+
+
+def test_all_to_all_blocks_for_the_larger_of_send_and_receive():
+    rows = [64, 16]          # rank 0 sends 64 rows (256 KB) to rank 1, receives 16 (64 KB)
+    out = run_distributed(_a2a_stats_rank, 2, rows, timeout_s=120, collective_timeout_s=60)
+    row_bytes = 1024 * 4
+    for r in range(2):
+        st = out[r]["stats"]
+        assert st["a2a_windows"] == 1 and st["a2a_bytes"] == 64 * row_bytes       # max(send, recv)
+        assert out[r]["elapsed"] >= 64 * row_bytes / (GBPS * 1e9) * 0.99
+        assert st["exposed_s"] >= 64 * row_bytes / (GBPS * 1e9) * 0.99
+
+
+def test_all_to_all_window_skipped_is_visible(monkeypatch):
+    monkeypatch.setenv(link.MUTATE_ENV, "skip_a2a_window")
+    out = run_distributed(_a2a_stats_rank, 2, [64, 16], timeout_s=120, collective_timeout_s=60)
+    for r in range(2):
+        assert out[r]["stats"]["a2a_windows"] == 1 and out[r]["stats"]["exposed_s"] == 0.0
+
+
+def test_all_to_all_output_unchanged_by_the_link():
+    out = run_distributed(_a2a_rank, 3, [5, 0, 7], timeout_s=120, collective_timeout_s=60)
+    assert all(o["exact"] and o["windows"] == 1 for o in out)
+
+
+def test_flag_refused_at_parse_time():
+    p = comm.add_arguments(argparse.ArgumentParser())
+    args = p.parse_args(["--moe-ep-link-gbps", "0"])
+    with pytest.raises(ValueError, match="--moe-ep-link-gbps"):
+        comm.validate_args(args)
+    comm.validate_args(p.parse_args(["--moe-ep-link-gbps", "2.5"]))
+    with pytest.raises(ValueError, match="--moe-ep-link-gbps"):
+        link.configure(-1.0)
