@@ -8,11 +8,12 @@ import time
 import torch
 import torch.distributed as dist
 
-CONFIGS = ("stock", "none", "fastermoe", "proprophet", "proprophet+overlap", "flexmoe", "auto", "forced")
+CONFIGS = ("stock", "none", "fastermoe", "proprophet", "proprophet+overlap", "flexmoe", "auto", "auto+overlap",
+           "forced")
 # configs that run our balanced layer, and the --moe-balance-policy each sets (flexmoe runs transient
 # replicas here: persistent ones need the megatron-core optimizer, this loop steps torch Adam)
 BALANCED = {"none": "none", "fastermoe": "fastermoe", "proprophet": "proprophet", "proprophet+overlap": "proprophet",
-            "flexmoe": "flexmoe", "auto": "auto"}
+            "flexmoe": "flexmoe", "auto": "auto", "auto+overlap": "auto"}
 
 
 def _skew(model, skew):
