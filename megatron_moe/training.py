@@ -496,6 +496,14 @@ class Trainer:
         print_rank_last(line)
         if getattr(self.hooks, "offload", None) is not None:   # --moe-expert-offload
             print_rank_last(self.hooks.offload.log_line())
+        from megatron_moe.comm import link as ep_link
+
+        if ep_link.active():                                    # --moe-ep-link-gbps
+            st, n = ep_link.stats(), max(1, window.count)
+            ep_link.reset_stats()
+            print_rank_last(f" [moe] ep link (emulated) | busy sending ms per iteration: {st['busy_s'] * 1e3 / n:.1f} |"
+                            f" blocked on transfers ms per iteration: {st['exposed_s'] * 1e3 / n:.1f} |"
+                            f" all-to-all MB: {st['a2a_bytes'] / 1e6 / n:.3f} | p2p MB: {st['p2p_bytes'] / 1e6 / n:.3f} |")
         if args.log_expert_load:
             for load in loads:
                 print_rank_last(

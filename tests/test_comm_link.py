@@ -131,7 +131,7 @@ def test_all_to_all_output_unchanged_by_the_link():
     assert all(o["exact"] and o["windows"] == 1 for o in out)
 
 
-def test_flag_refused_at_parse_time():
+def test_flag_refused_at_parse_time(monkeypatch):
     p = comm.add_arguments(argparse.ArgumentParser())
     args = p.parse_args(["--moe-ep-link-gbps", "0"])
     with pytest.raises(ValueError, match="--moe-ep-link-gbps"):
@@ -139,3 +139,32 @@ def test_flag_refused_at_parse_time():
     comm.validate_args(p.parse_args(["--moe-ep-link-gbps", "2.5"]))
     with pytest.raises(ValueError, match="--moe-ep-link-gbps"):
         link.configure(-1.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="--moe-ep-link-gbps emulates a network on CPU"):
+        comm.validate_args(p.parse_args(["--moe-ep-link-gbps", "2.5"]))
+
+
+def test_training_behind_the_link_logs_it_and_keeps_the_math(capfd):
+    """pretrain() with --moe-ep-link-gbps: megatron-core's dispatcher (no balance policy) and the
+    balanced layer (Trans/Agg) both pay the link, the [moe] line reports it, and the loss is what
+    plain EP gives (the link only delays)."""
+    from tests._train_cases import run_pretrain
+    from tests.test_balance_training import TINY
+
+    argv = TINY + ["--moe-ep-link-gbps", "0.5"]
+    plain = run_distributed(run_pretrain, 2, argv, timeout_s=300)[0]
+    out_plain = capfd.readouterr().out
+    ours = run_distributed(run_pretrain, 2, argv + ["--moe-balance-policy", "proprophet", "--moe-balance-alpha", "0",
+                                                    "--moe-balance-overlap"], timeout_s=300)[0]
+    out_ours = capfd.readouterr().out
+    assert ours["lm_loss"] == pytest.approx(plain["lm_loss"], rel=1e-4, abs=1e-5)
+
+    def link_lines(out):
+        lines = [l for l in out.splitlines() if "[moe] ep link (emulated)" in l]
+        assert len(lines) == 3, out[-3000:]                 # one per logged iteration (3, interval 1)
+        return [{k.strip(): float(v.split("|")[0]) for k, v in
+                 (f.split(":") for f in l.split("|")[1:] if ":" in f)} for l in lines]
+
+    for d in link_lines(out_plain):
+        assert d["all-to-all MB"] > 0 and d["p2p MB"] == 0
+    assert any(d["p2p MB"] > 0 for d in link_lines(out_ours))   # Trans/Agg on the link

@@ -60,7 +60,8 @@ def add_arguments(parser):
                    help="Emulate an expert-parallel network link of this bandwidth (GB/s) for the MoE "
                         "data path (all-to-all, Trans/Agg, replica moves): each rank's transfers queue "
                         "on one link and wait, without using CPU, for bytes/bandwidth. For measuring "
-                        "communication hiding on CPU machines; see docs/comm.md (default: off).")
+                        "communication hiding on CPU machines (refused on a GPU); see docs/comm.md "
+                        "(default: off).")
     g.add_argument("--topology-file", default=None,
                    help="JSON: ranks_per_node, intra/inter_bandwidth_gbps, intra/inter_latency_us.")
     g.add_argument("--moe-router-topology", default="none",
@@ -84,6 +85,13 @@ def validate_args(args):
     gbps = getattr(args, "moe_ep_link_gbps", None)
     if gbps is not None and not gbps > 0:
         raise ValueError(f"--moe-ep-link-gbps={gbps} must be > 0")
+    if gbps is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            # the link thread would issue NCCL sends off the compute stream's thread: untested
+            raise ValueError("--moe-ep-link-gbps emulates a network on CPU (gloo) runs; on a GPU "
+                             "the transfers are real: drop the flag")
     rpn = getattr(args, "ranks_per_node", None)
     if rpn is not None and rpn < 1:
         raise ValueError(f"--ranks-per-node={rpn} must be >= 1")
