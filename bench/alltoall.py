@@ -18,6 +18,10 @@ says the two agree exactly (bytes and message counts), which must hold for equal
 
 A second section runs ``comm.chunked_moe_exchange`` (dispatch -> small expert MLP -> combine)
 with overlap degree r = 1, 2, 4 and prints forward and forward+backward time relative to r=1.
+``--link-gbps G`` runs that section behind an emulated link of G GB/s per rank
+(``--moe-ep-link-gbps``, comm/link.py: a wait that uses no CPU), so on a CPU host the chunks' transfers
+can really hide behind the expert compute, as they would on a network; the first section's peer is
+a bare ``all_to_all_single`` and stays off the link.
 
 Cells are timed round-robin, iteration by iteration, so load from other jobs on a shared machine
 hits them alike. Backend: gloo on CPU (ranks are processes of this host, "nodes" are emulated by
@@ -181,7 +185,12 @@ def bench_rank(rank, world, o):
                                                         checks.items()}})
         del x, fns
     if o["degrees"]:
+        from megatron_moe.comm import link
+
+        link.configure(o.get("link_gbps"))
         res["chunked"] = _chunked(rank, world, o, dev, group, rpn, barrier, g)
+        res["chunked"]["link"] = link.stats()
+        link.configure(None)
     return res
 
 
@@ -234,9 +243,12 @@ def _critical(per_rank_times):
 def _reduce(out, o):
     world = len(out)
     results = {"config": {k: o[k] for k in ("world_size", "ranks_per_node", "backend", "dtype",
-                                            "hidden", "ffn", "iters", "warmup", "chunk_size")},
+                                            "hidden", "ffn", "iters", "warmup", "chunk_size",
+                                            "link_gbps")},
                "cells": [], "peer": [], "chunked": []}
     results["config"]["device"] = o["device"]
+    if out[0]["chunked"]:
+        results["chunked_link"] = [r["chunked"].get("link", {}) for r in out]
     for si, entry in enumerate(out[0]["sizes"]):
         per = [r["sizes"][si] for r in out]
         peer = _critical([p["times"][PEER] for p in per])
@@ -298,7 +310,8 @@ def _print(results, o):
     if results["chunked"]:
         ch = results["chunked"]
         print(f"\nchunked dispatch -> expert MLP ({c['hidden']}x{c['ffn']}, relu) -> combine, "
-              f"{ch[0]['tokens_per_rank']} tokens/rank, order schemoe (OptSche)")
+              f"{ch[0]['tokens_per_rank']} tokens/rank, order schemoe (OptSche)"
+              + (f", behind an emulated {c['link_gbps']:g} GB/s link per rank" if c.get("link_gbps") else ""))
         print(f"{'algorithm':>12s} {'r':>3s} {'fwd ms':>9s} {'x r=1':>6s} {'fwd+bwd ms':>11s} "
               f"{'x r=1':>6s} {'max|y-y_r1|':>12s}")
         for row in ch:
@@ -341,6 +354,8 @@ def main(argv=None):
     p.add_argument("--chunk-algorithms", default="flat,pipe")
     p.add_argument("--chunk-size", default=None,
                    help="chunked section: bytes of fp32 tokens per rank (default 4M; 256K quick)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="chunked section behind an emulated link of this bandwidth (GB/s) per rank")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
@@ -360,6 +375,10 @@ def main(argv=None):
         bad = sorted(set(names) - set(known))
         if bad:
             raise SystemExit(f"{flag}: unknown {bad}; registered: {known}")
+    if a.link_gbps is not None and not a.link_gbps > 0:
+        raise SystemExit(f"--link-gbps={a.link_gbps} must be > 0")
+    if a.link_gbps is not None and a.backend == "nccl":
+        raise SystemExit("--link-gbps emulates a network on gloo (CPU) runs; drop it with --backend nccl")
     degrees = sorted({int(x) for x in a.degrees.split(",") if x})
     if degrees and (degrees[0] < 1 or 1 not in degrees):
         raise SystemExit(f"--degrees={a.degrees}: positive ints including 1 (the reference)")
@@ -374,7 +393,7 @@ def main(argv=None):
              algorithms=algos, compressions=comps, dtype=a.dtype, hidden=a.hidden, ffn=a.ffn,
              sizes=sizes, iters=a.iters or (3 if a.quick else 7),
              warmup=a.warmup if a.warmup is not None else (1 if a.quick else 2),
-             degrees=degrees, chunk_algorithms=chunk_algos,
+             degrees=degrees, chunk_algorithms=chunk_algos, link_gbps=a.link_gbps,
              chunk_size=parse_size(a.chunk_size or ("256K" if a.quick else "4M")),
              collective_timeout_s=min(600.0, a.timeout),
              nccl_port=free_port() if backend == "nccl" else None,

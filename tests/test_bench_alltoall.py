@@ -62,3 +62,22 @@ def test_parse_size_and_flag_errors():
             assert flag in str(e), (argv, e)
         else:
             raise AssertionError(f"{argv} should fail naming {flag}")
+
+
+def test_chunked_section_behind_the_link(capsys):
+    """--link-gbps: the chunked section's exchanges pay the emulated link (windows counted on every
+    rank; each chunk's exchange is one window per direction), outputs still equal r=1."""
+    res = bench.main(["--world-size", "2", "--ranks-per-node", "1", "--backend", "gloo", "--sizes", "64K",
+                      "--algorithms", "flat", "--compressions", "none", "--chunk-algorithms", "flat",
+                      "--degrees", "1,2", "--chunk-size", "64K", "--iters", "1", "--warmup", "0",
+                      "--link-gbps", "1", "--timeout", "240"])
+    assert "behind an emulated 1 GB/s link per rank" in capsys.readouterr().out
+    for st in res["chunked_link"]:
+        assert st["a2a_windows"] > 0 and st["a2a_bytes"] > 0 and st["busy_s"] > 0
+    assert all(r["max_abs_diff_vs_r1"] < 1e-5 for r in res["chunked"])
+    try:
+        bench.main(["--link-gbps", "0"])
+    except SystemExit as e:
+        assert "--link-gbps" in str(e)
+    else:
+        raise AssertionError("--link-gbps 0 accepted")

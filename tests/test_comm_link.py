@@ -84,6 +84,32 @@ def _a2a_stats_rank(rank, world, rows_to_peer):
     return {"elapsed": elapsed, "stats": st}
 
 
+def _async_rank(rank, world, work_s):
+    """An asynchronous exchange issued, ``work_s`` of other work, then its wait."""
+    link.configure(GBPS)
+    group = dist.group.WORLD
+    x = torch.ones(2 * 64, 1024)                 # 64 rows (256 KB) to the peer
+    dist.barrier()
+    h = comm.all_to_all_async(x, [64, 64], [64, 64], group)
+    time.sleep(work_s)
+    t0 = time.perf_counter()
+    h.wait()
+    st = link.stats()
+    link.configure(None)
+    return {"wait_s": time.perf_counter() - t0, "stats": st}
+
+
+def test_async_all_to_all_window_runs_from_its_issue():
+    window = 64 * 4096 / (GBPS * 1e9)            # 26 ms
+    out = run_distributed(_async_rank, 2, 4 * window, timeout_s=120, collective_timeout_s=60)
+    for r in out:
+        assert r["stats"]["a2a_windows"] == 1 and r["stats"]["a2a_bytes"] == 64 * 4096
+        assert r["stats"]["exposed_s"] < window / 2      # the work between issue and wait hid it
+    out = run_distributed(_async_rank, 2, 0.0, timeout_s=120, collective_timeout_s=60)
+    for r in out:                                          # nothing to hide behind: the wait pays it
+        assert r["wait_s"] >= window * 0.9 and r["stats"]["exposed_s"] >= window * 0.9
+
+
 def test_send_lands_after_its_window_and_windows_queue():
     out = run_distributed(_p2p_rank, 2, 3, timeout_s=120, collective_timeout_s=60)
     sender, receiver = out[0], out[1]

@@ -298,12 +298,19 @@ class _Pending:
     def __init__(self, out_b, handle, wire_dtype, decompress, out_shape, link_bytes=0):
         self.out_b, self.handle, self.wire_dtype = out_b, handle, wire_dtype
         self.decompress, self.out_shape = decompress, out_shape
-        self.link_bytes = link_bytes          # this rank's window on an emulated link (comm/link.py)
+        # this rank's window on an emulated link (comm/link.py): an asynchronous exchange holds it
+        # from its issue (reserved now), a blocking one from its completion (at wait)
+        self.link_bytes, self.link_end = link_bytes, 0.0
+        if link_bytes and handle is not None:
+            self.link_end, self.link_bytes = link.reserve_exchange(link_bytes), 0
 
     def wait(self) -> torch.Tensor:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
+        if self.link_end:
+            link.wait_until(self.link_end)
+            self.link_end = 0.0
         if self.link_bytes:
             link.exchange_window(self.link_bytes)
             self.link_bytes = 0

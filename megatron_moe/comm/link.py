@@ -11,9 +11,11 @@ as a wait that uses no CPU (so an overlapped transfer really is hidden behind co
 * point-to-point sends (``comm.isend``: Trans, Agg, replica moves, sum-back) are issued to the peer
   by a link thread at the end of their window, so the data lands at the receiver then, and the
   receiver's ``irecv`` needs no change;
-* an all-to-all (every algorithm, sync or async) reserves its window for the larger of the bytes the
-  rank sends to and receives from other ranks when its real exchange has completed (at ``wait``)
-  and blocks until the window ends; it is therefore never hidden (conservative for overlap).
+* an all-to-all occupies the link for the larger of the bytes the rank sends to and receives from
+  other ranks: a blocking one from when its real exchange has completed, an asynchronous one (the
+  chunked schedules, the balanced layer's dispatch) from when it is issued, and its ``wait`` blocks
+  until the window ends, so work done between issue and wait hides it. A peer that issues late
+  delays the real exchange only (its lateness is not added to the window).
 
 Stats (``stats()``): bytes and windows per kind, ``busy_s`` (this rank's emulated sending time) and
 ``exposed_s`` (time this rank blocked on transfers: its sends' and receives' waits and its
@@ -34,7 +36,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["configure", "active", "stats", "reset_stats", "send", "recv", "exchange_window", "MUTATE_ENV"]
+__all__ = ["configure", "active", "stats", "reset_stats", "send", "recv", "exchange_window", "reserve_exchange",
+           "wait_until", "MUTATE_ENV"]
 
 # tests only: "skip_send_window" issues sends at once, "skip_a2a_window" does not block an
 # all-to-all (each makes the emulation visibly absent)
@@ -170,15 +173,25 @@ def recv(t, src_global: int, group, tag: int):
     return _TimedHandle(_LINK, dist.irecv(t, src_global, group, tag=tag))
 
 
-def exchange_window(nbytes: int) -> None:
-    """An all-to-all whose real exchange has completed: block for its window on the link."""
+def reserve_exchange(nbytes: int) -> float:
+    """An asynchronous all-to-all issued now: its window on the link (end time; 0 for no link)."""
     if _LINK is None or nbytes <= 0:
-        return
-    end = _LINK.reserve(nbytes, "a2a")
-    if os.environ.get(MUTATE_ENV) == "skip_a2a_window":
+        return 0.0
+    return _LINK.reserve(nbytes, "a2a")
+
+
+def wait_until(end: float) -> None:
+    """Block until a reserved window ends (the time blocked counts as exposed)."""
+    if _LINK is None or os.environ.get(MUTATE_ENV) == "skip_a2a_window":
         return
     t0 = time.perf_counter()
-    delay = end - t0
-    if delay > 0:
-        time.sleep(delay)
+    if end > t0:
+        time.sleep(end - t0)
     _LINK._add(exposed_s=time.perf_counter() - t0)
+
+
+def exchange_window(nbytes: int) -> None:
+    """A blocking all-to-all whose real exchange has completed: block for its window on the link."""
+    if _LINK is None or nbytes <= 0:
+        return
+    wait_until(_LINK.reserve(nbytes, "a2a"))
