@@ -14,6 +14,13 @@ experts) and learned routing, and prints tokens/s and the ratio to policy none f
 
     python bench/policies.py                       # (a) if available + (b) with defaults
     python bench/policies.py --gpus 8 32 --iterations 30 --trace-dir runs/trace
+    python bench/policies.py --link-gbps 0.3 --skip-b   # (a) and (c) behind an emulated link
+
+``--link-gbps G``: parts (a) and (c) run behind an emulated link of G GB/s per rank
+(``--moe-ep-link-gbps``, comm/link.py), with Pro-Prophet's scheduler as a fifth policy
+(``proprophet+overlap``): the calibrated bandwidths fold the link in (each b -> 1 / (1/b + 1/G)),
+so the simulator of part (c) prices the link the training ran on, and its scheduler model is
+checked against a run where communication can really hide.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ PAPERS = [
 ]
 
 
+POLICIES_A = ["none", "fastermoe", "flexmoe", "proprophet"]
+
+
 def part_a(args, profile=None):
     print("== (a) real 2-rank training throughput per policy (gloo, CPU, BalancedMoELayer, skewed router)")
     try:
@@ -57,13 +67,14 @@ def part_a(args, profile=None):
     except Exception as exc:   # the balance layer is the balance engineer's
         print(f"   not available: {exc}")
         return
-    pols = ["none", "fastermoe", "flexmoe", "proprophet"]
+    pols = POLICIES_A + (["proprophet+overlap"] if args.link_gbps else [])
     measured = {}
     for skew in (True, False):
         t0 = time.perf_counter()
         tdir = tempfile.mkdtemp(prefix=f"policies_trace_{'skew' if skew else 'learned'}_")
         out = run_distributed(_policy_bench.throughput_rank, 2, pols, iters=args.a_iters, warmup=2,
-                              skew=skew, trace_dir=tdir, profile=profile, timeout_s=args.a_timeout)[0]
+                              skew=skew, trace_dir=tdir, profile=profile, link_gbps=args.link_gbps,
+                              timeout_s=args.a_timeout)[0]
         out["trace_dir"] = tdir
         measured[skew] = out
         base = out["none"]["tokens_per_s"]
@@ -72,7 +83,7 @@ def part_a(args, profile=None):
               f" [{time.perf_counter() - t0:.0f}s]")
         for pol in pols:
             r = out[pol]
-            print(f"     {pol:<11} {r['tokens_per_s']:9.0f} tokens/s  median iter {r['iter_s']*1e3:7.1f} ms  "
+            print(f"     {pol:<18} {r['tokens_per_s']:9.0f} tokens/s  median iter {r['iter_s']*1e3:7.1f} ms  "
                   f"replicated/iter {r['replicated']:.1f}  vs none: {r['tokens_per_s'] / base:.2f}x (mean), "
                   f"{base_med / r['iter_s']:.2f}x (median)")
     print("   (the learned-routing block replicates nothing, so its spread around 1.00x is this shared "
@@ -98,11 +109,22 @@ def calibrate(args, path):
     table = [[m, m / (m / bw + lat)] for m in (4096, 65536, 1 << 20)] + [[None, bw]]
     # a2a_latency: the per-peer round time the FlexMoE / FasterMoE / auto pricing adds to the
     # large-message rate (PlannerCost.a2a_lat_s); Eq. 1 reads the table above, which already holds it
+    # the dense block's forward / backward (what Pro-Prophet's scheduler hides Trans / Agg under:
+    # Eq. 8 and the Trans split read them), timed as tools/calibrate_balance.py does
+    from tools.calibrate_balance import measure_compute
+
+    nec = measure_compute(h, f, 4 * 128, 128)
     profile = {"a2a_bandwidth": table, "trans_bandwidth": bcast, "throughput": 3.0 / fwd_bwd,
-               "input_bytes": h * 4, "expert_bytes": 2 * h * f * 4, "t_fnec": 0.0, "t_bnec": 0.0,
+               "input_bytes": h * 4, "expert_bytes": 2 * h * f * 4, "t_fnec": nec["t_fnec"],
+               "t_bnec": nec["t_bnec"],
                "a2a_latency": lat,
                "meta": {"source": "bench/policies.py calibrate, 2 gloo ranks, 1 thread each",
                         "a2a_latency_s": lat}}
+    if args.link_gbps:
+        from tools.calibrate_balance import with_link
+
+        profile = with_link(profile, args.link_gbps)
+        print(f"== emulated link {args.link_gbps:g} GB/s per rank: folded into the calibrated bandwidths")
     save_profile(path, profile)
     print(f"== calibration (micro-benchmarks; written to {path}, used by (a) and (c)): MoE layer "
           f"fwd+bwd {fwd_bwd * 1e6:.2f} us/input, all-to-all {bw / 1e9:.2f} GB/s + {lat * 1e6:.0f} us/msg, "
@@ -142,11 +164,11 @@ def part_c(args, measured, profile_path, profile):
     cl = cluster(nec)
     print(f"   fitted non-MoE time per block (FNEC+BNEC, incl. optimizer/grad sync share): {nec * 1e3:.1f} ms")
     errors = {}
-    for pol in ("none", "fastermoe", "flexmoe", "proprophet"):
+    for pol in [p for p in measured[True] if p in available_policies()]:
         pred = median_iter(skewed, cl, pol)
         meas = measured[True][pol]["iter_s"]
         errors[pol] = (pred - meas) / meas
-        print(f"     skewed {pol:<10} measured {meas * 1e3:7.1f} ms  simulated {pred * 1e3:7.1f} ms  "
+        print(f"     skewed {pol:<18} measured {meas * 1e3:7.1f} ms  simulated {pred * 1e3:7.1f} ms  "
               f"error {100 * errors[pol]:+5.1f}%")
     worst = max(abs(e) for e in errors.values())
     print(f"   worst |error| {100 * worst:.1f}% (stated tolerance {100 * args.sim_tolerance:.0f}%: "
@@ -222,11 +244,16 @@ def main(argv=None):
     p.add_argument("--topology", default=None)
     p.add_argument("--profile", default=None)
     p.add_argument("--skip-a", action="store_true", help="skip the real 2-rank training part")
+    p.add_argument("--skip-b", action="store_true", help="skip the simulator-at-scale part")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="parts (a) and (c) behind an emulated link of this bandwidth (GB/s) per rank")
     p.add_argument("--a-timeout", type=int, default=900)
     p.add_argument("--a-iters", type=int, default=6, help="timed iterations per policy in part (a)")
     p.add_argument("--sim-tolerance", type=float, default=0.25,
                    help="part (c): the simulator-vs-measured relative error we state and check")
     args = p.parse_args(argv)
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        p.error(f"--link-gbps must be > 0 (got {args.link_gbps})")
     result = {}
     if not args.skip_a:
         path = os.path.join(tempfile.mkdtemp(prefix="policies_profile_"), "profile.json")
@@ -235,7 +262,8 @@ def main(argv=None):
         result.update(profile=profile, measured=measured)
         if measured:
             result["errors"] = part_c(args, measured, path, profile)
-    part_b(args)
+    if not args.skip_b:
+        part_b(args)
     return result
 
 

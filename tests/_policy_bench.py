@@ -42,13 +42,18 @@ def _build(hidden, ffn, experts, seq, topk, skew, seed=1234):
 
 
 def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=512, experts=4, seq=128,
-                    mbs=4, topk=2, skew=True, trace_dir=None, profile=None):
+                    mbs=4, topk=2, skew=True, trace_dir=None, profile=None, link_gbps=None):
     """All policies' models are built up front and stepped round-robin (rotating order every
-    iteration), so machine-load drift on the shared CPU hits every policy alike."""
+    iteration), so machine-load drift on the shared CPU hits every policy alike. A policy name
+    ending in ``+overlap`` runs with ``--moe-balance-overlap``; ``link_gbps``: every MoE transfer
+    behind the emulated link (comm/link.py)."""
     from megatron.core import parallel_state as ps
 
     from megatron_moe.balance import BalanceManager
+    from megatron_moe.comm import link
     from tests._balance_cases import _args
+
+    link.configure(link_gbps)
 
     # one intra-op thread per rank: each rank is one "device" (a core); otherwise an idle rank's core
     # speeds up the busy rank and balancing cannot show on a 2-core machine
@@ -58,8 +63,9 @@ def throughput_rank(rank, world, policies, iters=6, warmup=2, hidden=128, ffn=51
     for pol in policies:
         model = _build(hidden, ffn, experts, seq, topk, skew)
         tdir = trace_dir if (trace_dir and pol == "none") else None     # the real routing, for the simulator
-        mgr = BalanceManager(_args(moe_balance_policy=pol, moe_routing_trace_dir=tdir,
-                                   moe_balance_profile=profile), [model], num_microbatches=1)
+        mgr = BalanceManager(_args(moe_balance_policy=pol.removesuffix("+overlap"), moe_routing_trace_dir=tdir,
+                                   moe_balance_overlap=pol.endswith("+overlap"), moe_balance_profile=profile),
+                             [model], num_microbatches=1)
         opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         runs[pol] = dict(model=model, mgr=mgr, opt=opt, times=[], replicated=0)
     g = torch.Generator().manual_seed(rank)

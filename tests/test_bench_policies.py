@@ -37,3 +37,17 @@ def test_short_run(tmp_path, capsys):
     assert set(res["errors"]) == {"none", "fastermoe", "flexmoe", "proprophet"}
     assert all(math.isfinite(e) for e in res["errors"].values())
     assert "stated tolerance 25%" in out and "speedup" in out
+
+
+def test_link_run_adds_the_scheduler_and_folds_the_link(capsys):
+    """--link-gbps: the profile's bandwidths carry the link (each at most the link's rate), the
+    scheduler runs as a fifth policy and the simulator predicts it too; part (b) skipped."""
+    res = bench.main(["--a-iters", "1", "--a-timeout", "400", "--link-gbps", "0.5", "--skip-b"])
+    out = capsys.readouterr().out
+    prof = res["profile"]
+    assert prof["meta"]["ep_link_gbps"] == 0.5
+    assert prof["trans_bandwidth"] < 0.5e9 and all(b < 0.5e9 for _, b in prof["a2a_bandwidth"])
+    assert prof["t_fnec"] > 0 and prof["t_bnec"] > 0          # Eq. 8 / the Trans split read them
+    assert res["measured"][True]["proprophet+overlap"]["replicated"] > 0
+    assert set(res["errors"]) == {"none", "fastermoe", "flexmoe", "proprophet", "proprophet+overlap"}
+    assert "emulated link 0.5 GB/s" in out and "speedup" not in out   # no part (b)
