@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -295,24 +296,26 @@ register_algorithm("pipe", _pipe, supports_async=True)
 class _Pending:
     """An issued exchange; ``wait()`` returns the decompressed output."""
 
-    def __init__(self, out_b, handle, wire_dtype, decompress, out_shape, link_bytes=0):
+    def __init__(self, out_b, handle, wire_dtype, decompress, out_shape, link_bytes=0, started=None):
         self.out_b, self.handle, self.wire_dtype = out_b, handle, wire_dtype
         self.decompress, self.out_shape = decompress, out_shape
         # this rank's window on an emulated link (comm/link.py): an asynchronous exchange holds it
-        # from its issue (reserved now), a blocking one from its completion (at wait)
-        self.link_bytes, self.link_end = link_bytes, 0.0
+        # from its issue (reserved now), a blocking one (``started``: when its real exchange began,
+        # the rank blocked since) from its completion (at wait)
+        self.link_bytes, self.link_end, self.started = link_bytes, 0.0, started
         if link_bytes and handle is not None:
             self.link_end, self.link_bytes = link.reserve_exchange(link_bytes), 0
 
     def wait(self) -> torch.Tensor:
+        since = time.perf_counter() if self.link_end else self.started
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
         if self.link_end:
-            link.wait_until(self.link_end)
+            link.wait_until(self.link_end, since)
             self.link_end = 0.0
         if self.link_bytes:
-            link.exchange_window(self.link_bytes)
+            link.exchange_window(self.link_bytes, since)
             self.link_bytes = 0
         y = self.out_b.view(self.wire_dtype)
         return self.decompress(y).reshape(self.out_shape)
@@ -340,6 +343,7 @@ def start_all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm=
     decompress = (lambda y: comp.decompress(y, dtype, cols)) if use else (lambda y: y)
     for c in _EXCHANGES:
         c[(algo.name, compression if use else "none")] += 1
+    started = time.perf_counter()
     if async_op and algo.supports_async:
         out_b, handle = algo.fn(wb, out_s, in_s, group, rpn, async_op=True)
     else:
@@ -349,7 +353,7 @@ def start_all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm=
         me = _group_rank(group)
         link_bytes = wb.shape[1] * max(sum(s for j, s in enumerate(in_s) if j != me),
                                        sum(s for j, s in enumerate(out_s) if j != me))
-    return _Pending(out_b, handle, w.dtype, decompress, out_shape, link_bytes)
+    return _Pending(out_b, handle, w.dtype, decompress, out_shape, link_bytes, started)
 
 
 def _exchange(x, out_s, in_s, group, algorithm, rpn, compression):

@@ -19,8 +19,8 @@ as a wait that uses no CPU (so an overlapped transfer really is hidden behind co
 
 Stats (``stats()``): bytes and windows per kind, ``busy_s`` (this rank's emulated sending time) and
 ``exposed_s`` (time this rank blocked on transfers: its sends' and receives' waits and its
-all-to-all windows; a receive also waits for a late sender, so this is what the rank lost to
-communication, not to its own link alone).
+all-to-alls, real exchange and window; a receive or an exchange also waits for a late peer, so this
+is what the rank lost to communication, not to its own link alone).
 
 Why hand-written: torch.distributed has no traffic shaping, and ``offload/link.py``'s CopyLink
 throttles local copies, not messages to a peer.
@@ -180,18 +180,19 @@ def reserve_exchange(nbytes: int) -> float:
     return _LINK.reserve(nbytes, "a2a")
 
 
-def wait_until(end: float) -> None:
-    """Block until a reserved window ends (the time blocked counts as exposed)."""
+def wait_until(end: float, since: Optional[float] = None) -> None:
+    """Block until a reserved window ends; the caller blocked from ``since`` (default: now; its
+    real exchange included) and that time counts as exposed."""
     if _LINK is None or os.environ.get(MUTATE_ENV) == "skip_a2a_window":
         return
     t0 = time.perf_counter()
     if end > t0:
         time.sleep(end - t0)
-    _LINK._add(exposed_s=time.perf_counter() - t0)
+    _LINK._add(exposed_s=time.perf_counter() - (t0 if since is None else since))
 
 
-def exchange_window(nbytes: int) -> None:
+def exchange_window(nbytes: int, since: Optional[float] = None) -> None:
     """A blocking all-to-all whose real exchange has completed: block for its window on the link."""
     if _LINK is None or nbytes <= 0:
         return
-    wait_until(_LINK.reserve(nbytes, "a2a"))
+    wait_until(_LINK.reserve(nbytes, "a2a"), since)
