@@ -56,7 +56,6 @@ def _initialize_topology(args):
     from megatron.core import parallel_state
 
     from megatron_moe import topology
-
     from megatron_moe.comm import link
 
     topology.reset()
