@@ -158,6 +158,7 @@ def test_all_to_all_output_unchanged_by_the_link():
 
 
 def test_flag_refused_at_parse_time(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     p = comm.add_arguments(argparse.ArgumentParser())
     args = p.parse_args(["--moe-ep-link-gbps", "0"])
     with pytest.raises(ValueError, match="--moe-ep-link-gbps"):
@@ -170,6 +171,7 @@ def test_flag_refused_at_parse_time(monkeypatch):
         comm.validate_args(p.parse_args(["--moe-ep-link-gbps", "2.5"]))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the flag is refused on a GPU machine (CPU emulation)")
 def test_training_behind_the_link_logs_it_and_keeps_the_math(capfd):
     """pretrain() with --moe-ep-link-gbps: megatron-core's dispatcher (no balance policy) and the
     balanced layer (Trans/Agg) both pay the link, the [moe] line reports it, and the loss is what
