@@ -16,8 +16,8 @@ The ranks run without the strict device checks of the tests (production mode).
 ``--link-gbps G`` puts every MoE transfer (all-to-all, Trans/Agg; megatron-core's dispatcher included)
 behind an emulated link of G GB/s (``--moe-ep-link-gbps``, comm/link.py): the wait uses no CPU, so
 what a policy hides behind compute is really hidden; the profile folds the link in
-(``calibrate_balance.with_link``), and the bench prints each config's link time per iteration and
-the share of it hidden. This is how the papers' dear Trans/Agg (issue 21 item 4) are reproduced on
+(``calibrate_balance.with_link``), and the bench prints per config rank 0's link busy time and the
+time it blocked on transfers, per iteration. This is how the papers' dear Trans/Agg (issue 21 item 4) are reproduced on
 one host; the dense-gradient all-reduce stays off the link (the same for every config).
 
 Skew option: router logits += -skew * expert_id, so expert 0 (and the rank owning it) is hot; the model

@@ -343,7 +343,7 @@ def start_all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm=
     decompress = (lambda y: comp.decompress(y, dtype, cols)) if use else (lambda y: y)
     for c in _EXCHANGES:
         c[(algo.name, compression if use else "none")] += 1
-    started = time.perf_counter()
+    started = time.perf_counter() if link.active() else None   # a blocking exchange's wait counts from here
     if async_op and algo.supports_async:
         out_b, handle = algo.fn(wb, out_s, in_s, group, rpn, async_op=True)
     else:

@@ -58,9 +58,6 @@ class _SendHandle:
         self.job["work"].wait()
         self.link._add(exposed_s=time.perf_counter() - t0)
 
-    def is_completed(self):
-        return self.job["issued"].is_set() and self.job["work"].is_completed()
-
 
 class _TimedHandle:
     """A receive's work handle whose blocked time counts as exposed."""
@@ -72,9 +69,6 @@ class _TimedHandle:
         t0 = time.perf_counter()
         self.work.wait()
         self.link._add(exposed_s=time.perf_counter() - t0)
-
-    def is_completed(self):
-        return self.work.is_completed()
 
 
 class _Link:
