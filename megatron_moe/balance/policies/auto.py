@@ -81,7 +81,7 @@ class AutoPolicy(BalancePolicy):
                  moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, coordinate: bool = True,
                  lookahead: bool = True, amortised: bool = True, hysteresis: bool = True,
                  horizon: bool = True, joint_layers: bool = True, factor_on_base: bool = True,
-                 chain_build: bool = True, margin: bool = True, **_ignored):
+                 chain_build: bool = True, margin: bool = True, spread_prior: bool = True, **_ignored):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
@@ -102,6 +102,7 @@ class AutoPolicy(BalancePolicy):
         self.factor_on_base = bool(factor_on_base)   # tests' mutation (False): drift factors scale whole prices
         self.chain_build = bool(chain_build)         # tests' mutation (False): a build sends every copy from the owner
         self.margin = bool(margin)                   # tests' mutation (False): enter on any predicted advantage
+        self.spread_prior = bool(spread_prior)       # tests' mutation (False): the spread's EMA starts from 0
         self.owner = default_owner(num_experts, num_ranks)
         self._to_owner = np.zeros((num_experts, num_ranks))
         self._to_owner[np.arange(num_experts), self.owner] = 1.0
@@ -598,15 +599,23 @@ def choose(policies: Sequence) -> List:
     w = p0.drift_ema
     jf = getattr(p0, "joint_factor", None) or {c: 1.0 for c in p0.cands}
     jv = getattr(p0, "joint_spread", None) or {c: 0.0 for c in p0.cands}
+    seen = getattr(p0, "joint_seen", None) or set()
     if all(pol._checked for pol in flat):
         for c in jf:
             pairs = [[pol._checked.get(c) for pol in lay] for lay in layers]
             if all(pq is not None for lay in pairs for pq in lay):
                 real = slowest([np.array([r for r, _ in lay]) for lay in pairs])
                 ratio = real / slowest([np.array([q for _, q in lay]) for lay in pairs])
+                if c not in seen and p0.spread_prior:
+                    # before any miss is measured, the spread's prior is the counts' own relative
+                    # change (observed drift, the slowest group's): an EMA from 0 trusted one lucky
+                    # observation (8192 GPUs, s 1.6, d 0.5: a 1.1 ms margin, FlexMoE entered and
+                    # ran 1.5x its price for 8 re-plans)
+                    jv[c] = max(pol.drift for pol in flat) ** 2
+                seen.add(c)
                 jv[c] = (1 - w) * jv[c] + w * (ratio - jf[c]) ** 2
                 jf[c] = (1 - w) * jf[c] + w * ratio
-    p0.joint_factor, p0.joint_spread = jf, jv
+    p0.joint_factor, p0.joint_spread, p0.joint_seen = jf, jv, seen
     t_tr = slowest([np.array([p0.scaled(pr[c]["raw"], pr[c]["base"], jf[c]) for pr, c in zip(lp, lc)])
                     for lp, lc in zip(props, per_group)])
     flex = [[pr.get("flexmoe", {}) for pr in lp] for lp in props]
