@@ -468,3 +468,77 @@ def test_bench_chain_build_and_margin(capsys):
         assert main(cell) == 0 and "cells above it: 0" in capsys.readouterr().out
         assert main(cell + ["--auto-kwargs", mutation]) == 1
         assert "cells above it: 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("state", ["full", "choice_factor_table"])
+def test_auto_state_dict_round_trip_plans_identically(persistent, state):
+    """A policy loaded from another's state_dict (through JSON: the checkpoint's lists and floats)
+    makes the same next plans: placements, choices, drift factors and :func:`choose`'s joint
+    prices. Mutation (the state before 2026-11-28: choice, factors and FlexMoE's table only): the
+    drift factors and joint prices restart, so they differ at once (and in training the placements
+    diverge within a few re-plans, test_training_auto_resumes_bit_exactly)."""
+    import json
+
+    from megatron_moe.balance.policies.auto import AutoPolicy
+
+    rng = np.random.default_rng(0)
+    base = np.array([400, 200, 100, 60, 40, 30, 20, 10], dtype=np.float64)
+    C = [rng.poisson(np.tile(base * (1 + 0.5 * np.sin(i + np.arange(8))), (4, 1))).astype(np.float64)
+         for i in range(8)]
+    a = AutoPolicy(8, 4, persistent=persistent)
+    for c in C[:5]:
+        a.plan(c)
+    sd = json.loads(json.dumps(a.state_dict()))
+    if state != "full":
+        sd = {k: sd[k] for k in ("choice", "factor", "flexmoe")}
+    b = AutoPolicy(8, 4, persistent=persistent)
+    b.load_state_dict(sd)
+    same = []
+    for c in C[5:]:
+        pa, pb = a.plan(c), b.plan(c)
+        assert pa.to_dict() == pb.to_dict() and a.choice == b.choice
+        same.append(a.factor == b.factor and a.last_joint == b.last_joint)
+    assert same == ([True] * 3 if state == "full" else [False] * 3), same
+
+
+def test_auto_state_from_another_ep_size_plans_afresh():
+    """A checkpoint from another EP size restores nothing of the last plans (their placements and
+    counts have another shape): the next re-plan is a first one, as plain EP's would be."""
+    from megatron_moe.balance.policies.auto import AutoPolicy
+
+    a = AutoPolicy(8, 4, persistent=False)
+    a.plan(np.full((4, 8), 10.0))
+    b = AutoPolicy(8, 2, persistent=False)
+    b.load_state_dict(a.state_dict())
+    assert b._prev_counts is None and b._prev == {}
+    b.plan(np.full((2, 8), 10.0))                    # plans (a first re-plan), does not fail
+
+
+def test_training_auto_resumes_bit_exactly(tmp_path):
+    """Save at 6, resume to 12 with --moe-balance-policy auto (2 ranks, skewed drifting router,
+    free communication in the profile so auto replicates): losses, parameters and every placement
+    equal the uninterrupted run's. Before auto checkpointed its last plans, counts and smoothed
+    prices, the resumed run chose L1=flexmoe where the uninterrupted one kept none at iteration 11,
+    and the parameters differed (a replicated expert's gradient sums in another order)."""
+    import json
+
+    from tests import _flexmoe_persistent_cases as FC
+    from tests.test_flexmoe_persistent import _argv
+
+    profile = tmp_path / "free_comm.json"
+    profile.write_text(json.dumps({"a2a_bandwidth": 1e15, "trans_bandwidth": 1e15, "throughput": 1.0}))
+    extra = ["--moe-balance-policy", "auto", "--moe-balance-profile", str(profile), "--moe-balance-interval", "1"]
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(*more):
+        return run_distributed(FC.run, 2, _argv(2, 12, str(profile), *extra, *more), timeout_s=600)
+    whole = run()
+    first = run("--save", ckpt, "--exit-interval", "6")
+    resumed = run("--load", ckpt)
+    chosen = [r["metrics"]["balance/auto"] for r in whole[0]["iters"]]
+    assert len(set(chosen)) >= 3, chosen                  # auto really switched between candidates
+    for f, r, u in zip(first, resumed, whole):
+        assert f["history"]["lm_loss"] + r["history"]["lm_loss"] == u["history"]["lm_loss"]
+        assert [x["placements"] for x in r["iters"]] == [x["placements"] for x in u["iters"][6:]]
+        assert all(np.array_equal(r["params"][k], u["params"][k]) for k in u["params"])

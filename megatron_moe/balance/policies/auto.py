@@ -512,16 +512,44 @@ class AutoPolicy(BalancePolicy):
         self.propose(counts)
         return self.commit(choose([self])[0])
 
+    # the state :func:`choose` keeps on a layer's first policy between re-plans
+    _JOINT = ("joint_factor", "joint_spread", "adv", "loss", "regret")
+
     def state_dict(self) -> Dict:
+        """Everything the next re-plan reads: the choice, the drift factors, each candidate's last
+        plan with its predicted time and the counts it was planned from (the next re-plan checks
+        them), the observed drift, :func:`choose`'s smoothed advantage / regret / loss and joint
+        factors, and FlexMoE's shadow table. A replicated expert's gradient is summed in another
+        order than plain EP's, so a resumed run continues bit-exactly only if it plans the same
+        placements (tests/test_auto_policy.py: save / resume vs uninterrupted)."""
         fx = self.cands.get("flexmoe")
-        return {"choice": self.choice, "factor": dict(self.factor),
-                "flexmoe": fx.state_dict() if fx is not None else None}
+        d = {"choice": self.choice, "factor": dict(self.factor), "choices": dict(self.choices),
+             "flexmoe": fx.state_dict() if fx is not None else None, "drift": self.drift,
+             "prev_counts": None if self._prev_counts is None else self._prev_counts.tolist(),
+             "prev": {c: [p.to_dict(), float(t)] for c, (p, t) in self._prev.items()}}
+        d["joint"] = {k: getattr(self, k) for k in self._JOINT if getattr(self, k, None) is not None}
+        if getattr(self, "joint_seen", None):
+            d["joint"]["joint_seen"] = sorted(self.joint_seen)
+        return d
 
     def load_state_dict(self, d: Dict) -> bool:
         self.choice = d.get("choice", "none") if d.get("choice") in self.cands else "none"
         self.factor.update({k: float(v) for k, v in d.get("factor", {}).items() if k in self.factor})
+        self.choices.update({k: int(v) for k, v in d.get("choices", {}).items() if k in self.choices})
         fx = self.cands.get("flexmoe")
-        return fx.load_state_dict(d["flexmoe"]) if fx is not None and d.get("flexmoe") else True
+        ok = fx.load_state_dict(d["flexmoe"]) if fx is not None and d.get("flexmoe") else True
+        prev = {c: (Placement.from_dict(pd), float(t)) for c, (pd, t) in d.get("prev", {}).items() if c in self.cands}
+        pc = d.get("prev_counts")
+        if not ok or pc is None or np.shape(pc) != (self.num_ranks, self.num_experts) or \
+                any(p.num_ranks != self.num_ranks or p.num_experts != self.num_experts for p, _ in prev.values()):
+            return ok          # another EP size / expert count: plan afresh from the next counts
+        self._prev, self._prev_counts, self.drift = prev, np.asarray(pc, dtype=np.float64), float(d.get("drift", 0.0))
+        for k, v in d.get("joint", {}).items():
+            if k == "joint_seen":
+                self.joint_seen = set(v)
+            elif k in self._JOINT:
+                setattr(self, k, dict(v) if isinstance(v, dict) else float(v))
+        return ok
 
 
 def choose(policies: Sequence) -> List:
