@@ -636,9 +636,9 @@ def choose(policies: Sequence) -> List:
                 ratio = real / slowest([np.array([q for _, q in lay]) for lay in pairs])
                 if c not in seen and p0.spread_prior:
                     # before any miss is measured, the spread's prior is the counts' own relative
-                    # change (observed drift, the slowest group's): an EMA from 0 trusted one lucky
-                    # observation (8192 GPUs, s 1.6, d 0.5: a 1.1 ms margin, FlexMoE entered and
-                    # ran 1.5x its price for 8 re-plans)
+                    # change (observed drift, the largest over the groups): an EMA from 0 trusted
+                    # one lucky observation (8192 GPUs, s 1.6, d 0.5: a 1.1 ms margin, FlexMoE
+                    # entered and ran 1.5x its price for 8 re-plans)
                     jv[c] = max(pol.drift for pol in flat) ** 2
                 seen.add(c)
                 jv[c] = (1 - w) * jv[c] + w * (ratio - jf[c]) ** 2
