@@ -225,10 +225,11 @@ def test_auto_enters_flexmoe_when_the_stay_pays_the_build():
     assert t_mut > 1.015 * t_auto, (t_mut, t_auto)
 
 
-def _synthetic_step(pols, t_flex, build):
+def _synthetic_step(pols, t_flex, build, checked=None):
     """One ``choose`` over synthetic proposals of every group: plain EP 10 ms, Pro-Prophet 11 ms,
-    FlexMoE ``t_flex`` with a build of ``build`` s on every rank, no drift checked. The choices
-    become the groups' current ones; returns them."""
+    FlexMoE ``t_flex`` with a build of ``build`` s on every rank, no drift checked (``checked``:
+    each group's last plans as (realised, predicted) per candidate). The choices become the
+    groups' current ones; returns them."""
     from megatron_moe.balance.policies.auto import choose
 
     z = np.zeros(4)
@@ -237,7 +238,7 @@ def _synthetic_step(pols, t_flex, build):
                        "proprophet": {"steady": 11e-3, "raw": 11e-3, "base": 11e-3, "link": z},
                        "flexmoe": {"steady": t_flex, "raw": t_flex, "base": t_flex, "busy": z, "move": z,
                                    "build": np.full(4, build)}}
-        p._checked = {}
+        p._checked = dict(checked or {})
     out = choose(pols)
     for p, c in zip(pols, out):
         p.choice = c
@@ -259,15 +260,8 @@ def test_auto_margin_starts_from_the_observed_drift(prior):
     assert _synthetic_step(pols, 12e-3, 1e-3) == ["none"] * 2      # first re-plan: FlexMoE slower, left
     for p in pols:
         p.drift = 0.5
-    z = np.zeros(4)
-    from megatron_moe.balance.policies.auto import choose
-    for p in pols:
-        p._proposal = {"none": {"steady": 10e-3, "raw": 10e-3, "base": 10e-3, "link": z},
-                       "proprophet": {"steady": 11e-3, "raw": 11e-3, "base": 11e-3, "link": z},
-                       "flexmoe": {"steady": 8e-3, "raw": 8e-3, "base": 8e-3, "busy": z, "move": z,
-                                   "build": np.full(4, 1e-3)}}
-        p._checked = {"none": (10e-3, 10e-3), "proprophet": (11e-3, 11e-3), "flexmoe": (12.24e-3, 12e-3)}
-    out = choose(pols)
+    out = _synthetic_step(pols, 8e-3, 1e-3, checked={"none": (10e-3, 10e-3), "proprophet": (11e-3, 11e-3),
+                                                     "flexmoe": (12.24e-3, 12e-3)})
     margin = pols[0].last_joint["margin"]
     if prior:
         assert out == ["none"] * 2 and margin == pytest.approx(3.58e-3, rel=0.01)

@@ -528,8 +528,6 @@ class AutoPolicy(BalancePolicy):
              "prev_counts": None if self._prev_counts is None else self._prev_counts.tolist(),
              "prev": {c: [p.to_dict(), float(t)] for c, (p, t) in self._prev.items()}}
         d["joint"] = {k: getattr(self, k) for k in self._JOINT if getattr(self, k, None) is not None}
-        if getattr(self, "joint_seen", None):
-            d["joint"]["joint_seen"] = sorted(self.joint_seen)
         return d
 
     def load_state_dict(self, d: Dict) -> bool:
@@ -545,9 +543,7 @@ class AutoPolicy(BalancePolicy):
             return ok          # another EP size / expert count: plan afresh from the next counts
         self._prev, self._prev_counts, self.drift = prev, np.asarray(pc, dtype=np.float64), float(d.get("drift", 0.0))
         for k, v in d.get("joint", {}).items():
-            if k == "joint_seen":
-                self.joint_seen = set(v)
-            elif k in self._JOINT:
+            if k in self._JOINT:
                 setattr(self, k, dict(v) if isinstance(v, dict) else float(v))
         return ok
 
@@ -626,24 +622,22 @@ def choose(policies: Sequence) -> List:
     # a factor learnt on Pro-Prophet's plans does not price plain EP's.
     w = p0.drift_ema
     jf = getattr(p0, "joint_factor", None) or {c: 1.0 for c in p0.cands}
-    jv = getattr(p0, "joint_spread", None) or {c: 0.0 for c in p0.cands}
-    seen = getattr(p0, "joint_seen", None) or set()
+    jv = getattr(p0, "joint_spread", None) or {}      # a candidate enters at its first check
     if all(pol._checked for pol in flat):
         for c in jf:
             pairs = [[pol._checked.get(c) for pol in lay] for lay in layers]
             if all(pq is not None for lay in pairs for pq in lay):
                 real = slowest([np.array([r for r, _ in lay]) for lay in pairs])
                 ratio = real / slowest([np.array([q for _, q in lay]) for lay in pairs])
-                if c not in seen and p0.spread_prior:
+                if c not in jv:
                     # before any miss is measured, the spread's prior is the counts' own relative
                     # change (observed drift, the largest over the groups): an EMA from 0 trusted
                     # one lucky observation (8192 GPUs, s 1.6, d 0.5: a 1.1 ms margin, FlexMoE
                     # entered and ran 1.5x its price for 8 re-plans)
-                    jv[c] = max(pol.drift for pol in flat) ** 2
-                seen.add(c)
+                    jv[c] = max(pol.drift for pol in flat) ** 2 if p0.spread_prior else 0.0
                 jv[c] = (1 - w) * jv[c] + w * (ratio - jf[c]) ** 2
                 jf[c] = (1 - w) * jf[c] + w * ratio
-    p0.joint_factor, p0.joint_spread, p0.joint_seen = jf, jv, seen
+    p0.joint_factor, p0.joint_spread = jf, jv
     t_tr = slowest([np.array([p0.scaled(pr[c]["raw"], pr[c]["base"], jf[c]) for pr, c in zip(lp, lc)])
                     for lp, lc in zip(props, per_group)])
     flex = [[pr.get("flexmoe", {}) for pr in lp] for lp in props]
@@ -660,7 +654,7 @@ def choose(policies: Sequence) -> List:
     # how far FlexMoE's factor-corrected price has missed (its ratio's spread about the factor,
     # EMA): an entry must win by more than that (under drift 0.5 its next tables priced 2-4% under
     # the transient ran 30-60% over it; at drift 0 the spread is ~0 and nothing changes)
-    margin = float(np.sqrt(jv["flexmoe"])) * slowest([np.array([f["base"] for f in lf]) for lf in flex]) \
+    margin = float(np.sqrt(jv.get("flexmoe", 0.0))) * slowest([np.array([f["base"] for f in lf]) for lf in flex]) \
         if p0.margin else 0.0
     p0.last_joint.update(flexmoe=t_flex, margin=margin)
     # the build runs while the current (transient) placement does: its idle links hide part
