@@ -15,6 +15,6 @@ RUN pip install --no-cache-dir -e .
 RUN python -c "import sys, megatron.core as m; from packaging.version import Version as V; \
 v = V(m.__version__); ok = sys.version_info[:2] == (3, 12) and V('0.19') <= v < V('0.20'); \
 print('Python', sys.version.split()[0], 'megatron-core', v); sys.exit(0 if ok else 'untested pair')" \
- && python -c "import megatron_moe.training, pretrain_gpt_moe"
+ && python -c "import megatron_moe.training.loop, pretrain_gpt_moe"
 ENV CUDA_DEVICE_MAX_CONNECTIONS=1
 CMD ["bash"]

@@ -7,7 +7,7 @@
 
 The model is megatron-core's ``BertModel`` (padding attention mask, token types, masked-LM head,
 optional sentence-order binary head) whose transformer layers come from the same MoE layer spec
-as GPT (``megatron_moe.model.gpt_layer_spec``: dispatcher, router and balancer hooks included),
+as GPT (``megatron_moe.models.builder.gpt_layer_spec``: dispatcher, router and balancer hooks included),
 with the attention mask switched to padding. Data: ``megatron_moe.data.bert`` over sentence-level
 indexed datasets (``tools/preprocess_data.py --split-sentences``).
 """
@@ -25,11 +25,11 @@ from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_moe.data.bert import add_bert_arguments, build_bert_datasets, validate_bert_args
-from megatron_moe.embedding import partition_word_embeddings
-from megatron_moe.embedding import validate_args as validate_embedding_args
-from megatron_moe.global_vars import get_args, get_tokenizer
-from megatron_moe.model import common_model_kwargs, gpt_layer_spec, transformer_config_from_args
-from megatron_moe.training import pretrain
+from megatron_moe.models.embedding import partition_word_embeddings
+from megatron_moe.models.embedding import validate_args as validate_embedding_args
+from megatron_moe.runtime.global_vars import get_args, get_tokenizer
+from megatron_moe.models.builder import common_model_kwargs, gpt_layer_spec, transformer_config_from_args
+from megatron_moe.training.loop import pretrain
 
 
 class BertMoEModel(BertModel):

@@ -16,9 +16,9 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 
 from megatron_moe.data.gpt import build_gpt_datasets
-from megatron_moe.global_vars import get_args, get_tokenizer
-from megatron_moe.model import gpt_model_provider
-from megatron_moe.training import pretrain
+from megatron_moe.runtime.global_vars import get_args, get_tokenizer
+from megatron_moe.models.builder import gpt_model_provider
+from megatron_moe.training.loop import pretrain
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):

@@ -43,7 +43,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megatron_moe.testing import free_port, run_distributed  # noqa: E402
+from megatron_moe.runtime.local_ranks import free_port, run_distributed  # noqa: E402
 
 ALGORITHMS = ("flat", "hierarchical", "pipe")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
@@ -75,7 +75,7 @@ def human(n: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# per-rank part (runs in processes spawned by megatron_moe.testing.run_distributed)
+# per-rank part (runs in processes spawned by megatron_moe.runtime.local_ranks.run_distributed)
 
 
 def _setup_backend(rank, world, o):
@@ -130,7 +130,8 @@ def _time_round_robin(fns, iters, warmup, dev, barrier):
 def bench_rank(rank, world, o):
     import torch.distributed as dist
 
-    from megatron_moe import comm, topology
+    from megatron_moe import comm
+    from megatron_moe.runtime import topology
     from megatron_moe.comm.compress import Compressor, get_compression
 
     dev = _setup_backend(rank, world, o)

@@ -37,7 +37,8 @@ def _rank(rank, world_size, argv, mode, peer_dir):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe import checkpointing, training
+    from megatron_moe.training.loop import checkpointing
+    from megatron_moe.training.loop import loop as training
     from megatron_moe.compat import checkpoint as compat_checkpoint
 
     if mode == "sync-no-prestart":
@@ -116,7 +117,7 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     opts = p.parse_args(argv)
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
 
     results = {}
     for mode in ("sync-no-prestart", "sync", "async"):

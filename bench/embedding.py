@@ -40,7 +40,7 @@ def _bench_rank(rank, world_size, vocab, hidden, tokens, reps, lr=0.1):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-    from megatron_moe.embedding import HiddenPartitionedEmbedding
+    from megatron_moe.models.embedding import HiddenPartitionedEmbedding
 
     torch.set_num_threads(1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
@@ -133,7 +133,7 @@ def main(argv=None):
     if a.hidden % a.world_size or a.vocab % a.world_size:
         p.error("--hidden and --vocab must be divisible by --world-size")
 
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
 
     res = run_distributed(_bench_rank, a.world_size, a.vocab, a.hidden, a.tokens, a.reps,
                           timeout_s=900, collective_timeout_s=600)

@@ -43,7 +43,7 @@ print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.time() - t)
 _IMPORTS = """
 from megatron_moe.hf import megatron_side
 megatron_side.init_single_process()
-import megatron_moe.checkpointing, safetensors.torch, tqdm
+import megatron_moe.training.checkpointing, safetensors.torch, tqdm
 """
 
 _PEER = """

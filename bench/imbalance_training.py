@@ -37,7 +37,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_moe.testing import STRICT_DEVICES_ENV, run_distributed  # noqa: E402
+from megatron_moe.runtime.local_ranks import STRICT_DEVICES_ENV, run_distributed  # noqa: E402
 from tests import _balance_bench  # noqa: E402
 
 

@@ -38,13 +38,13 @@ def build(args):
 
     quiet_known_warnings()
     install_megatron_core_stubs()
-    from megatron_moe import global_vars
+    from megatron_moe.runtime import global_vars
     from megatron_moe.arguments import parse_args
     from megatron_moe.inference.engine import TextGenerator
-    from megatron_moe.initialize import initialize_distributed
-    from megatron_moe.model import gpt_model_provider
-    from megatron_moe.testing import free_port
-    from megatron_moe.training import _build_tokenizer
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.models.builder import gpt_model_provider
+    from megatron_moe.runtime.local_ranks import free_port
+    from megatron_moe.training.loop import _build_tokenizer
 
     seq = args.prompt + args.decode
     argv = (f"--num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "

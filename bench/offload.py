@@ -66,7 +66,7 @@ def main(argv=None):
         return check()
 
     from megatron_moe.balance.cost_model import OffloadCost
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
     from tests import _offload_cases as C
 
     tmp = tempfile.mkdtemp(prefix="bench_offload_")
@@ -152,7 +152,7 @@ def main(argv=None):
 
 
 def check():
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
     from tests import _offload_cases as C
 
     tmp = tempfile.mkdtemp(prefix="bench_offload_check_")

@@ -62,7 +62,7 @@ def part_a(args, profile=None):
     print("== (a) real 2-rank training throughput per policy (gloo, CPU, BalancedMoELayer, skewed router)")
     try:
         from megatron_moe.balance.layer import BalancedMoELayer  # noqa: F401
-        from megatron_moe.testing import run_distributed
+        from megatron_moe.runtime.local_ranks import run_distributed
         from tests import _policy_bench
     except Exception as exc:   # the balance layer is the balance engineer's
         print(f"   not available: {exc}")
@@ -97,7 +97,7 @@ def calibrate(args, path):
     The expert throughput is the slope of the real MoE layer's forward+backward time over the
     inputs it computes (CostModel: backward = 2 x forward, so forward = 1/3 of it)."""
     from megatron_moe.balance.cost_model import save_profile
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
     from tests import _policy_bench
 
     cal = run_distributed(_policy_bench.calibrate_rank, 2, timeout_s=args.a_timeout)

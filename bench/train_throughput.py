@@ -91,7 +91,7 @@ def _activate(run, timer):
     from megatron.core.transformer.moe import token_dispatcher as td
 
     from kernels import ops as kops
-    from megatron_moe import global_vars
+    from megatron_moe.runtime import global_vars
     from megatron_moe.moe import dispatcher
 
     global_vars.set_args(run["args"])
@@ -113,11 +113,11 @@ def bench_rank(rank, world, names, iters, repeats, warmup, profile=()):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     import pretrain_gpt_moe
-    from megatron_moe import global_vars
+    from megatron_moe.runtime import global_vars
     from megatron_moe.arguments import parse_args
-    from megatron_moe.initialize import initialize_distributed
-    from megatron_moe.model import get_model
-    from megatron_moe.training import Trainer, TrainingHooks, _build_tokenizer, _optimizer_config
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.models.builder import get_model
+    from megatron_moe.training.loop import Trainer, TrainingHooks, _build_tokenizer, _optimizer_config
 
     torch.set_num_threads(1)            # one core per rank: 2 ranks on the 2 cores
     runs = {}
@@ -203,7 +203,7 @@ def main(argv=None):
     if a.repeats < 3:
         p.error("--repeats must be >= 3 (the median of at least 3 is reported)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
 
     t0 = time.perf_counter()
     prof = [n.strip() for n in a.profile.split(",") if n.strip() in names]

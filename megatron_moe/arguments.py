@@ -17,14 +17,14 @@ import os
 _EXTENSION_MODULES = (
     "megatron_moe.comm",
     "megatron_moe.balance",
-    "megatron_moe.embedding",
+    "megatron_moe.models.embedding",
     "megatron_moe.moe.dispatcher",
     "megatron_moe.moe.grouped_experts",   # --moe-torch-grouped-gemm
     "megatron_moe.offload",
-    "megatron_moe.dist_signal_handler",   # --exit-signal, --exit-duration-in-mins
-    "megatron_moe.wandb_writer",          # --wandb-project, --wandb-exp-name, ...
-    "megatron_moe.mla",                   # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
-    "megatron_moe.gpt_oss",               # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
+    "megatron_moe.runtime.dist_signal_handler",   # --exit-signal, --exit-duration-in-mins
+    "megatron_moe.training.wandb_writer",          # --wandb-project, --wandb-exp-name, ...
+    "megatron_moe.models.mla",                   # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
+    "megatron_moe.models.gpt_oss",               # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
 )
 
 
@@ -333,7 +333,7 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
         flags.check_refused(args)  # a refused Megatron flag: one line saying why (flags/status.txt)
     except ValueError as exc:
         parser.error(str(exc))
-    from megatron_moe.launcher import launcher_env   # torchrun's variables, else srun's
+    from megatron_moe.runtime.launcher import launcher_env   # torchrun's variables, else srun's
 
     try:
         env = launcher_env()
@@ -354,7 +354,7 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
     except ValueError as exc:
         parser.error(str(exc))
     try:  # megatron-core's own consistency checks, still before any process group starts
-        from megatron_moe.model import transformer_config_from_args
+        from megatron_moe.models.builder import transformer_config_from_args
 
         transformer_config_from_args(args)
     except (AssertionError, ValueError) as exc:
@@ -561,7 +561,7 @@ def _validate_model_impl_args(args):
 
 
 def _transformer_engine_available():
-    from megatron_moe.model import have_transformer_engine
+    from megatron_moe.models.builder import have_transformer_engine
 
     return have_transformer_engine()
 

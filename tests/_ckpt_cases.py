@@ -37,8 +37,8 @@ def run_pretrain_capture(rank, world_size, argv, poison_after_first_save=False):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe import checkpointing
-    from megatron_moe.training import pretrain
+    from megatron_moe.training.loop import checkpointing
+    from megatron_moe.training.loop import pretrain
 
     capture = _Capture()
     logger = logging.getLogger("megatron.core.dist_checkpointing")
@@ -79,7 +79,7 @@ def differs(warnings):
 # --- launching the real CLI under torchrun, in its own process group --------------------------
 def start_torchrun(nproc, args, env=None, log_path=None):
     """Popen of torchrun + pretrain_gpt_moe.py in a new session (kill the group to kill all)."""
-    from megatron_moe.testing import free_port
+    from megatron_moe.runtime.local_ranks import free_port
 
     cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt_moe.py"), *args]
@@ -153,7 +153,7 @@ def run_pretrain_sequence(rank, world_size, argvs):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training import pretrain
+    from megatron_moe.training.loop import pretrain
 
     from megatron.core import parallel_state
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_moe import comm, topology
+from megatron_moe import comm
+from megatron_moe.runtime import topology
 from megatron_moe.comm.compress import get_compression
 
 

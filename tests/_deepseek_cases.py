@@ -9,7 +9,7 @@ def train_capture(rank, world_size, argv):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training import pretrain
+    from megatron_moe.training.loop import pretrain
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -26,7 +26,7 @@ def generate_and_recompute(rank, world_size, argv, prompt, tokens):
     import torch
 
     from megatron_moe.inference.engine import TextGenerator, setup_model
-    from megatron_moe.model import unwrap
+    from megatron_moe.models.builder import unwrap
     from tests._inference_cases import _args
     from tools.generate import add_text_generate_args
 

@@ -22,7 +22,7 @@ def _rank_ids(rank, extra=0):
 
 def lookup_and_grads(rank, world_size):
     """Forward bit-identical to a replicated lookup; shard grads equal the replicated DP grad."""
-    from megatron_moe.embedding import HiddenPartitionedEmbedding, embedding_bytes
+    from megatron_moe.models.embedding import HiddenPartitionedEmbedding, embedding_bytes
 
     out = {}
     W = _table()
@@ -144,7 +144,7 @@ def ddp_matches_replicated(rank, world_size, ep):
     """Swapped GPTModel under megatron-core DDP + optimizer == the vocab-parallel original."""
     from megatron.core import parallel_state
 
-    from megatron_moe.embedding import HiddenPartitionedEmbedding, partition_word_embeddings
+    from megatron_moe.models.embedding import HiddenPartitionedEmbedding, partition_word_embeddings
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     out = {}
@@ -195,7 +195,7 @@ def checkpoint_reshard(rank, world_size, root):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-    from megatron_moe.embedding import HiddenPartitionedEmbedding
+    from megatron_moe.models.embedding import HiddenPartitionedEmbedding
 
     key = "embedding.word_embeddings."
     out = {}

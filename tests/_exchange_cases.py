@@ -88,7 +88,7 @@ def exchange_path_rank(rank, world):
     import kernels
     from megatron.core import parallel_state as ps
 
-    from megatron_moe import topology
+    from megatron_moe.runtime import topology
 
     topology.configure(ranks_per_node=2)
     ps.initialize_model_parallel(expert_model_parallel_size=world)

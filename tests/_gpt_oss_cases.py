@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_gpt_oss.py (spawned by megatron_moe.testing.run_distributed)."""
+"""Rank functions for tests/test_gpt_oss.py (spawned by megatron_moe.runtime.local_ranks.run_distributed)."""
 
 
 def train_and_probe_rank(rank, world_size, argv):
@@ -11,7 +11,7 @@ def train_and_probe_rank(rank, world_size, argv):
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_moe.training import pretrain
+    from megatron_moe.training.loop import pretrain
 
     built, grads, before = [], {}, {}
 

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_hf_convert.py (spawned by megatron_moe.testing.run_distributed)."""
+"""Rank functions for tests/test_hf_convert.py (spawned by megatron_moe.runtime.local_ranks.run_distributed)."""
 
 import json
 import os
@@ -23,10 +23,10 @@ def logits_rank(rank, world_size, hf_dir, ckpt, layouts, tokens, load_checks=Non
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_moe.arguments import parse_args
-    from megatron_moe.checkpointing import load_checkpoint
+    from megatron_moe.training.checkpointing import load_checkpoint
     from megatron_moe.data.tokenizers import vocab_size_with_padding
-    from megatron_moe.initialize import initialize_distributed
-    from megatron_moe.model import gpt_model_provider
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.models.builder import gpt_model_provider
 
     flags, vocab = model_flags(hf_dir)
     if "--mtp-num-layers" in flags:  # the main model's logits (transformers has no MTP); the
@@ -60,7 +60,7 @@ def pipeline_rank(rank, world_size, train_runs, logit_jobs):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training import pretrain
+    from megatron_moe.training.loop import pretrain
 
     from megatron.core import parallel_state
 

@@ -1,4 +1,4 @@
-"""Rank functions for the inference tests (spawned by megatron_moe.testing.run_distributed)."""
+"""Rank functions for the inference tests (spawned by megatron_moe.runtime.local_ranks.run_distributed)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def train_and_capture(rank, world_size, argv):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training import pretrain
+    from megatron_moe.training.loop import pretrain
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -39,7 +39,7 @@ def evaluate_then_serve_case(rank, world_size, argv, prompt, tokens):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         result = ev.evaluate(args)
-    from megatron_moe import global_vars
+    from megatron_moe.runtime import global_vars
 
     args.inference_max_requests, args.inference_max_seq_length = 4, None
     gen = TextGenerator(result.pop("model"), global_vars.get_tokenizer(), args)

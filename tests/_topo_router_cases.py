@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_topo_router.py (spawned by megatron_moe.testing.run_distributed)."""
+"""Rank functions for tests/test_topo_router.py (spawned by megatron_moe.runtime.local_ranks.run_distributed)."""
 
 
 def run_pretrain_topology(rank, world_size, argv):
@@ -14,7 +14,7 @@ def run_pretrain_topology(rank, world_size, argv):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training import pretrain
+    from megatron_moe.training.loop import pretrain
 
     seen = {"max_nodes_per_token": 0, "off_node": 0, "assignments": 0, "calls": 0}
 

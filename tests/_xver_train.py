@@ -15,7 +15,7 @@ sys.path.insert(0, ROOT)
 def main():
     import megatron.core
 
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
     from tests._train_cases import run_pretrain
 
     argv = json.loads(sys.argv[1])

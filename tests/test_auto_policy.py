@@ -8,7 +8,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _policy_cases
 from tests._train_cases import run_pretrain
 from tests.test_balance_training import TINY as BALANCE_TINY

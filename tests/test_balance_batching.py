@@ -11,7 +11,7 @@
 
 import torch
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _balance_cases as bc
 
 ITERS = 2

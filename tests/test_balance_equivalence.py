@@ -1,7 +1,7 @@
 """BalancedMoELayer == plain megatron-core EP for any placement (design note 5.3, items 14-18),
 and the scheduler's ordering invariants read from the event log (5.4, item 21)."""
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _balance_cases
 
 CASES2 = [

@@ -1,11 +1,11 @@
-"""The real training loop (megatron_moe.training.pretrain, EP=2 gloo) with Pro-Prophet on: same loss
+"""The real training loop (megatron_moe.training.loop.pretrain, EP=2 gloo) with Pro-Prophet on: same loss
 curve as plain EP, replicas actually used, routing trace written and readable by routing_report."""
 
 import os
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._train_cases import run_pretrain
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._bert_cases import masking_stats, preprocess, run_pretrain_bert
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "

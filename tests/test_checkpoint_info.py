@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._ckpt_cases import ROOT, TINY, run_pretrain_capture
 
 TOOL = os.path.join(ROOT, "tools", "checkpoint_info.py")

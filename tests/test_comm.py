@@ -10,7 +10,7 @@ from megatron_moe.comm import schedule
 from megatron_moe.comm.alltoall import formula_wire_stats, wire_stats
 from megatron_moe.comm.compress import (Compressor, available_compressions, get_compression,
                                         register_compression)
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _comm_cases
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_compression_stays_within_bound(flat, name, bound):
 def test_overlap_flags_are_validated():
     import os
 
-    from megatron_moe.testing import run_script   # the script as __main__, in a fresh process
+    from megatron_moe.runtime.local_ranks import run_script   # the script as __main__, in a fresh process
     from tests.test_training import ROOT, TINY
 
     p = run_script(os.path.join(ROOT, "pretrain_gpt_moe.py"),

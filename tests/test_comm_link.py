@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_moe import comm
 from megatron_moe.comm import link
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 
 GBPS = 0.01          # 10 MB/s: 1 MB takes 0.1 s on the link
 MB = 1 << 20

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_moe.compat import cpu
-from megatron_moe.testing import free_port
+from megatron_moe.runtime.local_ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The uneven all-gather / reduce-scatter shim needs >= 2 ranks; tests/test_training.py's
@@ -69,7 +69,7 @@ def _uneven_gather_rank(rank, world_size):
 
 
 def test_uneven_collectives():
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
     from tests import test_compat
 
     results = run_distributed(test_compat._uneven_gather_rank, 2, timeout_s=120)

@@ -10,8 +10,8 @@ resumes from the last complete checkpoint the tracker names and training goes on
 import os
 import re
 
-from megatron_moe.checkpointing import TEST_SAVE_DELAY_ENV
-from megatron_moe.testing import run_distributed
+from megatron_moe.training.checkpointing import TEST_SAVE_DELAY_ENV
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._ckpt_cases import TINY, kill_group, log_text, start_torchrun, wait_for
 
 ARGS = TINY + ("--expert-model-parallel-size 2 --train-iters 1000 --lr-decay-style constant "
@@ -101,7 +101,7 @@ def test_kill9_at_many_moments_resumes_from_last_complete_checkpoint(tmp_path):
 
 def _async_then_resume(rank, world_size, argv_async, argv_resume):
     """An --async-save run, then (same processes) a resume from its iteration-2 checkpoint."""
-    from megatron_moe import checkpointing
+    from megatron_moe.training.loop import checkpointing
     from tests._ckpt_cases import run_pretrain_sequence
 
     scheduled = []

@@ -9,7 +9,7 @@ import numpy
 import pytest
 import torch
 
-from megatron_moe.testing import free_port
+from megatron_moe.runtime.local_ranks import free_port
 from tests.test_training import TINY, cli
 
 

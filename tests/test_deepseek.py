@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from megatron_moe.testing import free_port, run_distributed
+from megatron_moe.runtime.local_ranks import free_port, run_distributed
 from tests._deepseek_cases import generate_and_recompute, train_capture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

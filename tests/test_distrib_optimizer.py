@@ -16,7 +16,7 @@ shards' previous-iteration weights and the first resumed loss is 5.8449 instead 
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._ckpt_cases import TINY
 
 BASE = TINY + ["--train-iters", "5", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -34,7 +34,7 @@ def _runs(rank, world_size, argvs, mutated):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from megatron_moe.compat.distrib_optimizer import bridge_needed
-    from megatron_moe.training import pretrain
+    from megatron_moe.training.loop import pretrain
 
     gathers = []
     real_disable = DistributedDataParallel.disable_forward_pre_hook

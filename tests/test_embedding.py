@@ -10,8 +10,8 @@ import tempfile
 
 import pytest
 
-from megatron_moe.embedding import add_arguments, validate_args
-from megatron_moe.testing import run_distributed
+from megatron_moe.models.embedding import add_arguments, validate_args
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _embed_cases as cases
 
 

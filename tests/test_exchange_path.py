@@ -2,12 +2,12 @@
 --moe-a2a-algorithm, --moe-a2a-compression and --moe-permute-fusion apply under every policy.
 
 One 4-rank launch (2 emulated nodes x 2 ranks) loops over policy x algorithm inside the workers
-(tests/_exchange_cases.py); strict device mode is on (megatron_moe/testing.py).
+(tests/_exchange_cases.py); strict device mode is on (megatron_moe/runtime/local_ranks.py).
 """
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _exchange_cases as cases
 
 

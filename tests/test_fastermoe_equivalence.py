@@ -1,6 +1,6 @@
 """FasterMoE shadowing in training: BalancedMoELayer with the policy's placements == plain EP."""
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _policy_cases
 
 CASES = [

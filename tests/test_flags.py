@@ -121,7 +121,7 @@ def test_noop_flags_keep_megatron_dest_and_default(parser):
 
 
 def test_fusion_selectors_reach_megatron_core_only_with_transformer_engine():
-    from megatron_moe.model import _fusion_selectors
+    from megatron_moe.models.builder import _fusion_selectors
 
     args = parse_args(BASE + ["--position-embedding-type", "rope", "--swiglu",
                               "--no-bias-swiglu-fusion"], world_size=1)
@@ -163,7 +163,7 @@ def test_bad_model_flags_fail_at_parse_time(extra, message, capsys):
 
 
 def test_transformer_impl_resolution():
-    from megatron_moe.model import have_transformer_engine
+    from megatron_moe.models.builder import have_transformer_engine
 
     args = parse_args(BASE, world_size=1)
     assert args.transformer_impl == ("transformer_engine" if have_transformer_engine() else "local")

@@ -2,7 +2,7 @@
 flexible token router (local vExperts first, overflow spread over the other replicas by spare
 capacity, design note 2.7 with the sign fix), replicas transient (Trans/Agg every iteration)."""
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _policy_cases
 
 CASES = [

@@ -1,4 +1,4 @@
-"""FlexMoE persistent vExpert replicas in the real training loop (megatron_moe.training.pretrain,
+"""FlexMoE persistent vExpert replicas in the real training loop (megatron_moe.training.loop.pretrain,
 megatron-core FP32 optimizer + DDP, gloo, EP = world) under a skewed, drifting router:
 
 * losses and owner parameters equal plain EP (policy none);
@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _flexmoe_persistent_cases as C
 
 # fp32: a replicated expert's gradient is summed in another order than plain EP's; losses agree to

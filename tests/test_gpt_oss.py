@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._gpt_oss_cases import train_and_probe_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

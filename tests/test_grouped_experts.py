@@ -8,7 +8,7 @@ shifted by one row) breaks the equality. Plus the parse-time refusals."""
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _grouped_cases as G
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_moe.testing import DistributedRunError, run_distributed
+from megatron_moe.runtime.local_ranks import DistributedRunError, run_distributed
 from tests import _dist_cases
 
 

@@ -14,8 +14,8 @@ import sys
 import textwrap
 import time
 
-from megatron_moe import helper_processes
-from megatron_moe.dist_signal_handler import SIGNAL_NAMES
+from megatron_moe.runtime import helper_processes
+from megatron_moe.runtime.dist_signal_handler import SIGNAL_NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +45,7 @@ def _wait_gone(pid, timeout=20):
 RANK = textwrap.dedent("""
     import os, sys, time
     import torch
-    from megatron_moe.helper_processes import shield_data_worker
+    from megatron_moe.runtime.helper_processes import shield_data_worker
     from megatron_moe.compat import checkpoint as ck
 
     class Data(torch.utils.data.Dataset):

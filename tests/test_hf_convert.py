@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._hf_cases import pipeline_rank
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_moe.testing import free_port, run_distributed
+from megatron_moe.runtime.local_ranks import free_port, run_distributed
 from tests import _data_helpers as H
 from tests._inference_cases import evaluate_then_serve_case, generation_suite, train_and_capture
 

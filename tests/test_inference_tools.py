@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._inference_cases import train_and_capture
 from tests._ring_tools_cases import tools_suite
 

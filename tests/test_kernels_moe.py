@@ -5,7 +5,7 @@ into its dispatcher - dropless and drop-and-pad."""
 import pytest
 import torch
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 
 
 def moe_layer_fused_vs_unfused(rank, world_size, drop_and_pad):

@@ -1,11 +1,11 @@
-"""Ranks and rendezvous from torchrun's or srun's variables (megatron_moe/launcher.py), as the
+"""Ranks and rendezvous from torchrun's or srun's variables (megatron_moe/runtime/launcher.py), as the
 parser and initialize.py read them (issue 26; tests/test_slurm.py runs both under a real Slurm)."""
 
 import os
 
 import pytest
 
-from megatron_moe import launcher
+from megatron_moe.runtime import launcher
 from megatron_moe.arguments import parse_args
 from tests._ckpt_cases import TINY
 

@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _data_helpers as H
 from tests._train_cases import generate_cli, run_pretrain
 

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._ckpt_cases import (TINY, kill_group, log_text, run_pretrain_sequence, start_torchrun,
                                wait_for, worker_pids)
 

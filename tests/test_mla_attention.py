@@ -22,7 +22,7 @@ def tp1():
     import torch.distributed as dist
 
     from megatron_moe.compat import apply_cpu_shims
-    from megatron_moe.testing import free_port
+    from megatron_moe.runtime.local_ranks import free_port
 
     apply_cpu_shims()
     from megatron.core import parallel_state
@@ -73,7 +73,7 @@ def _reference(q, k, v, scale):
 def _build(config, scale):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_moe.attention import UnequalHeadDotProductAttention
+    from megatron_moe.models.attention import UnequalHeadDotProductAttention
 
     return UnequalHeadDotProductAttention(
         config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
@@ -146,7 +146,7 @@ def test_layer_norm_column_parallel_linear_is_norm_then_linear(tp1):
     --qk-layernorm and no query LoRA): RMSNorm with its weight, then the linear, in float64."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_moe.attention import LayerNormColumnParallelLinear
+    from megatron_moe.models.attention import LayerNormColumnParallelLinear
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4,
                                params_dtype=torch.float64, use_cpu_initialization=True,

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _offload_cases as C
 
 _LINE = re.compile(r"\[offload\] device expert bytes peak: (\d+) of (\d+) \| host: (\d+) \| "

@@ -10,7 +10,7 @@ import os
 import re
 import signal
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._ckpt_cases import (TINY, differs, kill_group, log_text, run_pretrain_capture, start_torchrun,
                                wait_for, worker_pids)
 

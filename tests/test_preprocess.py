@@ -233,7 +233,7 @@ def test_bert_dataset_builds_on_sentence_level_output(data, tmp_path, kind):
     """megatron-core's BERTMaskedWordPieceDataset (our data/bert.py) over --split-sentences
     output, with a WordPiece vocab file or the sentencepiece model (one gloo rank: the dataset
     needs a process group)."""
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
 
     if kind == "SentencePieceTokenizer":
         kwargs = dict(tokenizer_type=kind, tokenizer_model=data.model)

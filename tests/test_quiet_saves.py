@@ -8,7 +8,7 @@ second save on must be caught (so the capture is shown to work). Other layouts (
 distributed optimizer) are checked by the resharding tests, which assert the same silence.
 """
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._ckpt_cases import TINY, differs, run_pretrain_capture
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_moe.testing import free_port, run_distributed
+from megatron_moe.runtime.local_ranks import free_port, run_distributed
 from tests import _data_helpers as H
 from tests._train_cases import generate_cli, run_pretrain
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._ckpt_cases import TINY, run_pretrain_sequence
 
 BASE = TINY + ["--expert-model-parallel-size", "2", "--train-iters", "3", "--hidden-dropout", "0",

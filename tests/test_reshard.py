@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._ckpt_cases import TINY, run_pretrain_capture, run_pretrain_sequence, differs
 
 BASE = TINY + ["--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0",

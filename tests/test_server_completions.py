@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _data_helpers as H
 from tests._inference_cases import train_and_capture
 from tests._server_cases import reference_case

@@ -5,7 +5,7 @@ import numpy as np
 from megatron_moe.sim.cluster import load_cluster
 from megatron_moe.sim.runner import compare
 from megatron_moe.sim.traces import load_trace_dir
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _policy_cases
 
 

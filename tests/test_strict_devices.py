@@ -1,7 +1,7 @@
 """Strict device mode (megatron_moe/comm/strict.py, on for every multi-process test): collectives
 are checked as NCCL needs them, so host tensors and hot-path object collectives fail on gloo."""
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _strict_cases
 
 VIOLATIONS = ("cpu_counts", "dot_cpu_counts", "old_hierarchical", "mixed_devices", "object_on_hot_path")

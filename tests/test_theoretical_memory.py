@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -61,11 +61,11 @@ def _measure_rank(rank, world, argvs):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     import pretrain_gpt_moe
-    from megatron_moe import global_vars
+    from megatron_moe.runtime import global_vars
     from megatron_moe.arguments import parse_args
-    from megatron_moe.initialize import initialize_distributed
-    from megatron_moe.model import get_model, unwrap
-    from megatron_moe.training import _build_tokenizer, _optimizer_config
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.models.builder import get_model, unwrap
+    from megatron_moe.training.loop import _build_tokenizer, _optimizer_config
 
     out = {}
     for name, argv in argvs.items():

@@ -364,7 +364,7 @@ _CROSS = re.compile(r"^ \[moe\] layer +(\d+) \| expert load max/mean: [\d.]+ \| 
                                         ("congestion", ""),
                                         ("ta_loss", "--moe-topology-loss-coeff 0.1")])
 def test_training_logs_cross_node_fraction(mode, extra):
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
     from tests._topo_router_cases import run_pretrain_topology
 
     argv = TINY + f"--moe-router-topology {mode} {extra}".split()

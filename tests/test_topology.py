@@ -1,11 +1,11 @@
-"""megatron_moe.topology: where ranks-per-node comes from, the topology file, group layouts."""
+"""megatron_moe.runtime.topology: where ranks-per-node comes from, the topology file, group layouts."""
 
 import json
 
 import pytest
 
-from megatron_moe import topology
-from megatron_moe.topology import Topology, members_per_node
+from megatron_moe.runtime import topology
+from megatron_moe.runtime.topology import Topology, members_per_node
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests._train_cases import run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +85,7 @@ def torchrun(nproc, args, timeout=240, env=None):
 def cli(args, env=None, timeout=60):
     """pretrain_gpt_moe.py as __main__ in a fresh process (forked from run_script's preloaded
     server: the argument errors below cost no interpreter start-up)."""
-    from megatron_moe.testing import run_script
+    from megatron_moe.runtime.local_ranks import run_script
 
     run_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     return run_script(os.path.join(ROOT, "pretrain_gpt_moe.py"), args, env=run_env,
@@ -93,7 +93,7 @@ def cli(args, env=None, timeout=60):
 
 
 def _port():
-    from megatron_moe.testing import free_port
+    from megatron_moe.runtime.local_ranks import free_port
 
     return free_port()
 

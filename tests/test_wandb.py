@@ -1,4 +1,4 @@
-"""W&B on the ``wandb`` library (megatron_moe/wandb_writer.py): Megatron-LM's four flags; the run
+"""W&B on the ``wandb`` library (megatron_moe/training/wandb_writer.py): Megatron-LM's four flags; the run
 (offline, ``WANDB_MODE=offline``) holds every scalar TensorBoard gets, with the values of the log
 line; without the flags wandb is never imported; flags that cannot apply are refused."""
 
@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from megatron_moe.testing import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _data_helpers as H
 
 # not importorskip: the rank processes import this module, and must not import wandb by it

@@ -124,7 +124,7 @@ def monotone_table(table):
 
 
 def calibrate(hidden, ffn, tokens, seq, sizes=None, reps=3):
-    from megatron_moe.testing import run_distributed
+    from megatron_moe.runtime.local_ranks import run_distributed
 
     sizes = sizes or [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
     prof = measure_compute(hidden, ffn, tokens, seq, reps=reps)

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-TRACKER = "latest_checkpointed_iteration.txt"   # = megatron_moe.checkpointing.TRACKER
+TRACKER = "latest_checkpointed_iteration.txt"   # = megatron_moe.training.checkpointing.TRACKER
 
 
 def parse_args(argv=None):

@@ -88,7 +88,7 @@ def evaluate(args) -> dict:
 
     import pretrain_gpt_moe
     from megatron_moe.inference.engine import setup_model, single_process_port
-    from megatron_moe.training import (
+    from megatron_moe.training.loop import (
         Trainer, TrainingError, TrainingHooks, _build_datasets, _iterator, print_rank_last,
     )
 

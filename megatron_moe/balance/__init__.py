@@ -146,7 +146,7 @@ def install(args, layer_spec, force: bool = False):
 
 
 def customize_spec(args, spec):
-    """The model builder's spec hook (megatron_moe/model.py SPEC_HOOKS)."""
+    """The model builder's spec hook (megatron_moe/models/builder.py SPEC_HOOKS)."""
     if not getattr(args, "num_experts", None):
         return spec
     return install(args, spec)

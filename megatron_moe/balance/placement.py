@@ -450,7 +450,7 @@ class LayerBalance:
         owner's (params and optimizer state; tests/test_flexmoe_persistent.py), so, as FlexMoE does,
         take the cheapest link: a holder on dst's node, the owner among them first, then the lowest
         rank; with none on dst's node, the owner. Same answer on every rank (no communication)."""
-        from megatron_moe import topology
+        from megatron_moe.runtime import topology
 
         if self._rpn is None:
             self._rpn = topology.ranks_per_node_in(self.ep_group) if self.ep_group is not None else 1

@@ -102,7 +102,7 @@ def validate_args(args):
         raise ValueError(f"--moe-router-max-nodes={args.moe_router_max_nodes} must be >= 1")
     _validate_router_topology(args)
     if getattr(args, "topology_file", None):
-        from megatron_moe.topology import load_topology_file
+        from megatron_moe.runtime.topology import load_topology_file
         load_topology_file(args.topology_file)
 
 
@@ -114,7 +114,7 @@ def _validate_router_topology(args):
         return
     if not getattr(args, "num_experts", None):
         raise ValueError(f"--moe-router-topology {mode} needs an MoE model: set --num-experts")
-    from megatron_moe.topology import check_topology_flags
+    from megatron_moe.runtime.topology import check_topology_flags
     check_topology_flags(mode, num_groups=getattr(args, "moe_router_num_groups", None),
                          group_topk=getattr(args, "moe_router_group_topk", None),
                          fusion=getattr(args, "moe_router_fusion", False),

@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_moe import topology
+from megatron_moe.runtime import topology
 from megatron_moe.comm import link
 from megatron_moe.comm.compress import get_compression
 

@@ -2,7 +2,7 @@
 
 NCCL moves device memory only; gloo moves anything, so a host tensor that slips into a collective
 passes every CPU test and fails on the first GPU run ("No backend type associated with device type
-cpu"). With ``MEGATRON_MOE_STRICT_DEVICES=1`` (set by megatron_moe/testing.py for every
+cpu"). With ``MEGATRON_MOE_STRICT_DEVICES=1`` (set by megatron_moe/runtime/local_ranks.py for every
 multi-process test) :func:`enable` wraps the collectives and point-to-point calls of
 ``torch.distributed`` and checks each call:
 
@@ -119,7 +119,7 @@ def host_origin(t) -> str | None:
 # provenance (CPU emulation)
 
 _OWN = ("megatron_moe.", "kernels")                     # production code judged for no-device factories
-_NOT_OWN = ("megatron_moe.testing", "megatron_moe.comm.strict")
+_NOT_OWN = ("megatron_moe.runtime.local_ranks", "megatron_moe.comm.strict")
 
 
 def _tag(out, origin):

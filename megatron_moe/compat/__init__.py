@@ -20,7 +20,7 @@ class _NoWandbForMegatronCore:
     module. megatron-core's timers.py (and its dynamic inference engine) import wandb at module
     import, each guarded by ``except ImportError`` (their W&B writers, unused here), which costs
     seconds of start-up in every process once wandb is installed. Our own W&B writer
-    (megatron_moe/wandb_writer.py, --wandb-project) imports it as usual."""
+    (megatron_moe/training/wandb_writer.py, --wandb-project) imports it as usual."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "wandb":
@@ -30,7 +30,7 @@ class _NoWandbForMegatronCore:
             frame = frame.f_back
         importer = frame.f_globals.get("__name__", "") if frame is not None else ""
         if importer.startswith("megatron.core"):
-            raise ImportError("wandb is loaded by megatron_moe.wandb_writer only")
+            raise ImportError("wandb is loaded by megatron_moe.training.wandb_writer only")
         return None
 
 

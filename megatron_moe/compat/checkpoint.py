@@ -7,7 +7,7 @@ DCP checkpoint itself, as the byte object ``common_state/shard_0_1`` (``.metadat
 ``common.pt`` (a 0.19 checkpoint does not load on 0.16: resume is forward only). Tools that inspect
 a checkpoint without loading it use these helpers instead of assuming ``common.pt``.
 
-The writer (issue 13, megatron_moe/checkpointing.py):
+The writer (issue 13, megatron_moe/training/checkpointing.py):
 
 * ``prestart_writer``: megatron-core creates the writer's results queue on the first save with
   ``multiprocessing.get_context("spawn").Manager()``: a fresh interpreter that re-imports the
@@ -109,11 +109,11 @@ def _start_results_queue(module):
     """What megatron-core's ``get_write_results_queue`` does (``ctx.Manager().Queue()``, spawn
     context, cached in the module), with the Manager's server shielded: it ignores the step-wide
     SIGTERM a preemption sends to every process, which killed it before the save that signal
-    asked for, and dies with this rank (megatron_moe/helper_processes.py)."""
+    asked for, and dies with this rank (megatron_moe/runtime/helper_processes.py)."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
-    from megatron_moe.helper_processes import shield
+    from megatron_moe.runtime.helper_processes import shield
 
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=shield, initargs=(os.getpid(),))
@@ -165,7 +165,7 @@ def install_test_write_delay(seconds: float) -> bool:
     if writer is None or getattr(writer, "_test_delay_installed", False):
         return False
     original = writer.write_preloaded_data  # staticmethod, looked up on the class per save
-    from megatron_moe.launcher import launcher_env   # torchrun's RANK or srun's SLURM_PROCID
+    from megatron_moe.runtime.launcher import launcher_env   # torchrun's RANK or srun's SLURM_PROCID
 
     def delayed(*args, **kwargs):
         first = kwargs.get("local_proc_idx", 0) == 0 and launcher_env().rank == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_moe.helper_processes import shield_data_worker
+from megatron_moe.runtime.helper_processes import shield_data_worker
 
 
 class PretrainingSampler:

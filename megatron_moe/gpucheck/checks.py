@@ -143,7 +143,7 @@ def init_process(mode, deterministic=False):
     import torch
     import torch.distributed as dist
 
-    from megatron_moe.testing import free_port
+    from megatron_moe.runtime.local_ranks import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -202,7 +202,7 @@ def train(argv, probe=None):
 
     import pretrain_gpt_moe
     from megatron_moe import offload as offload_mod
-    from megatron_moe import training as T
+    from megatron_moe.training.loop import loop as T
 
     got = {}
     orig_install = offload_mod.install
@@ -284,7 +284,7 @@ def bf16_peak_tflops(name):
 def _estimate(argv):
     """tools/report_theoretical_memory.py's estimate and the FLOP count for these flags."""
     from megatron_moe.flops import num_floating_point_operations
-    from megatron_moe.model import have_transformer_engine
+    from megatron_moe.models.builder import have_transformer_engine
     from tools import report_theoretical_memory as rtm
 
     # without Transformer Engine megatron-core builds its local layers: unfused attention

@@ -4,7 +4,7 @@ A ``torch_dist`` checkpoint stores global tensors with their offsets, so it is i
 TP/EP/PP layout that wrote it: megatron-core reshards at load. The converter therefore builds the
 model once, unsharded (TP=EP=PP=1, one gloo rank, megatron-core's local layer spec with our MLA
 core attention and the MTP block, as training builds them on CPU), and reads or
-writes the checkpoint through megatron_moe.checkpointing -- the exact code training uses. Loading
+writes the checkpoint through megatron_moe.training.checkpointing -- the exact code training uses. Loading
 a checkpoint saved at EP=k gathers every expert of every rank (dist_checkpointing reads all
 shards), which is why an export can never miss experts.
 """
@@ -81,8 +81,8 @@ def build_model(args):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron_moe import attention
-    from megatron_moe.model import common_model_kwargs, mtp_block_spec, transformer_config_from_args
+    from megatron_moe.models import attention
+    from megatron_moe.models.builder import common_model_kwargs, mtp_block_spec, transformer_config_from_args
 
     config = transformer_config_from_args(args)
     config.perform_initialization = False  # every weight is overwritten

@@ -43,7 +43,7 @@ def read_checkpoint_common(load: str) -> tuple[str, dict]:
     naming the file when there is none (generation must never run on random weights)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_moe.checkpointing import TRACKER, checkpoint_dir, read_tracker
+    from megatron_moe.training.checkpointing import TRACKER, checkpoint_dir, read_tracker
 
     if not os.path.isdir(load):
         raise ValueError(f"--load: {load} is not a directory")
@@ -144,7 +144,7 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        from megatron_moe.model import transformer_config_from_args
+        from megatron_moe.models.builder import transformer_config_from_args
 
         transformer_config_from_args(args)
     except (AssertionError, ValueError) as exc:

@@ -17,7 +17,7 @@ def single_process_port():
     import os
 
     if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
-        from megatron_moe.testing import free_port
+        from megatron_moe.runtime.local_ranks import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
 
@@ -30,11 +30,11 @@ def setup_model(args):
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_moe import global_vars
-    from megatron_moe.checkpointing import load_checkpoint
-    from megatron_moe.initialize import initialize_distributed
-    from megatron_moe.model import gpt_model_provider
-    from megatron_moe.training import _build_tokenizer
+    from megatron_moe.runtime import global_vars
+    from megatron_moe.training.checkpointing import load_checkpoint
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.models.builder import gpt_model_provider
+    from megatron_moe.training.loop import _build_tokenizer
 
     global_vars.set_args(args)
     initialize_distributed(args)

@@ -33,7 +33,7 @@ import torch
 
 def transformer_layers(model) -> list:
     """This rank's transformer layers (GPTModel / BertModel inside Float16Module or DDP)."""
-    from megatron_moe.model import unwrap
+    from megatron_moe.models.builder import unwrap
 
     inner = unwrap(model)
     decoder = getattr(inner, "decoder", None) or getattr(inner, "encoder", None)

@@ -6,7 +6,7 @@ ranks (each rank routes distinct tokens: DP replicas see other data and, with se
 parallelism, TP ranks see other sequence shards) and returns the imbalance figures the training
 log prints. Counts are summed over every micro-batch since the last ``collect()``.
 
-When the EP group spans more than one node (``megatron_moe.topology``: ``--ranks-per-node``,
+When the EP group spans more than one node (``megatron_moe.runtime.topology``: ``--ranks-per-node``,
 ``--topology-file``), the hook also counts the token-expert assignments whose expert lives on
 another node than the routing rank (expert e on EP rank e // (E / EP), node = EP rank // EP ranks
 per node); ``collect()`` reports their share of all assignments as ``cross_node_fraction``.

@@ -1,7 +1,7 @@
 """Topology-aware routing (``--moe-router-topology``): megatron-core's TopKRouter, told where experts live.
 
 Three modes, each a ``TopKRouter`` subclass swapped into the MoE layer spec by
-:func:`customize_spec` (a ``megatron_moe.model.SPEC_HOOKS`` entry). All keep top-k semantics: every
+:func:`customize_spec` (a ``megatron_moe.models.builder.SPEC_HOOKS`` entry). All keep top-k semantics: every
 token gets exactly k distinct experts, and the probabilities of the chosen set are what
 megatron-core's score function gives for it (``topk_routing_with_score_function``).
 
@@ -16,7 +16,7 @@ megatron-core's score function gives for it (``topk_routing_with_score_function`
   probability toward cheap (local) experts; it is logged as ``topology_loss``.
 
 Layout (megatron-core's): expert e lives on EP rank ``e // (E / ep_size)``; EP ranks are node-major,
-``node = ep_rank // R`` with R the EP group's members per node under ``megatron_moe.topology``.
+``node = ep_rank // R`` with R the EP group's members per node under ``megatron_moe.runtime.topology``.
 See docs/topology_routing.md for the formulas and the choices made.
 """
 
@@ -32,7 +32,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_moe.compat import replace_spec, spec_submodules
-from megatron_moe.topology import check_topology_flags
+from megatron_moe.runtime.topology import check_topology_flags
 
 __all__ = ["EPLayout", "ep_layout", "customize_spec", "NodeLimitedRouter", "CongestionRouter",
            "TopologyLossRouter", "congestion_cap", "congestion_topk", "link_costs", "ROUTERS"]
@@ -76,7 +76,7 @@ def ep_layout(ep_group=None, topo=None) -> EPLayout:
     """The layout of ``ep_group`` (default: megatron-core's EP group) under the process topology."""
     import torch.distributed as dist
 
-    from megatron_moe import topology
+    from megatron_moe.runtime import topology
 
     topo = topo or topology.current()
     if not dist.is_initialized():

@@ -39,7 +39,7 @@ def _itemsize(dtype) -> int:
 
 def moe_layers(model_chunks):
     """(MoE module, experts module) of every MoE layer, in forward order."""
-    from megatron_moe.model import unwrap
+    from megatron_moe.models.builder import unwrap
 
     out = []
     for chunk in model_chunks:

@@ -2,7 +2,7 @@
 
 ``Cluster`` holds the machine (nodes x GPUs, link bandwidths and latencies) and the model constants
 (expert throughput, bytes per input, expert parameter / optimizer-state bytes, non-MoE block times).
-It is built from a topology JSON (same keys as ``megatron_moe/topology.py``'s ``--topology-file``) or
+It is built from a topology JSON (same keys as ``megatron_moe/runtime/topology.py``'s ``--topology-file``) or
 from a calibration profile JSON (keys below), and it is the single place the simulator reads
 constants from; ``planner_cost()`` turns it into the cost object the policies consume.
 

@@ -44,7 +44,7 @@ def load_checkpoint(args):
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_moe.checkpointing import checkpoint_dir, read_tracker
+    from megatron_moe.training.checkpointing import checkpoint_dir, read_tracker
     from megatron_moe.hf import megatron_side
     from megatron_moe.hf.families import guess_family, rules_for, spec_from_args
 

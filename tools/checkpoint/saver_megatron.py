@@ -1,7 +1,7 @@
 """Saver: a Megatron checkpoint in our layout (latest_checkpointed_iteration.txt, iter_XXXXXXX/
 torch_dist), loadable by pretrain_gpt_moe.py at the target TP/PP/EP or any other layout.
 
-The weights are written once, as global tensors, through megatron_moe.checkpointing's own
+The weights are written once, as global tensors, through megatron_moe.training.checkpointing's own
 save_checkpoint (megatron_moe/hf/megatron_side.py says why no per-rank copies are needed). The
 stored args are what pretrain_gpt_moe.py parses from the model flags plus the target layout; the
 HF config travels in the checkpoint (extra_state['hf']) so an export reproduces it.
@@ -101,7 +101,7 @@ def save_checkpoint(metadata, tensors, args):
     quiet_known_warnings()
     import torch
 
-    from megatron_moe.checkpointing import save_checkpoint as save
+    from megatron_moe.training.checkpointing import save_checkpoint as save
     from megatron_moe.hf import megatron_side
 
     if metadata.get("hf_config") is None or not hasattr(tensors, "read"):

@@ -15,7 +15,7 @@ def set_args(args):
 
 def get_args():
     if _ARGS is None:
-        raise RuntimeError("args are not set: call megatron_moe.training.pretrain() first")
+        raise RuntimeError("args are not set: call megatron_moe.training.loop.pretrain() first")
     return _ARGS
 
 

@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 # Modules offering ``customize_spec(args, spec) -> spec``; applied in this order.
 SPEC_HOOKS = (
-    "megatron_moe.attention",          # MLA: core attention with unequal q/k and v head dims
+    "megatron_moe.models.attention",          # MLA: core attention with unequal q/k and v head dims
     "megatron_moe.moe.dispatcher",
     "megatron_moe.moe.topo_router",
     "megatron_moe.balance",
@@ -179,7 +179,7 @@ def common_model_kwargs(args, config, pre_process, post_process, vp_stage) -> di
 
 
 def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None) -> GPTModel:
-    from megatron_moe.embedding import partition_word_embeddings
+    from megatron_moe.models.embedding import partition_word_embeddings
 
     config = transformer_config_from_args(args)
     spec = gpt_layer_spec(args, config)

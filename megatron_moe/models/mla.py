@@ -3,7 +3,7 @@
 Megatron-LM's names, defaults and meanings (megatron/training/arguments.py, ``_add_mla_args`` and
 the TransformerConfig-derived flags): the values go into megatron-core's ``MLATransformerConfig``
 by field name (model.transformer_config_from_args). On CPU, MLA's core attention is
-``megatron_moe.attention.UnequalHeadDotProductAttention``; MTP is megatron-core's
+``megatron_moe.models.attention.UnequalHeadDotProductAttention``; MTP is megatron-core's
 ``MultiTokenPredictionBlock`` (model.gpt_model_provider), its loss logged as Megatron prints it.
 
 The combinations megatron-core cannot build are refused here, before any process group starts.
@@ -69,6 +69,6 @@ def validate_args(args):
 
 
 def _have_te() -> bool:
-    from megatron_moe.model import have_transformer_engine
+    from megatron_moe.models.builder import have_transformer_engine
 
     return have_transformer_engine()

@@ -18,7 +18,7 @@ from datetime import datetime
 import torch
 import torch.distributed as dist
 
-from megatron_moe import global_vars
+from megatron_moe.runtime import global_vars
 from megatron_moe.compat import install_megatron_core_stubs, quiet_known_warnings
 
 quiet_known_warnings()
@@ -93,13 +93,13 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_moe.checkpointing import CheckpointError, load_checkpoint
-    from megatron_moe.initialize import initialize_distributed
-    from megatron_moe.model import get_model
+    from megatron_moe.training.checkpointing import CheckpointError, load_checkpoint
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.models.builder import get_model
 
     start = time.time()
     global_vars.set_args(args)
-    from megatron_moe.dist_signal_handler import ExitConditions
+    from megatron_moe.runtime.dist_signal_handler import ExitConditions
 
     exit_conditions = ExitConditions(args, start)  # handler first: a notice may come during setup
     initialize_distributed(args)
@@ -109,7 +109,7 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         prestart_writer()  # the checkpoint writer's one-time start (~0.1 s), not in the first save
     _build_tokenizer(args)
     if args.load:
-        from megatron_moe.checkpointing import keep_checkpoint_vocab_padding
+        from megatron_moe.training.checkpointing import keep_checkpoint_vocab_padding
 
         try:
             keep_checkpoint_vocab_padding(args)   # resuming at another TP: the trained padding
@@ -129,7 +129,7 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     # Megatron-LM's train(): the schedule multiplies each micro-batch loss by the optimizer's
     # loss scale before backward (fp16 dynamic scaling; 1.0 for bf16/fp32), which the
     # optimizer divides out of the grads again
-    from megatron_moe.model import unwrap as _unwrap
+    from megatron_moe.models.builder import unwrap as _unwrap
 
     _unwrap(model[0]).config.grad_scale_func = optimizer.scale_loss
     gbs = args.global_batch_size
@@ -166,7 +166,7 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
     finally:
         exit_conditions.close()
-    from megatron_moe.checkpointing import finalize_async_save
+    from megatron_moe.training.checkpointing import finalize_async_save
 
     finalize_async_save(blocking=True)  # --async-save: the last checkpoint is complete on exit
     hooks.close()
@@ -221,7 +221,7 @@ class TrainingHooks:
     def __init__(self, args, model, optimizer=None):
         from megatron.core import parallel_state
 
-        from megatron_moe.model import unwrap
+        from megatron_moe.models.builder import unwrap
         from megatron_moe.moe.telemetry import ExpertLoadTracker
 
         self.args = args
@@ -251,7 +251,7 @@ class TrainingHooks:
                 self.balance.set_optimizer(optimizer)
         self.writer = None
         if dist.get_rank() == dist.get_world_size() - 1:  # the rank with the loss (Megatron's)
-            from megatron_moe.wandb_writer import build_writer
+            from megatron_moe.training.wandb_writer import build_writer
 
             if args.tensorboard_dir:
                 from torch.utils.tensorboard import SummaryWriter
@@ -312,7 +312,7 @@ class Trainer:
         self.skipped_iters = 0
         self.nan_iters = 0
         if exit_conditions is None:
-            from megatron_moe.dist_signal_handler import ExitConditions
+            from megatron_moe.runtime.dist_signal_handler import ExitConditions
 
             exit_conditions = ExitConditions(args)
         # --exit-signal-handler / --exit-duration-in-mins: all ranks agree each iteration
@@ -367,7 +367,7 @@ class Trainer:
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, train_iter, valid_iter, iteration, consumed_train, consumed_valid):
-        from megatron_moe.checkpointing import finalize_async_save, save_checkpoint
+        from megatron_moe.training.checkpointing import finalize_async_save, save_checkpoint
 
         args = self.args
         for chunk in self.model:

@@ -9,12 +9,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_moe import launcher as _launcher
+from megatron_moe.runtime import launcher as _launcher
 
 
 def launcher_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's variables, else Slurm's, else a single process
-    (megatron_moe/launcher.py: the parser reads the same)."""
+    (megatron_moe/runtime/launcher.py: the parser reads the same)."""
     env = _launcher.launcher_env()
     return env.rank, env.world_size, env.local_rank
 
@@ -55,7 +55,7 @@ def _initialize_topology(args):
     every rank."""
     from megatron.core import parallel_state
 
-    from megatron_moe import topology
+    from megatron_moe.runtime import topology
     from megatron_moe.comm import link
 
     topology.reset()

@@ -43,10 +43,10 @@ def free_port() -> int:
 
 # imported once by the fork server, in the order a rank imports them: megatron_moe first (its
 # __init__ keeps megatron-core's import-time ``import wandb`` from loading wandb, and silences the
-# TE/apex notices), megatron_moe.training (registers the 0.19 triton stub before megatron-core), then
+# TE/apex notices), megatron_moe.training.loop (registers the 0.19 triton stub before megatron-core), then
 # the megatron-core modules every training rank loads. None of them reads the environment at import
 # in a way the tests vary; a module that fails to import is skipped by multiprocessing.
-_PRELOAD = ["megatron_moe", "megatron_moe.training", "torch", "torch.distributed", "megatron.core",
+_PRELOAD = ["megatron_moe", "megatron_moe.training.loop", "torch", "torch.distributed", "megatron.core",
             "megatron.core.models.gpt", "megatron.core.optimizer",
             "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel",
             "megatron.core.transformer.moe.moe_layer",

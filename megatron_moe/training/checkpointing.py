@@ -35,7 +35,7 @@ from megatron.core.dist_checkpointing.serialization import (
     get_default_save_sharded_strategy,
 )
 
-from megatron_moe.model import unwrap
+from megatron_moe.models.builder import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
