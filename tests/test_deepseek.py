@@ -221,7 +221,7 @@ def test_v2_lite_cpu_example_trains_resumes_exactly_and_generates(tmp_path):
     ("--moe-balance-policy proprophet", "--moe-balance-policy proprophet cannot be combined with "
                                         "--mtp-num-layers"),
     ("--embedding-partition hidden --expert-model-parallel-size 2",
-     "--embedding-partition hidden does not support --mtp-num-layers"),
+     "--embedding-partition hidden cannot be combined with --mtp-num-layers"),
 ], ids=["mla-gqa", "mtp-learned-pos", "kv-lora-0", "bias-softmax", "groups-3", "balance-mtp",
         "embedding-hidden-mtp"])
 def test_bad_combinations_fail_at_parse_time(extra, message, capsys):

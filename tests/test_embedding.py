@@ -10,7 +10,14 @@ import tempfile
 
 import pytest
 
-from megatron_moe.models.embedding import add_arguments, validate_args
+from megatron_moe import features
+from megatron_moe.models import embedding
+from megatron_moe.models.embedding import add_arguments
+
+
+def validate_args(args):
+    """The embedding feature's checks and declared exclusions, as the parser runs them."""
+    features.validate_args(args, features=(embedding,))
 from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _embed_cases as cases
 

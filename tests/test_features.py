@@ -6,12 +6,14 @@ import copy
 import pytest
 
 from megatron_moe import arguments, balance, features, offload
+from megatron_moe.models import embedding
 from megatron_moe.flags.exclusions import Exclusion
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--lr 1e-3 --train-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 "
         "--num-experts 4 --disable-bias-linear").split()
-ON = {balance: ["--moe-balance-policy", "proprophet"], offload: ["--moe-expert-offload", "host"]}
+ON = {balance: ["--moe-balance-policy", "proprophet"], offload: ["--moe-expert-offload", "host"],
+      embedding: ["--embedding-partition", "hidden", "--untie-embeddings-and-output-weights"]}
 DECLARED = [(f, ex) for f in ON for ex in f.EXCLUDES]
 
 
@@ -41,7 +43,7 @@ def test_exclusion_refused_at_parse_time_with_one_line(capsys):
                              world_size=2, check_data_paths=False)
     assert err.value.code == 2
     line = capsys.readouterr().err.splitlines()[0]
-    assert "--moe-balance-policy proprophet: needs --tensor-model-parallel-size 1 (got 2)" in line
+    assert "--moe-balance-policy proprophet needs --tensor-model-parallel-size 1 (got 2)" in line
 
 
 def test_exclusions_are_the_check(monkeypatch):

@@ -122,6 +122,8 @@ EXCLUDES = (
     Exclusion("--moe-pad-expert-input-to-capacity", _OWN_EXCHANGE),
     Exclusion("--moe-shared-expert-overlap", _OWN_EXCHANGE),
     Exclusion("--moe-latent-size", _OWN_EXCHANGE),
+    Exclusion("--mtp-num-layers", "the balancer keys its plans by layer number; megatron-core "
+              "numbers the MTP layer's inner layer from 1"),
 )
 
 

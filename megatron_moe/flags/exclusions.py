@@ -41,8 +41,8 @@ class Exclusion:
     def message(self, setting: str, args) -> str:
         if self.needs_one:
             value = getattr(args, _dest(self.flag), None)
-            return f"{setting}: needs {self.flag} 1 (got {value}); {self.reason}"
-        return f"{setting}: cannot be combined with {self.flag} ({self.reason})"
+            return f"{setting} needs {self.flag} 1 (got {value}); {self.reason}"
+        return f"{setting} cannot be combined with {self.flag} ({self.reason})"
 
 
 def check(setting: str | None, exclusions, args) -> None:

@@ -51,6 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import all_to_all
 
+from megatron_moe.flags.exclusions import Exclusion
+
 # torch >= 2.13 renames all_gather_into_tensor (same arguments); older torch has only the old name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -79,22 +81,10 @@ def validate_args(args) -> None:
     """Reject configurations the hidden split cannot serve; ValueError names the flag."""
     if getattr(args, "embedding_partition", "vocab") != "hidden":
         return
-    for flag, attr in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
-                       ("--context-parallel-size", "context_parallel_size"),
-                       ("--expert-tensor-parallel-size", "expert_tensor_parallel_size")):
-        value = getattr(args, attr, 1) or 1
-        if value != 1:
-            raise ValueError(
-                f"--embedding-partition hidden needs {flag} 1 (got {value}): the column split "
-                f"spans ranks with different data; tensor/context/expert-tensor peers share or "
-                f"split one sequence and would count its gradient twice")
     if not getattr(args, "untie_embeddings_and_output_weights", False):
         raise ValueError(
             "--embedding-partition hidden needs --untie-embeddings-and-output-weights: a tied "
             "output layer would need the full [V, H] table on every rank")
-    if getattr(args, "mtp_num_layers", None):
-        raise ValueError("--embedding-partition hidden does not support --mtp-num-layers "
-                         "(multi-token prediction reuses the tied embedding)")
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     dp = getattr(args, "data_parallel_size", None)
     group = getattr(args, "embedding_partition_group", "auto")
@@ -109,6 +99,22 @@ def validate_args(args) -> None:
         raise ValueError(f"--hidden-size ({hidden}) is not divisible by the embedding partition "
                          f"size (--expert-model-parallel-size {ep}) for --embedding-partition "
                          f"hidden")
+
+
+def setting(args):
+    """``--embedding-partition hidden`` when on (megatron_moe/features.py checks ``EXCLUDES``)."""
+    return "--embedding-partition hidden" if getattr(args, "embedding_partition", "vocab") == "hidden" \
+        else None
+
+
+_PEERS = ("the column split spans ranks with different data; tensor/context/expert-tensor peers "
+          "share or split one sequence and would count its gradient twice")
+EXCLUDES = (
+    Exclusion("--tensor-model-parallel-size", _PEERS, needs_one=True),
+    Exclusion("--context-parallel-size", _PEERS, needs_one=True),
+    Exclusion("--expert-tensor-parallel-size", _PEERS, needs_one=True),
+    Exclusion("--mtp-num-layers", "multi-token prediction reuses the tied embedding"),
+)
 
 
 # --- the module -----------------------------------------------------------------------------------

@@ -60,12 +60,6 @@ def validate_args(args):
         if args.position_embedding_type not in ("rope", "none"):
             raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope or none "
                              f"(got {args.position_embedding_type})")
-        policy = getattr(args, "moe_balance_policy", "none") or "none"
-        if policy != "none" or getattr(args, "moe_routing_trace_dir", None):
-            what = f"--moe-balance-policy {policy}" if policy != "none" else "--moe-routing-trace-dir"
-            raise ValueError(f"{what} cannot be combined with --mtp-num-layers (the balancer keys "
-                             "its plans by layer number; megatron-core numbers the MTP layer's "
-                             "inner layer from 1)")
 
 
 def _have_te() -> bool:
