@@ -4,35 +4,16 @@ Everything is validated here, before any process group starts, so a bad launch f
 with one line naming the flag (argparse's ``error: ...`` on stderr, exit code 2) instead of a hang
 or a traceback on every rank. ``allow_abbrev=False``: a misspelt flag is an error, never a guess.
 
-Feature areas add their own flags through ``add_arguments(parser)`` hooks (comm, balance,
-embedding); they are collected in ``_EXTENSION_MODULES``.
+Features add their own flags, checks and refusals through one protocol (megatron_moe/features.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 
-_EXTENSION_MODULES = (
-    "megatron_moe.comm",
-    "megatron_moe.balance",
-    "megatron_moe.models.embedding",
-    "megatron_moe.moe.dispatcher",
-    "megatron_moe.moe.grouped_experts",   # --moe-torch-grouped-gemm
-    "megatron_moe.offload",
-    "megatron_moe.runtime.dist_signal_handler",   # --exit-signal, --exit-duration-in-mins
-    "megatron_moe.training.wandb_writer",          # --wandb-project, --wandb-exp-name, ...
-    "megatron_moe.models.mla",                   # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
-    "megatron_moe.models.gpt_oss",               # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
-)
-
-
-def extension_modules():
-    """The feature modules, imported. They are part of this package: one that fails to import is a
-    broken install, so its ImportError stops the launch here (never silently drops its flags)."""
-    return [importlib.import_module(name) for name in _EXTENSION_MODULES]
-
+from megatron_moe import features
+from megatron_moe.flags.types import layer_freq as _layer_freq
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -51,9 +32,7 @@ def build_parser(extra_args_provider=None, prog="pretrain_gpt_moe.py") -> argpar
     _add_data_args(p)
     _add_checkpoint_args(p)
     _add_logging_args(p)
-    for module in extension_modules():
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(p)
+    features.add_arguments(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p) or p
     from megatron_moe import flags
@@ -279,46 +258,10 @@ def _add_logging_args(p):
     g.add_argument("--no-log-expert-load", action="store_false", dest="log_expert_load")
 
 
-def _layer_freq(text):
-    """Megatron's moe_freq_type: an int N, or a list expression such as '([0]+[1]*26)'."""
-    text = text.strip()
-    if "[" in text:
-        try:
-            values = _list_expression(text)
-        except (ValueError, SyntaxError):
-            raise argparse.ArgumentTypeError(f"invalid list expression {text!r}")
-        if any(v not in (0, 1) for v in values):
-            raise argparse.ArgumentTypeError("list entries must be 0 or 1")
-        return values
-    return int(text)
-
-
-def _list_expression(text):
-    """Evaluate list literals of ints joined by + and * (Megatron eval()s the string; no eval here)."""
-    import ast
-
-    def value(node):
-        if isinstance(node, ast.List):
-            return [value(e) for e in node.elts]
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = value(node.left), value(node.right)
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ValueError(text)
-
-    out = value(ast.parse(text, mode="eval").body)
-    if not isinstance(out, list) or not all(type(v) is int for v in out):
-        raise ValueError(text)
-    return out
-
-
 # --- validation ------------------------------------------------------------------------------------
 def validate_extension_args(args):
-    """The feature modules' own checks (ValueError names the flag)."""
-    for module in extension_modules():
-        if hasattr(module, "validate_args"):
-            module.validate_args(args)
+    """The features' own checks and declared exclusions (ValueError names the flags)."""
+    features.validate_args(args)
 
 
 def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_size=None,

@@ -1,10 +1,9 @@
 """Load balancing by lightweight expert replication (Pro-Prophet). See docs/balance.md.
 
-Integration (the training loop calls exactly these):
+A feature (megatron_moe/features.py): its flags, checks, spec edit and run hooks; the run calls
 
-    balance.add_arguments(parser)
-    spec = balance.install(args, spec)                 # MoELayer -> BalancedMoELayer in the layer spec
-    mgr = balance.BalanceManager(args, model_chunks)   # after the model is built
+    spec = balance.customize_spec(args, spec)          # MoELayer -> BalancedMoELayer in the layer spec
+    mgr = balance.run_hooks(args, model_chunks, optimizer)  # a BalanceManager, after the model is built
     ... forward/backward of all micro-batches ...
     mgr.set_optimizer(optimizer)                       # FlexMoE persistent replicas (else transient)
     mgr.before_finalize_grads()                        # Agg: before finalize_model_grads / clip / step
@@ -25,7 +24,10 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["add_arguments", "validate_args", "install", "customize_spec", "BalanceManager"]
+from megatron_moe.flags.exclusions import Exclusion
+
+__all__ = ["add_arguments", "validate_args", "setting", "EXCLUDES", "install", "customize_spec",
+           "run_hooks", "BalanceManager"]
 
 _DEFAULTS = dict(moe_balance_policy="none", moe_balance_alpha=1.0, moe_balance_n=0, moe_balance_interval=1,
                  moe_balance_overlap=False, moe_balance_profile=None, moe_balance_predictor="last",
@@ -96,27 +98,31 @@ def _check_args(args):
 
 
 def validate_args(args):
-    """Parse-time checks (arguments.parse_args, before any process group): the flags' ranges, and
-    the configurations the balanced layer cannot run, which it would otherwise hand silently to the
-    stock layer. ValueError names the flag."""
+    """Parse-time checks of the flags' ranges (arguments.parse_args, before any process group);
+    what the balanced layer cannot run with is ``EXCLUDES`` (megatron_moe/features.py checks it)."""
     _check_args(args)
+
+
+def setting(args):
+    """``--moe-balance-policy X`` (or ``--moe-routing-trace-dir``) when the balanced layer is on."""
     policy = args.moe_balance_policy
     if not getattr(args, "num_experts", None) or (policy == "none" and not args.moe_routing_trace_dir):
-        return
-    what = f"--moe-balance-policy {policy}" if policy != "none" else "--moe-routing-trace-dir"
-    for flag, attr in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
-                       ("--expert-tensor-parallel-size", "expert_tensor_parallel_size")):
-        value = getattr(args, attr, 1) or 1
-        if value != 1:
-            raise ValueError(f"{what}: needs {flag} 1 (got {value}); the balanced layer "
-                             "exchanges whole tokens over the expert-parallel group")
-    for flag, attr in (("--moe-grouped-gemm", "moe_grouped_gemm"),
-                       ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity"),
-                       ("--moe-shared-expert-overlap", "moe_shared_expert_overlap"),
-                       ("--moe-latent-size", "moe_latent_size")):
-        if getattr(args, attr, None):
-            raise ValueError(f"{what}: cannot be combined with {flag} (the balanced layer needs "
-                             "SequentialMLP experts and its own token exchange)")
+        return None
+    return f"--moe-balance-policy {policy}" if policy != "none" else "--moe-routing-trace-dir"
+
+
+_WHOLE_TOKENS = "the balanced layer exchanges whole tokens over the expert-parallel group"
+_OWN_EXCHANGE = "the balanced layer needs SequentialMLP experts and its own token exchange"
+# the configurations the balanced layer cannot run, which it would otherwise hand silently to the
+# stock layer
+EXCLUDES = (
+    Exclusion("--tensor-model-parallel-size", _WHOLE_TOKENS, needs_one=True),
+    Exclusion("--expert-tensor-parallel-size", _WHOLE_TOKENS, needs_one=True),
+    Exclusion("--moe-grouped-gemm", _OWN_EXCHANGE),
+    Exclusion("--moe-pad-expert-input-to-capacity", _OWN_EXCHANGE),
+    Exclusion("--moe-shared-expert-overlap", _OWN_EXCHANGE),
+    Exclusion("--moe-latent-size", _OWN_EXCHANGE),
+)
 
 
 def install(args, layer_spec, force: bool = False):
@@ -146,10 +152,21 @@ def install(args, layer_spec, force: bool = False):
 
 
 def customize_spec(args, spec):
-    """The model builder's spec hook (megatron_moe/models/builder.py SPEC_HOOKS)."""
+    """The feature's spec edit (megatron_moe/features.py)."""
     if not getattr(args, "num_experts", None):
         return spec
     return install(args, spec)
+
+
+def run_hooks(args, model, optimizer=None, tracker=None):
+    """The feature's part of the training step (megatron_moe/features.py): a BalanceManager for
+    every MoE model (it also writes routing traces and statistics with policy none)."""
+    if not getattr(args, "num_experts", None):
+        return None
+    manager = BalanceManager(args, model, tracker=tracker)
+    if optimizer is not None:
+        manager.set_optimizer(optimizer)
+    return manager
 
 
 class BalanceManager:

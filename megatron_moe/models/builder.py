@@ -1,14 +1,13 @@
 """Model construction: args -> megatron-core TransformerConfig, layer spec, GPTModel, DDP.
 
-The MoE layer spec is megatron-core's; feature modules customise it through ``SPEC_HOOKS``
-(each ``hook(args, block_spec) -> block_spec``): the dispatcher (fused permute, pluggable
+The MoE layer spec is megatron-core's; features customise it (megatron_moe/features.py,
+``customize_spec(args, block_spec) -> block_spec``): the dispatcher (fused permute, pluggable
 all-to-all), the topology-aware router and the load balancer swap in their classes there.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -20,15 +19,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-# Modules offering ``customize_spec(args, spec) -> spec``; applied in this order.
-SPEC_HOOKS = (
-    "megatron_moe.models.attention",          # MLA: core attention with unequal q/k and v head dims
-    "megatron_moe.moe.dispatcher",
-    "megatron_moe.moe.topo_router",
-    "megatron_moe.balance",
-    "megatron_moe.moe.grouped_experts",  # SequentialMLP -> GroupedSequentialMLP (one flag)
-)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -145,11 +135,9 @@ def use_transformer_engine(args) -> bool:
 
 def gpt_layer_spec(args, config):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine(args))
-    for name in SPEC_HOOKS:  # this package's own modules: an ImportError is a broken install
-        module = importlib.import_module(name)
-        if hasattr(module, "customize_spec"):
-            spec = module.customize_spec(args, spec)
-    return spec
+    from megatron_moe import features  # the wiring module above the stage packages
+
+    return features.customize_spec(args, spec)
 
 
 def mtp_block_spec(args, config, spec, vp_stage=None):

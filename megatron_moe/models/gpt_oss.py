@@ -30,7 +30,7 @@ def _window(text):
 
 
 def add_arguments(parser):
-    from megatron_moe.arguments import _layer_freq
+    from megatron_moe.flags.types import layer_freq as _layer_freq
 
     g = parser.add_argument_group("gpt-oss: attention sinks, sliding windows, clamped GEGLU, YaRN")
     a = g.add_argument

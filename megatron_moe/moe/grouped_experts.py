@@ -120,7 +120,7 @@ def _aligned(t):
 
 
 def customize_spec(args, spec):
-    """The model builder's spec hook (megatron_moe/models/builder.py SPEC_HOOKS): SequentialMLP experts ->
+    """The feature's spec edit (megatron_moe/features.py): SequentialMLP experts ->
     GroupedSequentialMLP under --moe-torch-grouped-gemm."""
     if not getattr(args, "moe_torch_grouped_gemm", False):
         return spec

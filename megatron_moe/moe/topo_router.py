@@ -1,7 +1,7 @@
 """Topology-aware routing (``--moe-router-topology``): megatron-core's TopKRouter, told where experts live.
 
 Three modes, each a ``TopKRouter`` subclass swapped into the MoE layer spec by
-:func:`customize_spec` (a ``megatron_moe.models.builder.SPEC_HOOKS`` entry). All keep top-k semantics: every
+:func:`customize_spec` (its spec edit as a feature, megatron_moe/features.py). All keep top-k semantics: every
 token gets exactly k distinct experts, and the probabilities of the chosen set are what
 megatron-core's score function gives for it (``topk_routing_with_score_function``).
 

@@ -2,10 +2,9 @@
 uses on the host (``--moe-expert-offload host``) or in files behind an LFU host cache (``ssd``),
 with the compute device holding only a K-layer arena filled by 2D prefetch. See docs/offload.md.
 
-Integration (the training loop calls exactly these)::
+A feature (megatron_moe/features.py); the run calls::
 
-    offload.add_arguments(parser); offload.validate_args(args)     # via arguments.py
-    mgr = offload.install(args, model_chunks, optimizer)           # None when --moe-expert-offload none
+    mgr = offload.run_hooks(args, model_chunks, optimizer)         # None when --moe-expert-offload none
     with mgr.checkpoint_io(load=True): load_checkpoint(...)        # and load=False around saves
     print(mgr.log_line())                                          # each log interval
     mgr.close()
@@ -15,7 +14,9 @@ The copy link and slot arena shared with ring-memory inference are in ``offload/
 
 from __future__ import annotations
 
-__all__ = ["add_arguments", "validate_args", "install"]
+from megatron_moe.flags.exclusions import Exclusion
+
+__all__ = ["add_arguments", "validate_args", "setting", "EXCLUDES", "run_hooks", "install"]
 
 
 def add_arguments(parser):
@@ -78,18 +79,6 @@ def validate_args(args):
                          f"layer prefetched), got {args.moe_offload_cache_layers}")
     if args.moe_offload_link_gbps is not None and args.moe_offload_link_gbps <= 0:
         raise ValueError(f"--moe-offload-link-gbps must be > 0 (got {args.moe_offload_link_gbps})")
-    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
-        raise ValueError("--moe-expert-offload: pipeline parallelism is not supported (1F1B "
-                         "interleaves micro-batches, the 2D prefetch assumes forward then backward)")
-    if getattr(args, "use_distributed_optimizer", False):
-        raise ValueError("--moe-expert-offload: --use-distributed-optimizer is not supported (its "
-                         "parameter buffer owns param.data, which offload moves)")
-    if getattr(args, "moe_grouped_gemm", False):
-        raise ValueError("--moe-expert-offload: --moe-grouped-gemm is not supported (grouped "
-                         "experts fuse gradient accumulation into the device main_grad)")
-    if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
-        raise ValueError("--moe-expert-offload: --moe-balance-policy must be none (replicas "
-                         "would need their own tiering)")
     if mode == "ssd":
         if not args.moe_offload_dir:
             raise ValueError("--moe-expert-offload ssd needs --moe-offload-dir")
@@ -103,6 +92,29 @@ def validate_args(args):
                              f"(got {args.moe_offload_host_cache_gb})")
         if args.moe_offload_cache_policy is None:
             args.moe_offload_cache_policy = "lfu"
+
+
+def setting(args):
+    """``--moe-expert-offload host|ssd`` when on (megatron_moe/features.py)."""
+    mode = getattr(args, "moe_expert_offload", "none")
+    return None if mode in (None, "none") else f"--moe-expert-offload {mode}"
+
+
+EXCLUDES = (
+    Exclusion("--pipeline-model-parallel-size", "1F1B interleaves micro-batches, the 2D prefetch "
+              "assumes forward then backward", needs_one=True),
+    Exclusion("--use-distributed-optimizer", "its parameter buffer owns param.data, which "
+              "offload moves"),
+    Exclusion("--moe-grouped-gemm", "grouped experts fuse gradient accumulation into the device "
+              "main_grad"),
+    Exclusion("--moe-balance-policy", "replicas would need their own tiering"),
+)
+
+
+def run_hooks(args, model, optimizer=None, tracker=None):
+    """The feature's part of the training step: the ExpertOffload manager (checkpoint_io around
+    saves and loads, a log line per interval, close), None when --moe-expert-offload none."""
+    return install(args, model, optimizer)
 
 
 def install(args, model_chunks, optimizer=None):

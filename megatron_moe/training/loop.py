@@ -216,11 +216,13 @@ def _iterator(args, dataset, consumed):
 
 
 class TrainingHooks:
-    """Feature modules that act around a training step (telemetry, load balancing, writers)."""
+    """What acts around a training step: the features' run hooks (megatron_moe/features.py), the
+    expert-load tracker (telemetry for the log line) and the writers (TensorBoard, W&B)."""
 
     def __init__(self, args, model, optimizer=None):
         from megatron.core import parallel_state
 
+        from megatron_moe import features
         from megatron_moe.models.builder import unwrap
         from megatron_moe.moe.telemetry import ExpertLoadTracker
 
@@ -231,24 +233,7 @@ class TrainingHooks:
                                              args.expert_model_parallel_size,
                                              mtp_num_layers=getattr(args, "mtp_num_layers", None))
             self.tracker.attach([unwrap(m) for m in model])
-        self.balance = None
-        from megatron_moe import balance
-
-        if args.num_experts:
-            self.balance = balance.BalanceManager(args, model, tracker=self.tracker)
-            # Agg (replica grads -> owner) must precede megatron-core's grad finalisation
-            config = unwrap(model[0]).config
-            finalize = config.finalize_model_grads_func
-
-            def finalize_with_agg(*a, **k):
-                self.balance.before_finalize_grads()
-                out = finalize(*a, **k)
-                self.balance.after_finalize_grads()    # persistent replicas: final grads to replicas
-                return out
-
-            config.finalize_model_grads_func = finalize_with_agg
-            if optimizer is not None:
-                self.balance.set_optimizer(optimizer)
+        self.features = features.RunHooks(args, model, optimizer, tracker=self.tracker)
         self.writer = None
         if dist.get_rank() == dist.get_world_size() - 1:  # the rank with the loss (Megatron's)
             from megatron_moe.training.wandb_writer import build_writer
@@ -259,37 +244,38 @@ class TrainingHooks:
                 self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
             self.writer = build_writer(args, self.writer)  # + W&B with --wandb-project
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        from megatron_moe import offload  # --moe-expert-offload: hooks on the MoE layers
 
-        self.offload = offload.install(args, model, optimizer)
+    @property
+    def balance(self):
+        return self.features.get("balance")
+
+    @property
+    def offload(self):
+        return self.features.get("offload")
 
     def checkpoint_io(self, load=False):
-        import contextlib
-
-        return self.offload.checkpoint_io(load) if self.offload is not None \
-            else contextlib.nullcontext()
+        return self.features.checkpoint_io(load)
 
     def after_optimizer_step(self, update_successful, grad_norm):
-        if self.balance is not None:
-            self.balance.after_optimizer_step(update_successful, grad_norm)
+        self.features.after_optimizer_step(update_successful, grad_norm)
 
     def after_step(self, iteration):
-        if self.balance is not None:
-            self.balance.after_step(iteration)
+        self.features.after_step(iteration)
 
     def metrics(self) -> dict:
-        return self.balance.metrics() if self.balance is not None else {}
+        return self.features.metrics()
+
+    def log_lines(self) -> list:
+        return self.features.log_lines()
 
     def state_dict(self):
-        return {"balance": self.balance.state_dict()} if self.balance is not None else {}
+        return self.features.state_dict()
 
     def load_state_dict(self, state):
-        if self.balance is not None and state.get("balance"):
-            self.balance.load_state_dict(state["balance"])
+        self.features.load_state_dict(state)
 
     def close(self):
-        if self.offload is not None:
-            self.offload.close()
+        self.features.close()
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
@@ -494,8 +480,8 @@ class Trainer:
         loads = self.hooks.tracker.collect() if self.hooks.tracker is not None else []
         extra = self.hooks.metrics()
         print_rank_last(line)
-        if getattr(self.hooks, "offload", None) is not None:   # --moe-expert-offload
-            print_rank_last(self.hooks.offload.log_line())
+        for line in self.hooks.log_lines():   # the features' own lines (--moe-expert-offload)
+            print_rank_last(line)
         from megatron_moe.comm import link as ep_link
 
         if ep_link.active():                                    # --moe-ep-link-gbps
