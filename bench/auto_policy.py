@@ -5,18 +5,21 @@ For every (GPUs, Zipf s, drift sigma) cell: one synthetic trace (``sim.traces.sy
 simulated mean iteration time of ``none``, ``proprophet`` (transient replicas), ``flexmoe``
 (persistent replicas) and ``auto`` (the cost model picks one of the three per EP group, layer and
 re-plan) on the same trace and cluster; prints auto / best single policy per cell, the choices auto
-made, and the worst ratio. ``--bound`` (default 1.03, issue 21 item 5) makes the exit status 1 if a
-cell exceeds it.
+made, and the worst ratio. ``--bound`` (default 1.03: auto should cost at most 3% over the best single
+policy it chooses among) makes the exit status 1 if a cell exceeds it.
 
 Every cell runs ``--layers`` x ``--iterations`` (2 x 30); the 8192-GPU row costs 17-56 s CPU per
 cell (all four policies). For less CPU, cells with more than ``--big-gpus`` GPUs can run
-``--big-layers`` x ``--big-iterations`` (e.g. ``--big-gpus 1024`` runs 8192 at 1 x 12, the default
-until 2026-11-27); the printed table says which size each cell ran.
+``--big-layers`` x ``--big-iterations`` (e.g. ``--big-gpus 1024`` runs 8192 at 1 x 12); the printed
+table says which size each cell ran.
 
     python bench/auto_policy.py                                   # 32..8192 GPUs, s 0.6..1.6, drift 0..0.5
     python bench/auto_policy.py --gpus 32 256 --zipf 1.0 --drift 0.1
     python bench/auto_policy.py --gpus 32 256 1024 --seed 0 1 2                # three traces
-    python bench/auto_policy.py --auto-kwargs '{"factor_on_base": false}'   # a rule switched off (the tests' mutations)
+    python bench/auto_policy.py --auto-kwargs '{"factor_on_base": false}'   # a rule switched off (an ablation)
+
+``--auto-kwargs`` takes AutoRules fields (the rules auto follows, each of which can be switched off)
+and AutoPolicy's own arguments.
 """
 
 from __future__ import annotations
@@ -35,6 +38,21 @@ from megatron_moe.sim.runner import simulate  # noqa: E402
 from megatron_moe.sim.traces import synthetic_trace  # noqa: E402
 
 SINGLE = ("none", "proprophet", "flexmoe")
+
+
+def auto_arguments(spec: dict) -> dict:
+    """``--auto-kwargs``' object as AutoPolicy's keyword arguments: AutoRules fields go into its
+    ``rules`` (the production rules with those fields replaced), the rest are passed as given."""
+    import dataclasses
+
+    from megatron_moe.balance.policies.auto import DEFAULT_RULES
+
+    fields = {f.name for f in dataclasses.fields(DEFAULT_RULES)}
+    out = {k: v for k, v in spec.items() if k not in fields}
+    rules = {k: v for k, v in spec.items() if k in fields}
+    if rules:
+        out["rules"] = dataclasses.replace(DEFAULT_RULES, **rules)
+    return out
 
 
 def run_cell(gpus: int, experts: int, zipf: float, drift: float, layers: int, iterations: int,
@@ -56,7 +74,7 @@ def run_cell(gpus: int, experts: int, zipf: float, drift: float, layers: int, it
         times["auto"] = simulate(trace, cl, "auto", policy_kwargs=auto_kwargs).mean()["iter_s"]
     finally:
         auto_mod.AutoPolicy.__init__ = orig
-    choices = {c: sum(m.choices[c] for m in made) for c in SINGLE}
+    choices = {c: sum(m.state.choices[c] for m in made) for c in SINGLE}
     return times, choices
 
 
@@ -75,21 +93,25 @@ def main(argv=None):
                     help="trace seeds (several: every cell on each trace, worst over all)")
     ap.add_argument("--bound", type=float, default=1.03)
     ap.add_argument("--auto-kwargs", default=None, metavar="JSON",
-                    help="keyword arguments for AutoPolicy, e.g. '{\"factor_on_base\": false}'")
+                    help="AutoRules fields and AutoPolicy arguments, e.g. '{\"factor_on_base\": false}'")
     args = ap.parse_args(argv)
     auto_kwargs = None
     if args.auto_kwargs:
+        import dataclasses
         import inspect
         import json
 
-        from megatron_moe.balance.policies.auto import AutoPolicy
+        from megatron_moe.balance.policies.auto import DEFAULT_RULES, AutoPolicy
         try:
-            auto_kwargs = json.loads(args.auto_kwargs)
+            spec = json.loads(args.auto_kwargs)
         except json.JSONDecodeError as e:
             ap.error(f"--auto-kwargs: not JSON ({e})")
-        known = set(inspect.signature(AutoPolicy.__init__).parameters) - {"self", "_ignored"}
-        if not isinstance(auto_kwargs, dict) or set(auto_kwargs) - known:
-            ap.error(f"--auto-kwargs: a JSON object of AutoPolicy's arguments ({', '.join(sorted(known))})")
+        known = (set(inspect.signature(AutoPolicy.__init__).parameters) - {"self", "num_experts", "num_ranks", "rules"}
+                 | {f.name for f in dataclasses.fields(DEFAULT_RULES)})
+        if not isinstance(spec, dict) or set(spec) - known:
+            ap.error(f"--auto-kwargs: a JSON object of AutoPolicy's arguments or AutoRules fields "
+                     f"({', '.join(sorted(known))})")
+        auto_kwargs = auto_arguments(spec)
     print(f"{'seed':>4} {'GPUs':>5} {'zipf':>4} {'drift':>5} {'LxI':>6} | "
           + " ".join(f"{p:>10}" for p in SINGLE + ("auto",)) + " | auto/best | choices none/pp/flex | cpu s", flush=True)
     worst, worst_cell, over = 0.0, None, 0

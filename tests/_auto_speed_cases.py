@@ -59,13 +59,13 @@ def record(cell, counter=None):
             counter["plan_groups"] = counter.get("plan_groups", 0) + 1
             counter["groups"] = counter.get("groups", 0) + len(policies)
 
-    def plan_groups(policies, counts):
-        out = orig(policies, counts)
+    def plan_groups(policies, counts, regime):
+        out = orig(policies, counts, regime)
         note(policies, out)
         return out
 
-    def plan_layers(layers, counts):     # several layers and EP groups: one step per layer, in order
-        out = orig_layers(layers, counts)
+    def plan_layers(layers, counts, regime):     # several layers and EP groups: one step per layer, in order
+        out = orig_layers(layers, counts, regime)
         for policies, o in zip(layers, out):
             note(policies, o)
         return out

@@ -83,8 +83,8 @@ def start_torchrun(nproc, args, env=None, log_path=None):
 
     cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt_moe.py"), *args]
-    run_env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   **(env or {}))
+    run_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               **(env or {})}
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=run_env,
                             start_new_session=True)

@@ -52,19 +52,48 @@ def run(rank, world, argv):
     return {"history": result["history"], "lines": lines, "stats": stats, "iter_ms": iter_ms}
 
 
+def _skip(cls, name, keep=None):
+    """Patch ``cls.name`` to do nothing (when ``keep(*args)`` is true: run the original)."""
+    orig = getattr(cls, name)
+
+    def skipped(self, *args):
+        if keep is not None and keep(*args):
+            return orig(self, *args)
+        return None
+    return cls, name, skipped
+
+
+def _mutation(name):
+    """(class, attribute, replacement) that leaves one step of the offload tiers out: a forward
+    bind, a copy wait, the re-bind in backward, a host-cache write-back, the host bind before the
+    torch step; ``skip_unbind`` keeps every layer bound from its backward until the optimizer step
+    (possible with K >= layers), which must lose no update."""
+    from megatron_moe.offload.manager import ExpertOffload
+    from megatron_moe.offload.store import HostCache
+
+    return {
+        "skip_bind": lambda: _skip(ExpertOffload, "_bind_slot", keep=lambda l, phase: phase != "forward"),
+        "skip_rebind": lambda: _skip(ExpertOffload, "_bind_slot", keep=lambda l, phase: phase != "backward"),
+        "skip_wait": lambda: _skip(ExpertOffload, "_wait_copy"),
+        "skip_unbind": lambda: _skip(ExpertOffload, "_release_after_backward"),
+        "skip_host_step_bind": lambda: _skip(ExpertOffload, "_host_step_hook"),
+        "skip_writeback": lambda: _skip(HostCache, "_write_back"),
+    }[name]()
+
+
 def run_many(rank, world, argvs, mutations=None):
     """Several pretrain() runs in one process pair (imports paid once). ``mutations[k]`` (a name
-    of megatron_moe/offload/link.py MUTATIONS) makes run k a mutation: the offload tiers leave
-    that step out, and the run's SystemExit (e.g. a NaN loss) or error is returned, not raised."""
-    import os
-
+    of ``_mutation``) makes run k a mutation: the offload tiers leave that step out, and the run's
+    SystemExit (e.g. a NaN loss) or error is returned, not raised."""
     out = []
     for k, argv in enumerate(argvs):
         mutation = (mutations or {}).get(k)
         if mutation is None:
             out.append(run(rank, world, argv))
             continue
-        os.environ["MEGATRON_MOE_TEST_MUTATE"] = mutation
+        cls, name, replacement = _mutation(mutation)
+        orig = cls.__dict__[name]
+        setattr(cls, name, replacement)
         try:
             out.append(run(rank, world, argv))
         except SystemExit as exc:
@@ -72,7 +101,7 @@ def run_many(rank, world, argvs, mutations=None):
         except Exception as exc:  # e.g. a zero-element placeholder reached a matmul
             out.append({"error": f"{type(exc).__name__}: {exc}"[:300]})
         finally:
-            del os.environ["MEGATRON_MOE_TEST_MUTATE"]
+            setattr(cls, name, orig)
     return out
 
 

@@ -62,7 +62,8 @@ class EagerAuto(AutoPolicy):
         free = CostModel(input_bytes=1.0, expert_bytes=1.0, throughput=1.0, a2a_bandwidth=1e30,
                          trans_bandwidth=1e30)
         super().__init__(num_experts, num_ranks, cost=free, planner_cost=PlannerCost(**_FREE_COMM),
-                         alpha=0.0, persistent=False, flexmoe_kwargs=dict(threshold=1.0))
+                         persistent=False, planners={"proprophet": dict(alpha=0.0),
+                                                     "flexmoe": dict(threshold=1.0)})
 
 
 register_policy(EagerAuto)
@@ -111,7 +112,7 @@ def policy_equivalence_rank(rank, world, cases):
         assert set(ours.state_dict().keys()) == set(ref.state_dict().keys())
         results.append(dict(worst, replicated=replicated, placements=placements,
                             replica_rows=sum(m.balance.a2a_rows_recv_replica for m in mgr.layers),
-                            choices={k: dict(p.choices) for k, p in mgr.policies.items() if hasattr(p, "choices")},
+                            choices={k: dict(p.state.choices) for k, p in mgr.policies.items() if p.name.startswith("auto")},
                             auto_metric=mgr.metrics().get("balance/auto"),
                             a2a_rows=sum(m.balance.a2a_rows_recv for m in mgr.layers)))
     return results

@@ -20,8 +20,8 @@ def _choices_per_replan():
     from megatron_moe.balance.policies import auto as auto_mod
     calls, orig = [], auto_mod.plan_groups
 
-    def spy(policies, counts):
-        out = orig(policies, counts)
+    def spy(policies, counts, regime):
+        out = orig(policies, counts, regime)
         calls.append([p.choice for p in policies])
         return out
     auto_mod.plan_groups = spy
@@ -29,6 +29,35 @@ def _choices_per_replan():
         yield calls
     finally:
         auto_mod.plan_groups = orig
+
+
+def _rules(**switches):
+    """The production rules with ``switches`` replaced (an ablation): AutoPolicy's ``rules``."""
+    import dataclasses
+
+    from megatron_moe.balance.policies.auto import DEFAULT_RULES
+    return dataclasses.replace(DEFAULT_RULES, **switches)
+
+
+def _sim_kwargs(**switches):
+    """The simulator's ``policy_kwargs`` for auto with rules switched off (None: the defaults)."""
+    return {"rules": _rules(**switches)} if switches else None
+
+
+@contextlib.contextmanager
+def _forced(choice):
+    """Mutation: every choice auto makes is ``choice``, for every EP group (and layer)."""
+    from megatron_moe.balance.policies import auto as auto_mod
+    orig = auto_mod.choose
+
+    def forced(policies, regime):
+        layered = len(policies) > 0 and isinstance(policies[0], (list, tuple))
+        return [[choice] * len(lay) for lay in policies] if layered else [choice] * len(policies)
+    auto_mod.choose = forced
+    try:
+        yield
+    finally:
+        auto_mod.choose = orig
 
 
 # 32 GPUs (EP groups of 32 over 4 nodes), 64 experts, 2 layers x 30 iterations: the cells where each
@@ -59,7 +88,8 @@ def test_auto_within_3pct_of_best_single_policy():
 @pytest.mark.parametrize("forced", ["proprophet", "flexmoe"])
 def test_auto_forced_to_one_candidate_breaks_the_bound(forced):
     """Mutation: auto always picking one candidate is more than 3% slower than the best somewhere."""
-    rows = _grid({"force": forced})
+    with _forced(forced):
+        rows = _grid()
     assert max(r for _, _, r, _ in rows) > 1.03, rows
     assert all(ch[forced] == sum(ch.values()) for *_, ch in rows)
 
@@ -79,8 +109,8 @@ def test_auto_prices_memory_and_drift():
     for it in range(4):
         free.plan(tr[it, 0]); none_left.plan(tr[it, 0])
     assert "flexmoe" in free.last_times and "flexmoe" not in none_left.last_times
-    assert none_left.choices["flexmoe"] == 0 and free.choices["flexmoe"] > 0
-    assert free.drift > 0.1 and free.expected_stay() < free.max_stay
+    assert none_left.state.choices["flexmoe"] == 0 and free.state.choices["flexmoe"] > 0
+    assert free.state.drift > 0.1 and free.expected_stay() < free.rules.max_stay
 
 
 CASES = [dict(topk=2, iters=4, policy="auto_eager"),
@@ -125,7 +155,7 @@ def _group_choices(coordinate: bool):
 
     tr = synthetic_trace(64, 32, 12, 1, zipf_s=1.0, drift_sigma=0.5, seed=1)
     with _choices_per_replan() as calls:
-        simulate(tr, load_cluster(64), "auto", policy_kwargs={"coordinate": coordinate})
+        simulate(tr, load_cluster(64), "auto", policy_kwargs={"rules": _rules(coordinate=coordinate)})
     return calls
 
 
@@ -152,13 +182,13 @@ def _layers_run(**auto_kwargs):
     tr = synthetic_trace(256, 64, 30, 2, zipf_s=0.6, drift_sigma=0.25, seed=0)
     calls, orig = [], auto_mod.plan_layers
 
-    def spy(layers, counts):
-        out = orig(layers, counts)
+    def spy(layers, counts, regime):
+        out = orig(layers, counts, regime)
         calls.append([[p.choice for p in lay] for lay in layers])
         return out
     auto_mod.plan_layers = spy
     try:
-        t = simulate(tr, load_cluster(256), "auto", policy_kwargs=auto_kwargs).mean()["iter_s"]
+        t = simulate(tr, load_cluster(256), "auto", policy_kwargs=_sim_kwargs(**auto_kwargs)).mean()["iter_s"]
     finally:
         auto_mod.plan_layers = orig
     return calls, t, simulate(tr, load_cluster(256), "flexmoe").mean()["iter_s"]
@@ -193,7 +223,7 @@ def _regimes(gpus, zipf, drift, seed, **auto_kwargs):
 
     tr = synthetic_trace(gpus, 64, 30, 2, zipf_s=zipf, drift_sigma=drift, seed=seed)
     with _choices_per_replan() as calls:
-        t = simulate(tr, load_cluster(gpus), "auto", policy_kwargs=auto_kwargs).mean()["iter_s"]
+        t = simulate(tr, load_cluster(gpus), "auto", policy_kwargs=_sim_kwargs(**auto_kwargs)).mean()["iter_s"]
     assert len(calls) == 60 and all(len(c) == 1 for c in calls)
     reg = ["F" if c == ["flexmoe"] else "t" for c in calls]
     return "".join(reg[0::2]), "".join(reg[1::2]), t
@@ -225,11 +255,11 @@ def test_auto_enters_flexmoe_when_the_stay_pays_the_build():
     assert t_mut > 1.015 * t_auto, (t_mut, t_auto)
 
 
-def _synthetic_step(pols, t_flex, build, checked=None):
-    """One ``choose`` over synthetic proposals of every group: plain EP 10 ms, Pro-Prophet 11 ms,
-    FlexMoE ``t_flex`` with a build of ``build`` s on every rank, no drift checked (``checked``:
-    each group's last plans as (realised, predicted) per candidate). The choices become the
-    groups' current ones; returns them."""
+def _synthetic_step(pols, regime, t_flex, build, checked=None):
+    """One ``choose`` over synthetic proposals of every group (sharing ``regime``): plain EP 10 ms,
+    Pro-Prophet 11 ms, FlexMoE ``t_flex`` with a build of ``build`` s on every rank, no drift
+    checked (``checked``: each group's last plans as (realised, predicted) per candidate). The
+    choices become the groups' current ones; returns them."""
     from megatron_moe.balance.policies.auto import choose
 
     z = np.zeros(4)
@@ -239,9 +269,9 @@ def _synthetic_step(pols, t_flex, build, checked=None):
                        "flexmoe": {"steady": t_flex, "raw": t_flex, "base": t_flex, "busy": z, "move": z,
                                    "build": np.full(4, build)}}
         p._checked = dict(checked or {})
-    out = choose(pols)
+    out = choose(pols, regime)
     for p, c in zip(pols, out):
-        p.choice = c
+        p.state.choice = c
     return out
 
 
@@ -254,15 +284,16 @@ def test_auto_margin_starts_from_the_observed_drift(prior):
     0.07 ms, it enters (2 ms x expected stay 2 pays the 1 ms build). In the simulator (8192 GPUs,
     s 1.6, d 0.5, seed 2) that entry's tables ran ~1.5x their price for 8 re-plans: auto / best
     1.037, with the prior 1.001."""
-    from megatron_moe.balance.policies.auto import AutoPolicy
+    from megatron_moe.balance.policies.auto import AutoPolicy, RegimeState
 
-    pols = [AutoPolicy(4, 4, moves_overlap=False, spread_prior=prior) for _ in range(2)]
-    assert _synthetic_step(pols, 12e-3, 1e-3) == ["none"] * 2      # first re-plan: FlexMoE slower, left
+    pols = [AutoPolicy(4, 4, rules=_rules(moves_overlap=False, spread_prior=prior)) for _ in range(2)]
+    regime = RegimeState()
+    assert _synthetic_step(pols, regime, 12e-3, 1e-3) == ["none"] * 2      # first re-plan: FlexMoE slower, left
     for p in pols:
-        p.drift = 0.5
-    out = _synthetic_step(pols, 8e-3, 1e-3, checked={"none": (10e-3, 10e-3), "proprophet": (11e-3, 11e-3),
-                                                     "flexmoe": (12.24e-3, 12e-3)})
-    margin = pols[0].last_joint["margin"]
+        p.state.drift = 0.5
+    out = _synthetic_step(pols, regime, 8e-3, 1e-3, checked={"none": (10e-3, 10e-3), "proprophet": (11e-3, 11e-3),
+                                                             "flexmoe": (12.24e-3, 12e-3)})
+    margin = regime.last_joint["margin"]
     if prior:
         assert out == ["none"] * 2 and margin == pytest.approx(3.58e-3, rel=0.01)
     else:
@@ -278,14 +309,15 @@ def test_auto_builds_nothing_the_rest_of_the_run_cannot_pay_back(horizon):
     Mutation horizon=False: it builds at the end. (In the simulator's grid the rule no longer acts
     since the chained build: 32 s0.6 d0.5 had built at the last re-plan, 2.8% slower, with the
     builds sent from the owner.)"""
-    from megatron_moe.balance.policies.auto import AutoPolicy
+    from megatron_moe.balance.policies.auto import AutoPolicy, RegimeState
 
-    pols = [AutoPolicy(4, 4, moves_overlap=False, horizon=horizon) for _ in range(2)]
+    pols = [AutoPolicy(4, 4, rules=_rules(moves_overlap=False, horizon=horizon)) for _ in range(2)]
+    regime = RegimeState()
 
     def step(t_flex, remaining):
         for p in pols:
             p.remaining = remaining
-        return _synthetic_step(pols, t_flex, 60e-3)[0]
+        return _synthetic_step(pols, regime, t_flex, 60e-3)[0]
 
     assert step(12e-3, 8.0) == "none"                 # first re-plan: FlexMoE predicted slower, left
     assert step(5e-3, 4.0) == ("none" if horizon else "flexmoe")
@@ -296,22 +328,23 @@ def test_auto_transient_priced_with_its_candidates_factor():
     """The layer's drift factors are per candidate: a factor learnt on Pro-Prophet's plans
     (realised 2x predicted) does not multiply plain EP's price when every group runs plain EP.
     Mutation (one factor for the transient regime, learnt on the last choices): 1.2x."""
-    from megatron_moe.balance.policies.auto import AutoPolicy, choose
+    from megatron_moe.balance.policies.auto import AutoPolicy, RegimeState, choose
 
-    pols = [AutoPolicy(4, 4, candidates=("none", "proprophet")) for _ in range(2)]
+    pols = [AutoPolicy(4, 4, rules=_rules(candidates=("none", "proprophet"))) for _ in range(2)]
+    regime = RegimeState()
 
     def step(steady, checked):
         for p in pols:
             p._proposal = {c: {"steady": t, "raw": t, "base": t, "placement": None, "ops": []}
                            for c, t in steady.items()}
             p._checked = checked
-        return choose(pols)
+        return choose(pols, regime)
 
     assert step({"none": 2.0, "proprophet": 1.0}, {}) == ["proprophet"] * 2
     # Pro-Prophet's last plans ran 2x slower than predicted, plain EP's as predicted
     assert step({"none": 1.0, "proprophet": 1.5}, {"none": (1.0, 1.0), "proprophet": (2.0, 1.0)}) == ["none"] * 2
-    assert pols[0].last_joint["transient"] == pytest.approx(1.0)
-    assert pols[0].joint_factor["proprophet"] == pytest.approx(1.2)
+    assert regime.last_joint["transient"] == pytest.approx(1.0)
+    assert regime.joint_factor["proprophet"] == pytest.approx(1.2)
 
 
 @pytest.mark.parametrize("on_base", [True, False])
@@ -324,21 +357,23 @@ def test_auto_drift_factor_scales_only_what_the_counts_decide(on_base):
     FlexMoE on advantages that did not come (8192 GPUs, s 1.6, d 0.5, 2 x 30: 1.080x the best
     single policy; 1.000x scaled on the base; 32 GPUs s 1.0 d 0.5: 1.037 -> 0.987,
     test_bench_grid_passes_auto_kwargs)."""
-    from megatron_moe.balance.policies.auto import AutoPolicy, choose
+    from megatron_moe.balance.policies.auto import AutoPolicy, RegimeState, choose
 
-    pols = [AutoPolicy(4, 4, candidates=("none", "proprophet"), factor_on_base=on_base) for _ in range(2)]
+    pols = [AutoPolicy(4, 4, rules=_rules(candidates=("none", "proprophet"), factor_on_base=on_base))
+            for _ in range(2)]
+    regime = RegimeState()
 
     def step(prices, checked):
         for p in pols:
             p._proposal = {c: {"steady": raw, "raw": raw, "base": base, "placement": None, "ops": []}
                            for c, (raw, base) in prices.items()}
             p._checked = checked
-        return choose(pols)
+        return choose(pols, regime)
 
     assert step({"none": (2.0, 2.0), "proprophet": (1.5, 1.0)}, {}) == ["proprophet"] * 2
     out = step({"none": (2.0, 2.0), "proprophet": (1.5, 1.0)}, {"none": (1.0, 1.0), "proprophet": (2.0, 1.0)})
-    assert out == ["proprophet"] * 2 and pols[0].joint_factor["proprophet"] == pytest.approx(1.2)
-    assert pols[0].last_joint["transient"] == pytest.approx(1.7 if on_base else 1.8)
+    assert out == ["proprophet"] * 2 and regime.joint_factor["proprophet"] == pytest.approx(1.2)
+    assert regime.last_joint["transient"] == pytest.approx(1.7 if on_base else 1.8)
 
 
 @pytest.mark.parametrize("hysteresis", [True, False])
@@ -347,17 +382,18 @@ def test_auto_leaves_flexmoe_only_when_the_loss_exceeds_the_builds_share(hystere
     per re-plan (build / expected stay) does not make auto leave (it would pay the build again to
     come back: 8192 GPUs, s 0.6, d 0.25 left on an EMA of -0.1 ms and re-entered for 18 ms);
     a loss above the share does. Mutation hysteresis=False: it leaves on the dip."""
-    from megatron_moe.balance.policies.auto import AutoPolicy
+    from megatron_moe.balance.policies.auto import AutoPolicy, RegimeState
 
-    pols = [AutoPolicy(4, 4, hysteresis=hysteresis) for _ in range(2)]
+    pols = [AutoPolicy(4, 4, rules=_rules(hysteresis=hysteresis)) for _ in range(2)]
+    regime = RegimeState()
 
     def step(t_flex, build=1.0):
-        return _synthetic_step(pols, t_flex, build)
+        return _synthetic_step(pols, regime, t_flex, build)
 
     assert step(9e-3) == ["flexmoe"] * 2            # first re-plan: kept (predicted faster)
     assert step(9e-3) == ["flexmoe"] * 2
     dip = step(11.5e-3)                              # EMA 0.2 - 0.3 < 0, loss 1.5 ms << build / 20
-    assert pols[0].adv < 0 and pols[0].loss == pytest.approx(1.5e-3)
+    assert regime.adv < 0 and regime.loss == pytest.approx(1.5e-3)
     assert dip == (["flexmoe"] * 2 if hysteresis else ["none"] * 2)
     if hysteresis:                                   # a loss above the share (build 20 ms / 20): leaves
         assert step(13e-3, build=0.02) == ["none"] * 2
@@ -369,12 +405,13 @@ def test_auto_entry_restarts_the_smoothed_advantage():
     has left, and leaving on them would pay the build again one re-plan later (8192 GPUs, s 1.0,
     d 0.5: left at re-plan 10, re-entered at 11 for a 30 ms build). Mutation: no restart (the EMA
     is still negative after the entry, and a loss above the build's share makes auto leave)."""
-    from megatron_moe.balance.policies.auto import AutoPolicy
+    from megatron_moe.balance.policies.auto import AutoPolicy, RegimeState
 
-    pols = [AutoPolicy(4, 4, moves_overlap=False) for _ in range(2)]   # exposed build = the moves
+    pols = [AutoPolicy(4, 4, rules=_rules(moves_overlap=False)) for _ in range(2)]   # exposed build = the moves
+    regime = RegimeState()
 
     def step(t_flex):
-        return _synthetic_step(pols, t_flex, 50e-3)[0]
+        return _synthetic_step(pols, regime, t_flex, 50e-3)[0]
 
     assert [step(t) for t in (12e-3, 13e-3, 13e-3, 13e-3)] == ["none"] * 4   # EMA -1.5 ms
     assert step(5e-3) == "flexmoe"            # 5 ms x expected stay 20 >= 50 ms build
@@ -434,7 +471,7 @@ def test_auto_build_sends_each_expert_down_a_chain(chain):
     pc = PlannerCost(fwd_s_per_input=1e-6, a2a_s_per_input=1e-6, param_collective_s=1e-3, state_bytes=1e6,
                      link_s_per_byte=link, lat=1e-6,
                      node=np.array([0, 0, 1, 1]))
-    pol = AutoPolicy(4, 4, planner_cost=pc, chain_build=chain)
+    pol = AutoPolicy(4, 4, planner_cost=pc, rules=_rules(chain_build=chain))
     n = np.eye(4, dtype=np.int64)                   # expert e at its owner e
     n[0] = [1, 1, 1, 1]                             # expert 0 also on ranks 1, 2, 3
     n[3, 2] = 1                                     # expert 3 also on rank 2 (same node as its owner)
@@ -492,7 +529,7 @@ def test_auto_state_dict_round_trip_plans_identically(persistent, state):
     for c in C[5:]:
         pa, pb = a.plan(c), b.plan(c)
         assert pa.to_dict() == pb.to_dict() and a.choice == b.choice
-        same.append(a.factor == b.factor and a.last_joint == b.last_joint)
+        same.append(a.state.factor == b.state.factor and a.regime.last_joint == b.regime.last_joint)
     assert same == ([True] * 3 if state == "full" else [False] * 3), same
 
 
@@ -505,7 +542,7 @@ def test_auto_state_from_another_ep_size_plans_afresh():
     a.plan(np.full((4, 8), 10.0))
     b = AutoPolicy(8, 2, persistent=False)
     b.load_state_dict(a.state_dict())
-    assert b._prev_counts is None and b._prev == {}
+    assert b.state.prev_counts is None and b.state.prev == {}
     b.plan(np.full((2, 8), 10.0))                    # plans (a first re-plan), does not fail
 
 
@@ -536,3 +573,38 @@ def test_training_auto_resumes_bit_exactly(tmp_path):
         assert f["history"]["lm_loss"] + r["history"]["lm_loss"] == u["history"]["lm_loss"]
         assert [x["placements"] for x in r["iters"]] == [x["placements"] for x in u["iters"][6:]]
         assert all(np.array_equal(r["params"][k], u["params"][k]) for k in u["params"])
+
+
+def test_auto_state_keeps_its_checkpoint_format_and_rules_are_data():
+    """auto's state dict keeps the keys checkpoints were written with before its state became typed
+    (AutoState per group, RegimeState for the groups decided together), so those checkpoints
+    load: a state dict of that layout, built by hand, restores the choice, factors, last plans and
+    the regime's smoothed values. The production class takes at most 10 arguments; the ablation
+    switches are AutoRules fields, not arguments."""
+    import inspect
+    import json
+
+    from megatron_moe.balance.policies.auto import DEFAULT_RULES, AutoPolicy
+
+    a = AutoPolicy(8, 4, persistent=False)
+    C = np.tile(np.array([400, 200, 100, 60, 40, 30, 20, 10], dtype=np.float64), (4, 1))
+    for _ in range(3):
+        a.plan(C)
+    sd = json.loads(json.dumps(a.state_dict()))
+    assert set(sd) == {"choice", "factor", "choices", "flexmoe", "drift", "prev_counts", "prev", "joint"}
+    assert set(sd["joint"]) <= {"joint_factor", "joint_spread", "adv", "loss", "regret"} and sd["joint"]
+    old = {"choice": "proprophet", "factor": {"none": 1.5, "proprophet": 0.9, "flexmoe": 1.1},
+           "choices": {"none": 1, "proprophet": 2, "flexmoe": 0}, "flexmoe": sd["flexmoe"], "drift": 0.25,
+           "prev_counts": C.tolist(), "prev": sd["prev"],
+           "joint": {"joint_factor": {"none": 1.0, "proprophet": 1.3, "flexmoe": 1.0}, "adv": -0.5, "loss": 0.0,
+                     "regret": 0.0}}
+    b = AutoPolicy(8, 4, persistent=False)
+    assert b.load_state_dict(old)
+    assert b.choice == "proprophet" and b.state.factor["none"] == 1.5 and b.state.drift == 0.25
+    assert b.regime.joint_factor["proprophet"] == 1.3 and b.regime.adv == -0.5
+    assert set(b.state.prev) == set(sd["prev"]) and b.state.prev_counts.tolist() == C.tolist()
+    params = set(inspect.signature(AutoPolicy.__init__).parameters) - {"self"}
+    assert len(params) <= 10, params
+    assert not params & {"force", "coordinate", "lookahead", "amortised", "hysteresis", "horizon", "joint_layers",
+                         "factor_on_base", "chain_build", "margin", "spread_prior"}
+    assert DEFAULT_RULES.margin and DEFAULT_RULES.chain_build

@@ -67,8 +67,13 @@ def test_recorded_cells_exercise_every_regime():
 def test_a_changed_decision_is_caught(i, mutation, where):
     """Mutations: a shorter expected stay changes FlexMoE's price in the switching cell; groups
     choosing alone change the choices in the mixed one. The check sees each."""
+    import dataclasses
+
+    from megatron_moe.balance.policies.auto import DEFAULT_RULES
+
     gpus, experts, z, d, layers, iters, kw = cases.CELLS[i]
-    diff = _diff(cases.record((gpus, experts, z, d, layers, iters, dict(kw, **mutation))), RECORDED[i])
+    rules = dataclasses.replace(DEFAULT_RULES, **mutation)
+    diff = _diff(cases.record((gpus, experts, z, d, layers, iters, dict(kw, rules=rules))), RECORDED[i])
     assert diff is not None and where in diff, diff
 
 

@@ -23,7 +23,19 @@ GBPS = 0.01          # 10 MB/s: 1 MB takes 0.1 s on the link
 MB = 1 << 20
 
 
-def _p2p_rank(rank, world, n_msgs):
+def _skipping(step):
+    """Leave one step of the link out (the mutation), in this rank's process: ``send_window``
+    issues each send at once, ``a2a_window`` does not block an all-to-all for its window."""
+    if step == "send_window":
+        link._Link._hold_until = staticmethod(lambda end: None)
+    elif step == "a2a_window":
+        link.wait_until = lambda end, since=None: None
+    else:
+        assert step is None, step
+
+
+def _p2p_rank(rank, world, n_msgs, skip=None):
+    _skipping(skip)
     link.configure(GBPS)
     group = dist.group.WORLD
     out = {}
@@ -73,7 +85,8 @@ def _a2a_rank(rank, world, rows_to_peer):
     return {"exact": bool(torch.equal(y, ref)), "windows": windows}
 
 
-def _a2a_stats_rank(rank, world, rows_to_peer):
+def _a2a_stats_rank(rank, world, rows_to_peer, skip=None):
+    _skipping(skip)
     link.configure(GBPS)
     group = dist.group.WORLD
     row = 1024
@@ -130,9 +143,8 @@ def test_send_lands_after_its_window_and_windows_queue():
     assert sender["issue_s"] < 3 * window * 0.95        # isend did not wait for the windows
 
 
-def test_send_window_skipped_is_visible(monkeypatch):
-    monkeypatch.setenv(link.MUTATE_ENV, "skip_send_window")
-    out = run_distributed(_p2p_rank, 2, 3, timeout_s=120, collective_timeout_s=60)
+def test_send_window_skipped_is_visible():
+    out = run_distributed(_p2p_rank, 2, 3, "send_window", timeout_s=120, collective_timeout_s=60)
     window = MB / (GBPS * 1e9)
     # the mutation sends at once: the last of three 0.1 s windows cannot have been waited for
     assert out[1]["done_at"][-1] - out[0]["issued_at"] < 3 * window * 0.99
@@ -150,9 +162,9 @@ def test_all_to_all_blocks_for_the_larger_of_send_and_receive():
         assert st["exposed_s"] >= 64 * row_bytes / (GBPS * 1e9) * 0.99
 
 
-def test_all_to_all_window_skipped_is_visible(monkeypatch):
-    monkeypatch.setenv(link.MUTATE_ENV, "skip_a2a_window")
-    out = run_distributed(_a2a_stats_rank, 2, [64, 16], timeout_s=120, collective_timeout_s=60)
+def test_all_to_all_window_skipped_is_visible():
+    out = run_distributed(_a2a_stats_rank, 2, [64, 16], "a2a_window", timeout_s=120,
+                          collective_timeout_s=60)
     for r in range(2):
         assert out[r]["stats"]["a2a_windows"] == 1 and out[r]["stats"]["exposed_s"] == 0.0
 

@@ -1,6 +1,6 @@
 """Crash safety with real kills: kill -9 of the whole job (launcher and workers) mid-save.
 
-The job saves every iteration; MEGATRON_MOE_TEST_SAVE_DELAY makes each save slow at three
+The job saves every iteration; tests/_slow_save.py makes each save slow at three
 places (between shard files, before the rename, between rename and tracker), so the polling
 below can kill the job at a chosen moment. After each kill, the same command (--load = --save)
 resumes from the last complete checkpoint the tracker names and training goes on; a half-written
@@ -10,13 +10,13 @@ resumes from the last complete checkpoint the tracker names and training goes on
 import os
 import re
 
-from megatron_moe.training.checkpointing import TEST_SAVE_DELAY_ENV
 from megatron_moe.runtime.local_ranks import run_distributed
-from tests._ckpt_cases import TINY, kill_group, log_text, start_torchrun, wait_for
+from tests import _slow_save
+from tests._ckpt_cases import ROOT, TINY, kill_group, log_text, start_torchrun, wait_for
 
 ARGS = TINY + ("--expert-model-parallel-size 2 --train-iters 1000 --lr-decay-style constant "
                "--save-interval 1").split()
-ENV = {TEST_SAVE_DELAY_ENV: "0.7"}
+ENV = _slow_save.env(0.7, ROOT)
 
 
 def _tracker(ckpt):

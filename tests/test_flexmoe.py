@@ -316,4 +316,4 @@ def test_structured_pair_product_matches_matmul():
         cost = Cluster(num_gpus=16, ranks_per_node=4, intra_bw=20e9, inter_bw=5e9,
                        intra_pair_bw=pair_bw).planner_cost(np.arange(16))
         np.testing.assert_allclose(_pair_product(spill, cost), spill @ cost.pair_s_per_input, rtol=1e-12)
-        assert (cost._pair_structure is False) == (pair_bw is not None)
+        assert (cost.cache.pair_structure is False) == (pair_bw is not None)

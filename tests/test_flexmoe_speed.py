@@ -13,7 +13,7 @@ import pytest
 
 from megatron_moe.balance.cost_model import PlannerCost, sync_s_vec
 from megatron_moe.balance.policies import flexmoe
-from megatron_moe.balance.policies.flexmoe import FREE, FlexMoEPolicy, SlotTable, _Priced, route_real
+from megatron_moe.balance.policies.flexmoe import FREE, FlexMoEPolicy, SlotTable, Priced, route_real
 from megatron_moe.sim.cluster import Cluster, load_cluster
 from megatron_moe.sim.runner import simulate
 from megatron_moe.sim.traces import synthetic_trace
@@ -57,7 +57,7 @@ def test_priced_arrays_equal_the_dense_pricing(name):
     for case in range(12):
         n = _table(rng, e, g, 3, free=3 * (case % 3)).counts()
         origin = _origin(rng, g, e, frac=case % 2)
-        new, old = _Priced(origin, n, cost), ref.RefPriced(origin, n, cost)
+        new, old = Priced(origin, n, cost), ref.RefPriced(origin, n, cost)
         n0 = n.copy()
         assert new.route is not None                           # the host-only path ran
         for k in ("proc", "terms", "base"):
@@ -87,8 +87,8 @@ def test_priced_arrays_equal_the_dense_pricing(name):
     # negative counts are priced densely (the host-only shortcut assumes origin >= 0)
     bad = _origin(rng, g, e, frac=0).astype(np.float64)
     bad[3, 5] = -2.0
-    assert _Priced(bad, n, cost).route is None
-    np.testing.assert_array_equal(_Priced(bad, n, cost).terms, ref.RefPriced(bad, n, cost).terms)
+    assert Priced(bad, n, cost).route is None
+    np.testing.assert_array_equal(Priced(bad, n, cost).terms, ref.RefPriced(bad, n, cost).terms)
 
 
 def _compare(live_cls, cost, e, g, s, steps, threshold, seed, free=0):
@@ -128,14 +128,14 @@ def test_planner_decisions_equal_the_reference(name, threshold, free):
 def test_comparison_catches_a_stale_sync(monkeypatch):
     """Mutation: Migrate's per-expert sync not refreshed after a swap (a plausible bug of the
     incremental bookkeeping) changes the decisions, and the comparison says so."""
-    orig = _Priced._reprice
+    orig = Priced._reprice
 
     def stale(self, rows):
         keep = self.sync_e.copy()
         orig(self, rows)
         self.sync_e[:] = keep
 
-    monkeypatch.setattr(_Priced, "_reprice", stale)
+    monkeypatch.setattr(Priced, "_reprice", stale)
     bad, _ = _compare(FlexMoEPolicy, _costs(32)["two-rate"], 32, 32, 2, 12, 1.05, seed=3)
     assert bad, "the planted bug went unnoticed"
 

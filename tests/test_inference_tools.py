@@ -3,7 +3,7 @@ tools/generate.py, tools/run_text_generation_server.py and tools/evaluate.py at 
 checkpoint trained at EP=2 with biased experts (inference refuses only what a forward pass cannot
 do), each resident and with --ring-memory-slots 2 of 4 layers (NaN fill and an emulated link on):
 identical tokens, log probs and validation loss; the ring's summary line shows it streamed; a ring
-that leaves out its binds (MEGATRON_MOE_TEST_MUTATE=skip_bind) computes on NaN placeholders."""
+that leaves out its binds (monkeypatched out) computes on NaN placeholders."""
 
 import re
 

@@ -4,7 +4,7 @@ zero-element placeholders): losses and grad norms bit-identical to resident trai
 resumes in every direction (resident -> host, host -> ssd, ssd -> resident) and with K = every
 layer, each left bound until the optimizer step; the [offload] line's device peak, read from the arena's storage, is K/L of the resident
 weights' storage (and K = L breaks the K = 2 bound); leaving out one forward bind, one copy wait,
-one backward re-bind or one host-cache write-back (MEGATRON_MOE_TEST_MUTATE) breaks the run, so
+one backward re-bind or one host-cache write-back (monkeypatched out) breaks the run, so
 the equality is not luck. Plus parse-time refusals and the SSD host cache (LFU vs LRU,
 write-back)."""
 

@@ -15,7 +15,7 @@ Slurm signals a job (every process of the step, helpers included):
    the job restarts on its own, resumes, and the time limit's lead signal stops it again: it saves
    and ends COMPLETED with exit 0;
 2. a resubmitted job: ``scancel`` (SIGTERM to all): it saves the iteration every rank stopped at;
-3. a resubmitted job whose save is slowed past KillWait (MEGATRON_MOE_TEST_SAVE_DELAY): ``scancel``,
+3. a resubmitted job whose save is slowed past KillWait (tests/_slow_save.py): ``scancel``,
    SIGKILL lands mid-save: the tracker keeps naming the previous checkpoint;
 4. a resubmitted job resumes from it and stops at ``--exit-interval``.
 
@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests import _slow_save
 from tests._slurm import SlurmCluster, SlurmUnavailable, _missing, job_pids, process_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +45,7 @@ KILL_WAIT = 30          # s from a job's SIGTERM to its SIGKILL (Slurm's default
                         # take 1-20 s on a loaded 2-core machine
 TIME_LIMIT_MIN = 3      # --time of the time-limit job: the script's lead (60 s, plus up to 30 s of
                         # slurmctld's check period) must land after start-up (10-60 s here)
-SLOW_SAVE_S = 60        # MEGATRON_MOE_TEST_SAVE_DELAY for the save that SIGKILL must cut
+SLOW_SAVE_S = 60        # tests/_slow_save.py's delay for the save that SIGKILL must cut
 COMMON = ["--num-workers", "1"]
 FORMS = {
     "torchrun": dict(options=[], env={}, extra=[]),
@@ -90,7 +91,7 @@ class Chain:
 
     def submit(self, options=(), env=None, extra=()):
         spec = FORMS[self.form]
-        job_env = dict(PYTHON=sys.executable, PYTHONPATH=ROOT, **spec["env"], **(env or {}))
+        job_env = {"PYTHON": sys.executable, "PYTHONPATH": ROOT, **spec["env"], **(env or {})}
         return self.cluster.sbatch(SCRIPT, self.ckpt, *COMMON, *spec["extra"], *extra,
                                    options=[*spec["options"], *options], env=job_env, cwd=ROOT)
 
@@ -131,7 +132,7 @@ class Chain:
         f["scancel"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),
                             tracker=_tracker(self.ckpt))
         # scancel with a save slower than KillWait: SIGKILL mid-save
-        j = self.submit(env={"MEGATRON_MOE_TEST_SAVE_DELAY": str(SLOW_SAVE_S)})
+        j = self.submit(env=_slow_save.env(SLOW_SAVE_S, ROOT))
         self.wait_iteration(j, f["scancel"]["tracker"] + 2)
         c.run("scancel", str(j))
         f["killed"] = dict(job=j, fields=self.wait_gone(j), output=c.output(j),

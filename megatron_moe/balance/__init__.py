@@ -240,13 +240,14 @@ class BalanceManager:
                                                expert_bytes=st.numel * elem)
             self.scheduler.cost = self.cost          # Trans split: static t_fnec vs per-expert Trans time
             kw = {"cost": self.cost}
-            if args.moe_balance_policy in ("proprophet", "auto"):
-                kw.update(alpha=args.moe_balance_alpha, n=args.moe_balance_n,
-                          eq8=bool(args.moe_balance_overlap))
+            proprophet = dict(alpha=args.moe_balance_alpha, n=args.moe_balance_n)
+            if args.moe_balance_policy == "proprophet":
+                kw.update(proprophet, eq8=bool(args.moe_balance_overlap))
             if args.moe_balance_policy == "auto":
                 # persistent replicas are switched on for the whole manager (flexmoe only), so under
                 # auto a FlexMoE placement runs with transient replicas and is priced that way
-                kw.update(interval=args.moe_balance_interval, persistent=False)
+                kw.update(eq8=bool(args.moe_balance_overlap), interval=args.moe_balance_interval,
+                          persistent=False, planners={"proprophet": proprophet})
             # one policy per layer: stateful policies (flexmoe's slot table) keep per-layer state
             self.policies = {m.balance.layer_number: make_policy(args.moe_balance_policy,
                                                                  st.num_experts, st.D, **kw)

@@ -235,6 +235,21 @@ def save_profile(path: str, profile: dict) -> dict:
 
 
 # -- the per-rank pricing the FasterMoE / FlexMoE policies consume --------------------------------
+class PricingCache:
+    """Values FlexMoE's pricing derives from one ``PlannerCost`` and reads at every planner step,
+    computed once per cost object. The cost owns it (``PlannerCost.cache``): every policy pricing
+    with the same cost (the simulator's EP groups share one) shares it, and another cost (a new
+    object, e.g. from ``dataclasses.replace``) starts empty."""
+
+    __slots__ = ("pair_structure", "sync", "nodes", "sync_lut")
+
+    def __init__(self):
+        self.pair_structure = None   # (c_in, c_out, onehot[G, nodes], node index[G]), or False
+        self.sync = None             # {(hosts, spans nodes): replica-group sync seconds}
+        self.nodes = None            # the cost's node ids as a list (the sync key reads them)
+        self.sync_lut = None         # the same seconds by 2 x hosts + spans nodes (NaN: not yet)
+
+
 @dataclasses.dataclass
 class PlannerCost:
     """Policies never read raw constants: they call these methods, so the same policy code runs
@@ -252,6 +267,8 @@ class PlannerCost:
     inter_bw: float = float("inf")
     lat: float = 0.0
     a2a_lat_s: float = 0.0              # fixed latency of one all-to-all round (one message per peer)
+    cache: PricingCache = dataclasses.field(default_factory=PricingCache, init=False, repr=False,
+                                            compare=False)
 
     @classmethod
     def from_cluster(cls, cl, ranks: np.ndarray) -> "PlannerCost":

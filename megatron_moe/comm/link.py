@@ -28,7 +28,6 @@ throttles local copies, not messages to a peer.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -37,11 +36,7 @@ from typing import Optional
 import torch.distributed as dist
 
 __all__ = ["configure", "active", "stats", "reset_stats", "send", "recv", "exchange_window", "reserve_exchange",
-           "wait_until", "MUTATE_ENV"]
-
-# tests only: "skip_send_window" issues sends at once, "skip_a2a_window" does not block an
-# all-to-all (each makes the emulation visibly absent)
-MUTATE_ENV = "MEGATRON_MOE_TEST_LINK_MUTATE"
+           "wait_until"]
 
 _LINK: Optional["_Link"] = None
 
@@ -105,14 +100,19 @@ class _Link:
             job = self.q.get()
             if job is None:
                 return
-            delay = job["end"] - time.perf_counter()
-            if delay > 0 and os.environ.get(MUTATE_ENV) != "skip_send_window":
-                time.sleep(delay)
+            self._hold_until(job["end"])
             try:
                 job["work"] = dist.isend(*job["args"], **job["kwargs"])
             except Exception as exc:           # surfaced by the handle's wait
                 job["error"] = exc
             job["issued"].set()
+
+    @staticmethod
+    def _hold_until(end):
+        """A send is issued at the end of its window (a test leaves this out: sent at once)."""
+        delay = end - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
 
     def send(self, t, dst_global, group, tag):
         end = self.reserve(t.numel() * t.element_size(), "p2p")
@@ -177,7 +177,7 @@ def reserve_exchange(nbytes: int) -> float:
 def wait_until(end: float, since: Optional[float] = None) -> None:
     """Block until a reserved window ends; the caller blocked from ``since`` (default: now; its
     real exchange included) and that time counts as exposed."""
-    if _LINK is None or os.environ.get(MUTATE_ENV) == "skip_a2a_window":
+    if _LINK is None:
         return
     t0 = time.perf_counter()
     if end > t0:

@@ -16,15 +16,11 @@ The writer (issue 13, megatron_moe/training/checkpointing.py):
   at setup instead, with ``__main__``'s file hidden so the child imports nothing heavy, and with
   its server shielded from the scheduler's step-wide SIGTERM (issue 26, docs/checkpoints.md).
 * ``async_save_kwargs`` / ``quiet_mcore_async_notice``: 0.19's async strategy argument.
-* ``install_test_write_delay``: tests only (``MEGATRON_MOE_TEST_SAVE_DELAY``): the writer sleeps
-  before writing every shard file except rank 0's first, so a kill can land while some shards
-  of a checkpoint are on disk and others are not.
 """
 
 import os
 import sys
 import threading
-import time
 
 COMMON_PT = "common.pt"
 COMMON_STATE_OBJECT = "common_state/"   # prefix of the DCP key (0.19+)
@@ -157,22 +153,3 @@ def quiet_mcore_async_notice():
 
         drop._megatron_moe = True
         logger.addFilter(drop)
-
-
-def install_test_write_delay(seconds: float) -> bool:
-    module = _filesystem_async()
-    writer = getattr(module, "FileSystemWriterAsync", None) if module else None
-    if writer is None or getattr(writer, "_test_delay_installed", False):
-        return False
-    original = writer.write_preloaded_data  # staticmethod, looked up on the class per save
-    from megatron_moe.runtime.launcher import launcher_env   # torchrun's RANK or srun's SLURM_PROCID
-
-    def delayed(*args, **kwargs):
-        first = kwargs.get("local_proc_idx", 0) == 0 and launcher_env().rank == 0
-        if not first:
-            time.sleep(seconds)
-        return original(*args, **kwargs)
-
-    writer.write_preloaded_data = staticmethod(delayed)
-    writer._test_delay_installed = True
-    return True

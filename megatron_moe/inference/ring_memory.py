@@ -115,8 +115,7 @@ class RingMemory:
 
     def __init__(self, model, slots: int, link_gbps: float | None = None, debug: bool = False,
                  experts: str = "all", device=None):
-        from megatron_moe.offload.link import (CopyLink, SlotArena, mutation_under_test,
-                                               nan_fill_from_env, storage_bytes)
+        from megatron_moe.offload.link import CopyLink, SlotArena, nan_fill_from_env, storage_bytes
 
         if experts not in ("all", "active"):
             raise ValueError(f"ring memory experts must be 'all' or 'active' (got {experts!r})")
@@ -127,8 +126,6 @@ class RingMemory:
         self.n, self.k = n, min(slots, n)
         self.debug = debug
         self.active_only = experts == "active"
-        self.mutate = mutation_under_test()  # tests only: leave a bind or a wait out
-        self.skip_waits_for_testing = self.mutate == "skip_wait"
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
@@ -212,15 +209,19 @@ class RingMemory:
         self.loaded_experts[layer] = None if experts is None else set(experts)
         self.pending[layer], _ = self._copy(layer, slot, experts, after=after)
 
+    # _wait and _bind_slot are separate methods so that the tests can leave either out
+    # (monkeypatch) and show that the output then breaks.
     def _wait(self, handle):
         handle.wait()  # the link counts the exposed (blocked) time
 
+    def _bind_slot(self, layer: int):
+        self.layouts[layer].bind(self._views[(layer, self.slot_of[layer])])
+
     def _wait_and_bind(self, layer: int):
         handle = self.pending.pop(layer, None)
-        if handle is not None and not self.skip_waits_for_testing:
+        if handle is not None:
             self._wait(handle)
-        if self.mutate != "skip_bind":
-            self.layouts[layer].bind(self._views[(layer, self.slot_of[layer])])
+        self._bind_slot(layer)
 
     def _pre_hook(self, i):
         def hook(module, args):
@@ -248,8 +249,7 @@ class RingMemory:
                 handle, nbytes = self._copy(i, self.slot_of[i], missing)
                 self.counters["expert_misses"] += len(missing)
                 self.counters["miss_bytes"] += nbytes
-                if not self.skip_waits_for_testing:
-                    self._wait(handle)
+                self._wait(handle)
                 loaded |= missing
         return hook
 

@@ -52,27 +52,11 @@ import time
 
 import torch
 
-__all__ = ["CopyLink", "CopyHandle", "SlotArena", "nan_fill_from_env", "storage_bytes", "mutation_under_test"]
+__all__ = ["CopyLink", "CopyHandle", "SlotArena", "nan_fill_from_env", "storage_bytes"]
 
 
 def nan_fill_from_env() -> bool:
     return os.environ.get("MEGATRON_MOE_OFFLOAD_NAN_FILL", "0") not in ("", "0")
-
-
-MUTATIONS = ("skip_bind", "skip_wait", "skip_rebind", "skip_writeback", "skip_unbind",
-             "skip_host_step_bind")
-
-
-def mutation_under_test() -> str | None:
-    """Tests only: ``MEGATRON_MOE_TEST_MUTATE`` names one step the offload tiers then leave out
-    (a forward bind, a copy wait, the re-bind in backward, a host-cache write-back), so the tests
-    can show each one is load-bearing; ``skip_unbind`` keeps every layer bound from its backward
-    until the optimizer step (possible with K >= layers), which must lose no update. Read here
-    alone; unset in every real run."""
-    name = os.environ.get("MEGATRON_MOE_TEST_MUTATE") or None
-    if name is not None and name not in MUTATIONS:
-        raise ValueError(f"MEGATRON_MOE_TEST_MUTATE={name!r}: one of {', '.join(MUTATIONS)}")
-    return name
 
 
 class CopyHandle:

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from megatron_moe.offload.link import CopyLink, SlotArena, mutation_under_test, storage_bytes
+from megatron_moe.offload.link import CopyLink, SlotArena, storage_bytes
 from megatron_moe.offload.store import HostCache, SsdFile
 
 
@@ -131,7 +131,6 @@ class ExpertOffload:
         self.clock = 0
         self.steps = 0
         self.cache = None
-        self.mutate = mutation_under_test()  # tests only: leave one step out (link.py)
         self._param_layer = {}
         for layer in self.layers:
             for p in layer.params:
@@ -268,12 +267,9 @@ class ExpertOffload:
                 raise RuntimeError(f"expert offload: no free slot for MoE layer {layer.index} "
                                    f"(K={self.k}, bound: {busy})")
         if layer.handle is not None:
-            if self.mutate != "skip_wait":
-                layer.handle.wait()  # exposed wait, counted by the link
+            self._wait_copy(layer)
             layer.handle = None
-        if not (self.mutate == "skip_bind" and phase == "forward"
-                or self.mutate == "skip_rebind" and phase == "backward"):
-            layer.bind(layer.slot_views)
+        self._bind_slot(layer, phase)
         layer.bound = True
         self.clock += 1
         layer.last_bound = self.clock
@@ -283,6 +279,19 @@ class ExpertOffload:
                     self._drop(nxt)
                 if not self._load(nxt, keep):
                     break
+
+    # The steps below are separate methods so that the tests can leave each one out (monkeypatch)
+    # and show that the run then breaks.
+    def _wait_copy(self, layer):
+        layer.handle.wait()  # exposed wait, counted by the link
+
+    def _bind_slot(self, layer, phase):
+        """The layer's parameters -> its device slot (``phase``: forward or backward)."""
+        layer.bind(layer.slot_views)
+
+    def _release_after_backward(self, layer):
+        """The layer's last gradient is accumulated: its slot may be refilled."""
+        self._unbind(layer)
 
     def _unbind(self, layer):
         layer.bind(layer.poison)
@@ -323,8 +332,7 @@ class ExpertOffload:
             self._rebind(main, host)
 
     def _host_step_hook(self, opt, args, kwargs):
-        if self.mutate != "skip_host_step_bind":
-            self._bind_host_copies()
+        self._bind_host_copies()
 
     def _upcoming(self, layer, forward):
         n, i = len(self.layers), layer.index
@@ -362,8 +370,8 @@ class ExpertOffload:
     def _acc_hook(self, layer):
         def hook(param):
             layer.bwd_left -= 1
-            if layer.bwd_left == 0 and layer.bound and self.mutate != "skip_unbind":
-                self._unbind(layer)
+            if layer.bwd_left == 0 and layer.bound:
+                self._release_after_backward(layer)
         return hook
 
     # --- the optimizer step ----------------------------------------------------------------------

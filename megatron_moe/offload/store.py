@@ -14,7 +14,6 @@ from collections import OrderedDict
 
 import torch
 
-from megatron_moe.offload.link import mutation_under_test
 
 
 class SsdFile:
@@ -97,7 +96,6 @@ class HostCache:
         self.accesses = self.hit_count = self.overflows = self.writebacks = 0
         self._calls = 0
         self.lock = threading.RLock()      # the copy thread and the optimizer step both use it
-        self._write_back = mutation_under_test() != "skip_writeback"  # tests: lose the updates
 
     def add(self, key, init: torch.Tensor):
         """Register ``key`` with its initial contents (written straight to the file)."""
@@ -166,11 +164,15 @@ class HostCache:
 
     def _evict(self, key):
         t = self.entries.pop(key)
-        if key in self.dirty and self._write_back:
-            self.ssd.write_from(self.regions[key], t)
-            self.dirty.discard(key)
-            self.writebacks += 1
+        if key in self.dirty:
+            self._write_back(key, t)
         self.bytes -= t.numel() * 4
+
+    def _write_back(self, key, t):
+        """An evicted dirty entry -> the file (a test leaves it out to show updates get lost)."""
+        self.ssd.write_from(self.regions[key], t)
+        self.dirty.discard(key)
+        self.writebacks += 1
 
     def flush(self):
         """Write every dirty entry back (kept cached): the file then holds the current states."""

@@ -149,11 +149,13 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
         pols = {(g, l): FlexMoEPolicy(costs[g], n_exp, p, **kw) for g in range(groups) for l in range(layers)}
     elif base == "auto":
         # per group and layer the cost model picks none / proprophet (transient) / flexmoe (persistent)
-        from megatron_moe.balance.policies.auto import AutoPolicy, plan_groups, plan_layers
-        for k, v in _training_planner_defaults().items():
-            kw.setdefault(k, v)
+        from megatron_moe.balance.policies.auto import AutoPolicy, RegimeState, plan_groups, plan_layers
+        kw.setdefault("planners", {"proprophet": _training_planner_defaults()})
         pols = {(g, l): AutoPolicy(n_exp, p, cost=cluster.cost_model(ranks[g]), planner_cost=costs[g], **kw)
                 for g in range(groups) for l in range(layers)}
+        # the state auto's choice carries between re-plans, one per layer's EP groups (the first
+        # one for all layers when they choose together)
+        regimes = [RegimeState() for _ in range(layers)]
     elif base == "proprophet":
         cls = _proprophet_cls()
         if cls is None:
@@ -186,7 +188,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
 
     def run_flex(g, priced, local, traffic, agg):
         """FlexMoE vExpert table priced with group g's counts: the flexible router, replica-group
-        ring all-reduce (``_Priced.dispatch``)."""
+        ring all-reduce (``Priced.dispatch``)."""
         agg[g] = priced.dispatch(local[g], traffic[g])[2]
 
     def charge_moves(g, moves, adj):
@@ -245,7 +247,7 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
             # for every layer of an iteration before running it). With one group the iteration is
             # the layers' sum, so each layer chooses alone (exact, and layers may differ). Output
             # arrays reused per layer as in flexmoe (every group's rows are rewritten below)
-            joint = layers > 1 and groups > 1 and pols[(0, 0)].joint_layers
+            joint = layers > 1 and groups > 1 and pols[(0, 0)].rules.joint_layers
             if joint and l > 0:
                 return auto_joint.pop(l)
             todo = range(layers) if joint else [l]
@@ -267,10 +269,11 @@ def simulate(trace: np.ndarray, cluster: Cluster, policy: str = "none", algorith
                         run_replicas(g, placement, ck, local, traffic, trans, agg)
                 runs[k] = (ck, layer_pols, local, traffic, trans, agg, adj, [pol.choice for pol in layer_pols])
             if joint:
-                planned, dt = timer(plan_layers, [runs[k][1] for k in todo], [list(runs[k][0]) for k in todo])
+                planned, dt = timer(plan_layers, [runs[k][1] for k in todo], [list(runs[k][0]) for k in todo],
+                                    regimes[0])
                 dt /= layers
             else:
-                got, dt = timer(plan_groups, runs[l][1], list(runs[l][0]))
+                got, dt = timer(plan_groups, runs[l][1], list(runs[l][0]), regimes[l])
                 planned = {l: got}
             for k in todo:
                 ck, layer_pols, local, traffic, trans, agg, adj, was = runs[k]

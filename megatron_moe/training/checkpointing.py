@@ -21,7 +21,6 @@ import functools
 import os
 import random
 import shutil
-import time
 import warnings
 
 import numpy as np
@@ -109,8 +108,6 @@ def _sharded_state(model, optimizer, args, *, include_optimizer: bool, include_r
     return state
 
 
-TEST_SAVE_DELAY_ENV = "MEGATRON_MOE_TEST_SAVE_DELAY"   # tests only: seconds (module doc)
-
 _async_queue = None      # megatron-core's AsyncCallsQueue, created by the first --async-save
 
 
@@ -131,10 +128,6 @@ def _fsync_tree_files(path: str, names=None):
                 os.fsync(f.fileno())
 
 
-def _test_delay() -> float:
-    return float(os.environ.get(TEST_SAVE_DELAY_ENV, "0") or 0)
-
-
 def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train_samples,
                     consumed_valid_samples=0, extra_state: dict | None = None,
                     sharded_strategy=None):
@@ -148,17 +141,13 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     ``sharded_strategy``: a megatron-core torch_dist save strategy other than the default (the HF
     import's streaming one, megatron_moe/hf/megatron_side.py).
     """
-    from megatron_moe.compat.checkpoint import (install_test_write_delay,
-                                                quiet_mcore_async_notice, wait_writer_ready)
+    from megatron_moe.compat.checkpoint import quiet_mcore_async_notice, wait_writer_ready
 
     root = args.save
     final_dir = checkpoint_dir(root, iteration)
     tmp_dir = final_dir + ".tmp"
     rank = dist.get_rank()
     finalize_async_save(blocking=True)
-    delay = _test_delay()
-    if delay:
-        install_test_write_delay(delay)
     wait_writer_ready()
     quiet_mcore_async_notice()
     if rank == 0:
@@ -182,7 +171,7 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
         has_rng=not args.no_save_rng,
     )
     strategy = sharded_strategy or get_default_save_sharded_strategy("torch_dist")
-    commit = functools.partial(_commit, root, iteration, tmp_dir, final_dir, delay)
+    commit = functools.partial(_commit, root, iteration, tmp_dir, final_dir)
     if getattr(args, "async_save", False):
         global _async_queue
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -213,35 +202,41 @@ def async_save_pending() -> bool:
     return _async_queue is not None and _async_queue.get_num_unfinalized_calls() > 0
 
 
-def _commit(root, iteration, tmp_dir, final_dir, delay=0.0):
+def _commit(root, iteration, tmp_dir, final_dir):
     """Every rank's shards are on disk: rename into place, then move the tracker (rank 0)."""
     dist.barrier()
     if dist.get_rank() == 0:
         # shard files are fsynced by megatron-core's writer; the common files are not
         _fsync_tree_files(tmp_dir, [n for n in os.listdir(tmp_dir) if not n.endswith(".distcp")])
         _fsync_dir(tmp_dir)
-        if delay:
-            time.sleep(delay)   # tests: complete but not renamed
-        if os.path.exists(final_dir):  # re-saving an iteration: keep the old one until replaced
-            old = final_dir + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final_dir, old)
-            os.rename(tmp_dir, final_dir)
-            _fsync_dir(root)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp_dir, final_dir)
-            _fsync_dir(root)
-        if delay:
-            time.sleep(delay)   # tests: renamed, tracker not yet moved
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-        _fsync_dir(root)
+        _rename_into_place(root, tmp_dir, final_dir)
+        _write_tracker(root, iteration)
     dist.barrier()
+
+
+# _rename_into_place and _write_tracker are separate steps so that the crash tests can slow each
+# one down and kill the job between them.
+def _rename_into_place(root, tmp_dir, final_dir):
+    if os.path.exists(final_dir):  # re-saving an iteration: keep the old one until replaced
+        old = final_dir + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final_dir, old)
+        os.rename(tmp_dir, final_dir)
+        _fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp_dir, final_dir)
+        _fsync_dir(root)
+
+
+def _write_tracker(root, iteration):
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    _fsync_dir(root)
 
 
 def _describe_load_error(exc) -> str:

@@ -44,24 +44,87 @@ placement that decays fast under drifting routing is charged for it. The observe
 
 The FlexMoE candidate is stateful: its slot table is stepped at every re-plan even while another
 candidate is chosen (a shadow table), so switching to it starts from a table adapted to the load.
+
+State and rules are typed: :class:`AutoState` is one EP group's (its choice, drift factors, last
+plans), :class:`RegimeState` what :func:`choose` carries for the groups it decides together (owned
+by whoever groups them), :class:`AutoRules` the rules (each one can be switched off for an
+ablation; the defaults are the production rules).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron_moe.balance.cost_model import CostModel, PlannerCost, as_planner_cost, rank_time_s
 from megatron_moe.balance.policies.base import (BalancePolicy, NoBalancePolicy, Placement, default_owner, loads,
                                                 make_policy, register_policy)
-from megatron_moe.balance.policies.flexmoe import _Priced, _route_hosts, _sync_hosts, route_real, spill_traffic
+from megatron_moe.balance.policies.flexmoe import Priced, route_hosts, route_real, spill_traffic, sync_hosts
 
-__all__ = ["AutoPolicy", "CANDIDATES", "choose", "plan_groups", "plan_layers"]
+__all__ = ["AutoPolicy", "AutoRules", "AutoState", "RegimeState", "CANDIDATES", "choose", "plan_groups",
+           "plan_layers"]
 
 CANDIDATES = ("none", "proprophet", "flexmoe")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRules:
+    """How auto turns prices into a choice. The defaults are the production rules; each switch
+    below turns one rule off, for the ablations that show the rule matters (the benches and tests
+    build them with ``dataclasses.replace``; ``bench/auto_policy.py --auto-kwargs``)."""
+
+    candidates: Tuple[str, ...] = CANDIDATES   # the planners asked at every re-plan
+    drift_ema: float = 0.2           # weight of the newest observation in every smoothed value
+    max_stay: float = 20.0           # cap of the expected stay (re-plans) a build is spread over
+    moves_overlap: bool = True       # FlexMoE's state moves hide in idle link time (False: all exposed)
+    coordinate: bool = True          # a layer's EP groups choose one regime together (False: alone)
+    lookahead: bool = True           # the first re-plan prices the table FlexMoE converges to
+    amortised: bool = True           # enter FlexMoE when one re-plan's advantage pays the build
+    hysteresis: bool = True          # leave FlexMoE only when the loss exceeds the build's share
+    horizon: bool = True             # no build the rest of the run cannot pay back
+    joint_layers: bool = True        # the simulator chooses for all layers of an iteration at once
+    factor_on_base: bool = True      # drift factors scale only the part the counts decide
+    chain_build: bool = True         # a build sends each expert down a chain of its new hosts
+    margin: bool = True              # an entry must beat how far FlexMoE's prices have missed
+    spread_prior: bool = True        # that spread starts from the observed drift, not from 0
+
+
+DEFAULT_RULES = AutoRules()
+
+
+@dataclasses.dataclass
+class AutoState:
+    """One EP group's state between re-plans (what :meth:`AutoPolicy.state_dict` checkpoints with
+    FlexMoE's shadow table and the group's :class:`RegimeState`)."""
+
+    choice: str                                   # the candidate whose placement runs now
+    factor: Dict[str, float]                      # per candidate: realised / predicted time, EMA
+    choices: Dict[str, int]                       # how often each candidate was chosen
+    drift: float = 0.0                            # observed ||C_j - C_{j-1}||_1 / ||C_{j-1}||_1
+    # per candidate: its last plan and that plan's predicted base time (checked at the next re-plan)
+    prev: Dict[str, Tuple[Placement, float]] = dataclasses.field(default_factory=dict)
+    prev_counts: Optional[np.ndarray] = None      # the counts those plans were made from
+
+
+@dataclasses.dataclass
+class RegimeState:
+    """What :func:`choose` carries between re-plans for the EP groups (and, in the simulator, the
+    layers) it decides together. Whoever groups them owns it: an :class:`AutoPolicy` planning
+    alone (training: one EP group per layer) its own ``regime``; the simulator one per layer, or
+    one per iteration when it chooses for all layers at once."""
+
+    joint_factor: Optional[Dict[str, float]] = None   # per candidate: the slowest group's drift factor
+    joint_spread: Optional[Dict[str, float]] = None   # per candidate: EMA of that ratio's squared miss
+    adv: Optional[float] = None        # smoothed advantage of FlexMoE (None: no re-plan priced it yet)
+    loss: Optional[float] = None       # FlexMoE's disadvantage summed since it last was not positive
+    regret: Optional[float] = None     # the advantage missed, summed since it last was not positive
+    last_joint: Dict[str, float] = dataclasses.field(default_factory=dict)   # this re-plan's prices
+
+    CHECKPOINTED = ("joint_factor", "joint_spread", "adv", "loss", "regret")
 
 
 def _counts(p: Placement):
@@ -71,66 +134,57 @@ def _counts(p: Placement):
 
 
 class AutoPolicy(BalancePolicy):
+    """``planners``: keyword arguments of each candidate planner by name (Pro-Prophet's default
+    ``alpha`` 1 and ``n`` 0 are training's flag defaults); ``remaining``: re-plans left in the run
+    that a plan made now serves (None: unknown), set by the caller before each plan (the balance
+    manager from --train-iters, the simulator from the trace's length)."""
+
     name = "auto"
 
     def __init__(self, num_experts: int, num_ranks: int, cost: Optional[CostModel] = None,
-                 planner_cost: Optional[PlannerCost] = None, alpha: float = 1.0, n: int = 0,
-                 eq8: bool = False, interval: int = 1, persistent: bool = True,
-                 memory_left_bytes: Optional[float] = None, candidates=CANDIDATES,
-                 drift_ema: float = 0.2, force: Optional[str] = None, max_stay: float = 20.0,
-                 moves_overlap: bool = True, flexmoe_kwargs: Optional[Dict] = None, coordinate: bool = True,
-                 lookahead: bool = True, amortised: bool = True, hysteresis: bool = True,
-                 horizon: bool = True, joint_layers: bool = True, factor_on_base: bool = True,
-                 chain_build: bool = True, margin: bool = True, spread_prior: bool = True, **_ignored):
+                 planner_cost: Optional[PlannerCost] = None, eq8: bool = False, interval: int = 1,
+                 persistent: bool = True, memory_left_bytes: Optional[float] = None,
+                 planners: Optional[Dict[str, Dict]] = None, rules: AutoRules = DEFAULT_RULES):
         super().__init__(num_experts, num_ranks)
         self.cost = cost if cost is not None else CostModel.from_profile(None)
         self.pc = planner_cost if planner_cost is not None else as_planner_cost(self.cost, num_ranks)
         self.eq8, self.interval, self.persistent = bool(eq8), max(1, int(interval)), bool(persistent)
         self.memory_left_bytes = memory_left_bytes
-        self.drift_ema, self.max_stay = float(drift_ema), float(max_stay)
-        # re-plans left in the run that a plan made now serves (None: unknown). The simulator sets
-        # it before each plan: a build the rest of the run cannot pay back is not made
+        self.rules = rules
         self.remaining: Optional[float] = None
-        self.moves_overlap = bool(moves_overlap)
-        self.force = force                       # tests' mutation: always this candidate
-        self.coordinate = bool(coordinate)       # tests' mutation (False): every EP group chooses alone
-        self.lookahead = bool(lookahead)         # tests' mutation (False): first re-plan on the one-step table
-        self.amortised = bool(amortised)         # tests' mutation (False): enter FlexMoE by ski rental only
-        self.hysteresis = bool(hysteresis)       # tests' mutation (False): leave FlexMoE when the EMA dips
-        self.horizon = bool(horizon)             # tests' mutation (False): ignore the run's end (remaining)
-        self.joint_layers = bool(joint_layers)   # tests' mutation (False): the simulator plans layer by layer
-        self.factor_on_base = bool(factor_on_base)   # tests' mutation (False): drift factors scale whole prices
-        self.chain_build = bool(chain_build)         # tests' mutation (False): a build sends every copy from the owner
-        self.margin = bool(margin)                   # tests' mutation (False): enter on any predicted advantage
-        self.spread_prior = bool(spread_prior)       # tests' mutation (False): the spread's EMA starts from 0
         self.owner = default_owner(num_experts, num_ranks)
         self._to_owner = np.zeros((num_experts, num_ranks))
         self._to_owner[np.arange(num_experts), self.owner] = 1.0
+        planners = planners or {}
         self.cands: Dict[str, BalancePolicy] = {}
-        for c in candidates:
+        for c in rules.candidates:
             if c == "none":
                 self.cands[c] = NoBalancePolicy(num_experts, num_ranks)
             elif c == "proprophet":
-                self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.cost, alpha=alpha, n=n, eq8=eq8)
+                kw = {"alpha": 1.0, "n": 0, **planners.get(c, {})}
+                self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.cost, eq8=eq8, **kw)
             elif c == "flexmoe":
-                self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.pc, **(flexmoe_kwargs or {}))
+                self.cands[c] = make_policy(c, num_experts, num_ranks, cost=self.pc, **planners.get(c, {}))
             else:
                 raise ValueError(f"--moe-balance-policy auto: unknown candidate {c!r}; choose from {CANDIDATES}")
         # before the first plan every placement is plain, so the persistent regime's table (plain)
         # is in sync: it starts there and grows by FlexMoE's own ops (paid as FlexMoE pays them)
-        self.choice = "flexmoe" if "flexmoe" in self.cands and self.persistent else "none"
-        self.factor = {c: 1.0 for c in self.cands}     # drift factors (realised / predicted)
-        self._prev: Dict[str, tuple] = {}              # candidate -> (placement, predicted base time)
-        self._prev_counts: Optional[np.ndarray] = None
-        self.drift = 0.0
+        self.state = AutoState(choice="flexmoe" if "flexmoe" in self.cands and self.persistent else "none",
+                               factor={c: 1.0 for c in self.cands}, choices={c: 0 for c in self.cands})
+        self.regime = RegimeState()
         self.last_times: Dict[str, float] = {}
         self.last_ops: List = []
-        self.choices: Dict[str, int] = {c: 0 for c in self.cands}
+        # pricing caches, owned here (a pure cache: every value is what the uncached call returns)
         self._memo: Optional[Dict] = None      # during propose(): per-placement arrays and prices
-        self._kept: Dict = {}                  # the arrays of the plans in _prev, for the next propose()
+        self._kept: Dict = {}                  # the arrays of the plans in state.prev, for the next propose()
         self._shared = None                    # (counts, FlexMoE's pricing of them on its table): run_priced
         self._flex_last = None                 # during propose(): the last FlexMoE router result (_flex_router)
         self._plain: Optional[Placement] = None    # the none candidate's placement (NoBalancePolicy's, reused)
+
+    @property
+    def choice(self) -> str:
+        """The candidate whose placement runs now (the balance manager logs it)."""
+        return self.state.choice
 
     # -- speed: per-placement arrays and prices computed once per propose() ------------------------
     # (a pure cache: every value is what the uncached call returns; tests/test_auto_speed.py)
@@ -169,12 +223,12 @@ class AutoPolicy(BalancePolicy):
         return self._cached(("content", id(p)), p, content)
 
     def run_priced(self, counts: np.ndarray, p: Placement):
-        """FlexMoE's pricing (``_Priced``) of counts on the vExpert placement ``p`` that runs now,
+        """FlexMoE's pricing (``Priced``) of counts on the vExpert placement ``p`` that runs now,
         for the simulator's router. When ``p`` is the shadow table's last plan (FlexMoE chosen),
         it is that table's own ``price(counts)``, and the next :meth:`propose` of the same
         ``counts`` array steps the table from it (as the flexmoe policy shares it with its step)."""
         fx = self.cands.get("flexmoe")
-        last = self._prev.get("flexmoe")
+        last = self.state.prev.get("flexmoe")
         if fx is not None and last is not None and last[0] is p:
             n = fx.table.counts()
             a = p.vexperts_array() if hasattr(p, "vexperts_array") else None   # (ints compare faster)
@@ -182,7 +236,7 @@ class AutoPolicy(BalancePolicy):
                 pr = fx.price(counts, n)
                 self._shared = (counts, pr)
                 return pr
-        return _Priced(counts, self.vexperts_array(p), self.pc)
+        return Priced(counts, self.vexperts_array(p), self.pc)
 
     def vexperts_array(self, p: Placement) -> np.ndarray:
         """``np.asarray(p.vexperts, float64)``; free for the plans this policy proposed last (the
@@ -191,7 +245,7 @@ class AutoPolicy(BalancePolicy):
         return hit[1] if hit is not None and hit[0] is p else np.asarray(_counts(p), dtype=np.float64)
 
     # -- the cost model's price of one placement ------------------------------------------------
-    def _ranks(self, counts: np.ndarray, p: Placement, priced: Optional[_Priced] = None):
+    def _ranks(self, counts: np.ndarray, p: Placement, priced: Optional[Priced] = None):
         """Per-rank (compute + 4 all-to-alls) seconds of ``p`` on ``counts`` (``rank_time_s``)
         and per-rank forward compute seconds. FlexMoE placements route by the real-number router
         (``priced``: FlexMoE's pricing of these counts on ``p``'s table, when at hand: its router
@@ -199,7 +253,7 @@ class AutoPolicy(BalancePolicy):
         return self._cached(("ranks", id(counts), self._content(p)), counts,
                             lambda: self._ranks_now(counts, p, priced))
 
-    def _ranks_now(self, counts: np.ndarray, p: Placement, priced: Optional[_Priced] = None):
+    def _ranks_now(self, counts: np.ndarray, p: Placement, priced: Optional[Priced] = None):
         if p.has_vexperts:
             n = self._vx(p)
             got = self._flex_router(counts, n, priced)
@@ -223,7 +277,7 @@ class AutoPolicy(BalancePolicy):
                 traffic = traffic @ self._to_owner
         return rank_time_s(self.pc, H, traffic), self.pc.fwd_s_per_input * H
 
-    def _flex_router(self, counts: np.ndarray, n: np.ndarray, priced: Optional[_Priced] = None):
+    def _flex_router(self, counts: np.ndarray, n: np.ndarray, priced: Optional[Priced] = None):
         """(traffic[src, dst], per-rank inputs kept at their source) of the real-number router on
         vExperts ``n``, from its entries at the hosts only (frac is 0 elsewhere: traffic is
         spill.T @ frac summed over the at most S experts a rank hosts, no E x G x G matmul; keep's
@@ -247,14 +301,14 @@ class AutoPolicy(BalancePolicy):
                 np.subtract.at(keep, r0["hg"][i], r0["keep_h"][i])
                 if len(rows):
                     nr = n[rows]
-                    r1 = _route_hosts(counts.T[rows], nr, nr.sum(axis=1))
+                    r1 = route_hosts(counts.T[rows], nr, nr.sum(axis=1))
                     if r1 is None:
                         return None
                     i = np.flatnonzero(r1["frac_h"] > 0)
                     np.add.at(traffic.T, r1["hg"][i], r1["spill"][r1["he"][i]] * r1["frac_h"][i, None])
                     np.add.at(keep, r1["hg"], r1["keep_h"])
                 return traffic, keep
-        r = priced.route if priced is not None else _route_hosts(counts.T, n, n.sum(axis=1))
+        r = priced.route if priced is not None else route_hosts(counts.T, n, n.sum(axis=1))
         if r is None:
             return None
         traffic = getattr(priced, "dispatched", None)                # [src, dst]
@@ -265,7 +319,7 @@ class AutoPolicy(BalancePolicy):
         self._flex_last = (counts, n, r, traffic, keep)
         return traffic, keep
 
-    def _base(self, counts: np.ndarray, p: Placement, priced: Optional[_Priced] = None) -> float:
+    def _base(self, counts: np.ndarray, p: Placement, priced: Optional[Priced] = None) -> float:
         return float(self._ranks(counts, p, priced)[0].max())
 
     def _member_collectives_s(self, p: Placement) -> np.ndarray:
@@ -300,9 +354,9 @@ class AutoPolicy(BalancePolicy):
             if extra.max() * self.pc.state_bytes > self.memory_left_bytes:
                 return None
         # per rank the sync of every expert it hosts, added in expert order (the dense column sum's
-        # additions; _sync_hosts is sync_s_vec row by row)
+        # additions; sync_hosts is sync_s_vec row by row)
         sync = self._cached(("sync", id(p)), p, lambda: np.bincount(
-            g, _sync_hosts(self.pc, n, e, g, np.bincount(e, minlength=self.num_experts))[e], self.num_ranks))
+            g, sync_hosts(self.pc, n, e, g, np.bincount(e, minlength=self.num_experts))[e], self.num_ranks))
         if switching:                                    # switching in: every non-owner replica is new
             a, b = self._build_pairs(e, g)
         else:
@@ -322,11 +376,11 @@ class AutoPolicy(BalancePolicy):
         owner -> h1 -> h2 -> ... (hosts on the owner's node first, then node by node), sent in
         chunks as a pipelined broadcast (NCCL's ring), so every rank sends and receives it at most
         once. Sent from the owner to each host in turn (``chain_build=False``), the owner of a hot
-        expert with k new hosts carried k copies, the busiest link of the iteration (its
-        all-to-all's hot receiver): a 60 ms exposed build at 32 GPUs, s 1.6, d 0.25."""
+        expert with k new hosts would carry k copies on the busiest link of the iteration (its
+        all-to-all's hot receiver), where almost none of the build can hide."""
         new = g != self.owner[e]
         e, g = e[new], g[new]
-        if not self.chain_build or len(e) == 0:
+        if not self.rules.chain_build or len(e) == 0:
             return self.owner[e], g
         node = self.pc.node if self.pc.node is not None else np.zeros(self.num_ranks, dtype=np.int64)
         far = node[g] != node[self.owner[e]]
@@ -349,7 +403,7 @@ class AutoPolicy(BalancePolicy):
 
     def expected_stay(self) -> float:
         """Re-plans a persistent placement is expected to stay useful: 1 / observed drift, capped."""
-        return float(min(self.max_stay, 1.0 / max(self.drift, 1.0 / self.max_stay)))
+        return float(min(self.rules.max_stay, 1.0 / max(self.state.drift, 1.0 / self.rules.max_stay)))
 
     def _flex_parts(self, counts: np.ndarray, p: Placement, ops, switching: bool):
         """FlexMoE's plan per rank: (steady seconds = compute + all-to-alls + replica sync, seconds
@@ -377,7 +431,7 @@ class AutoPolicy(BalancePolicy):
         link time of an iteration lasting ``iteration_s`` (the MoE time of ``blocks`` layers, whose
         busy link seconds and moves ``busy`` and ``move`` sum); the slowest rank's excess is
         exposed. Without ``moves_overlap`` every move is exposed."""
-        if not self.moves_overlap:
+        if not self.rules.moves_overlap:
             return float(move.max())
         # the blocks' non-MoE forward and backward have no all-to-all: idle link time too
         idle = iteration_s + blocks * (self.cost.t_fnec + self.cost.t_bnec) - busy
@@ -392,7 +446,7 @@ class AutoPolicy(BalancePolicy):
         if name == "none" or p.is_plain():
             return float(base.max())
         if name == "flexmoe" and self.persistent:
-            switching = self.choice != "flexmoe" if switching is None else switching
+            switching = self.state.choice != "flexmoe" if switching is None else switching
             parts = self._flex_parts(counts, p, ops, switching)
             if parts is None:
                 return None
@@ -414,27 +468,27 @@ class AutoPolicy(BalancePolicy):
         try:
             return self._propose(counts)
         finally:
-            kept = {id(p) for p, _ in self._prev.values()}
+            kept = {id(p) for p, _ in self.state.prev.values()}
             self._kept = {k: v for k, v in self._memo.items() if k[0] in ("vx", "mask", "content", "sync", "hosts") and k[1] in kept}
             self._memo = self._flex_last = None
 
     def _propose(self, counts) -> Dict[str, float]:
         C = np.asarray(counts, dtype=np.float64)
-        first = self._prev_counts is None
+        first = self.state.prev_counts is None
         # drift: how each candidate's previous plan priced on the counts that really came
         self._checked = {}                 # candidate -> (previous plan priced on the counts that came, as predicted)
         # FlexMoE's table priced on these counts already (run_priced: the running table, which is
         # its last plan): its router entries serve that plan's price below, its step starts from it
         sh, self._shared = self._shared, None
         shared = sh[1] if sh is not None and sh[0].dtype == C.dtype and np.array_equal(sh[0], C) else None
-        if self._prev_counts is not None:
-            self.drift = float(np.abs(C - self._prev_counts).sum() / max(1.0, self._prev_counts.sum()))
-            for c, (p, predicted) in self._prev.items():
+        if self.state.prev_counts is not None:
+            self.state.drift = float(np.abs(C - self.state.prev_counts).sum() / max(1.0, self.state.prev_counts.sum()))
+            for c, (p, predicted) in self.state.prev.items():
                 if predicted > 0:
                     real = self._base(C, p, shared if c == "flexmoe" else None)
                     self._checked[c] = (real, predicted)
-                    self.factor[c] = (1 - self.drift_ema) * self.factor[c] + self.drift_ema * real / predicted
-        self._prev_counts = C.copy()
+                    self.state.factor[c] = (1 - self.rules.drift_ema) * self.state.factor[c] + self.rules.drift_ema * real / predicted
+        self.state.prev_counts = C.copy()
         prop, times, raw = {}, {}, {}
         for c, pol in self.cands.items():
             if c == "flexmoe":             # its table priced on these counts already (run_priced)
@@ -447,28 +501,28 @@ class AutoPolicy(BalancePolicy):
                 self._cached(("vx", id(p)), p, lambda: np.asarray(_counts(p) if hasattr(p, "vexperts_array")
                                                                   else pol.table.counts(), dtype=np.float64))
             ops = list(getattr(pol, "last_ops", None) or [])
-            self._prev[c] = (p, self._base(C, p))
-            entry = {"placement": p, "ops": ops, "base": self._prev[c][1]}
+            self.state.prev[c] = (p, self._base(C, p))
+            entry = {"placement": p, "ops": ops, "base": self.state.prev[c][1]}
             if c == "flexmoe" and self.persistent and not p.is_plain():
-                switching = self.choice != "flexmoe"
+                switching = self.state.choice != "flexmoe"
                 parts = self._flex_parts(C, p, ops, False)
                 t = None
                 if parts is not None:        # as price(): this group alone
                     steady, busy, move = parts
                     build = self._persistent_s(p, ops, True)[1]
                     t = self._flex_time(steady, busy, build if switching else move, switching)
-                    entry.update(steady=self.scaled(float(steady.max()), entry["base"], self.factor[c]), busy=busy,
+                    entry.update(steady=self.scaled(float(steady.max()), entry["base"], self.state.factor[c]), busy=busy,
                                  move=move, build=build, raw=float(steady.max()))
-                    if first and not switching and self.lookahead:
+                    if first and not switching and self.rules.lookahead:
                         entry["look"] = self._lookahead(C, pol)
             else:
                 t = self.price(c, C, p, ops)
-                entry["steady"], entry["raw"] = self.scaled(t, entry["base"], self.factor[c]), t
+                entry["steady"], entry["raw"] = self.scaled(t, entry["base"], self.state.factor[c]), t
                 entry["link"] = self._link_busy(c, C, p)
             prop[c] = entry
             if t is not None:
                 raw[c] = t
-                times[c] = self.scaled(t, entry["base"], self.factor[c])
+                times[c] = self.scaled(t, entry["base"], self.state.factor[c])
         self._proposal = prop
         self.last_times, self.last_price = times, raw     # this group alone: scaled and unscaled
         return times
@@ -477,23 +531,23 @@ class AutoPolicy(BalancePolicy):
         """A price under a drift factor. The factor is measured on the part of a plan's time that the
         counts decide (compute and all-to-alls of the slowest rank: ``_checked``), so only that part
         is scaled; Trans/Agg and the replica sync move the same bytes whatever the counts. (Scaling
-        whole prices charged Pro-Prophet's broadcasts for drift: 8192 GPUs, s 1.6, d 0.5, transient
-        predicted ~8% above what it took, FlexMoE ~6% below, and auto entered FlexMoE twice on it.)"""
-        if not self.factor_on_base:
+        whole prices would charge Pro-Prophet's broadcasts for drift, overpricing the transient
+        regime exactly where broadcasts are a large share of it.)"""
+        if not self.rules.factor_on_base:
             return price * factor
         return price + (factor - 1.0) * base
 
     def _lookahead(self, C: np.ndarray, pol):
         """FlexMoE's table as its own planner takes it on the load ``C``: a copy of the (shadow)
         table is stepped on ``C`` until a step makes no op (at most ``max_stay`` steps). The first
-        step from plain stops early (its migrations open further Expand/Shrink pairs: at 256 GPUs,
-        s 1.6 a second step on the same counts takes the planner's price from 33 to 22 ms).
+        step from plain stops early (its migrations open further Expand/Shrink pairs, so a second
+        step on the same counts can lower the planner's price by a third).
         Returns (steady seconds per rank, link-busy seconds, state moves of the extra ops), as
         ``_flex_parts``; None if it does not fit the memory left."""
         look = copy.copy(pol)
         look.table = pol.table.copy()
         ops = []
-        for _ in range(int(self.max_stay)):
+        for _ in range(int(self.rules.max_stay)):
             o = look.step(C)
             if not o:
                 break
@@ -502,38 +556,38 @@ class AutoPolicy(BalancePolicy):
 
     def commit(self, choice: str) -> Placement:
         """Adopt candidate ``choice``'s proposed placement."""
-        self.choice = choice
-        self.choices[choice] += 1
+        self.state.choice = choice
+        self.state.choices[choice] += 1
         entry = self._proposal[choice]
         self.last_ops = entry["ops"] if choice == "flexmoe" else []
         return entry["placement"]
 
     def plan(self, counts, current: Optional[Placement] = None) -> Placement:
+        """Plan this EP group alone (training), with its own :class:`RegimeState`."""
         self.propose(counts)
-        return self.commit(choose([self])[0])
-
-    # the state :func:`choose` keeps on a layer's first policy between re-plans
-    _JOINT = ("joint_factor", "joint_spread", "adv", "loss", "regret")
+        return self.commit(choose([self], self.regime)[0])
 
     def state_dict(self) -> Dict:
         """Everything the next re-plan reads: the choice, the drift factors, each candidate's last
         plan with its predicted time and the counts it was planned from (the next re-plan checks
-        them), the observed drift, :func:`choose`'s smoothed advantage / regret / loss and joint
+        them), the observed drift, the regime's smoothed advantage / regret / loss and joint
         factors, and FlexMoE's shadow table. A replicated expert's gradient is summed in another
         order than plain EP's, so a resumed run continues bit-exactly only if it plans the same
         placements (tests/test_auto_policy.py: save / resume vs uninterrupted)."""
-        fx = self.cands.get("flexmoe")
-        d = {"choice": self.choice, "factor": dict(self.factor), "choices": dict(self.choices),
-             "flexmoe": fx.state_dict() if fx is not None else None, "drift": self.drift,
-             "prev_counts": None if self._prev_counts is None else self._prev_counts.tolist(),
-             "prev": {c: [p.to_dict(), float(t)] for c, (p, t) in self._prev.items()}}
-        d["joint"] = {k: getattr(self, k) for k in self._JOINT if getattr(self, k, None) is not None}
+        st, fx = self.state, self.cands.get("flexmoe")
+        d = {"choice": st.choice, "factor": dict(st.factor), "choices": dict(st.choices),
+             "flexmoe": fx.state_dict() if fx is not None else None, "drift": st.drift,
+             "prev_counts": None if st.prev_counts is None else st.prev_counts.tolist(),
+             "prev": {c: [p.to_dict(), float(t)] for c, (p, t) in st.prev.items()}}
+        d["joint"] = {k: getattr(self.regime, k) for k in RegimeState.CHECKPOINTED
+                      if getattr(self.regime, k) is not None}
         return d
 
     def load_state_dict(self, d: Dict) -> bool:
-        self.choice = d.get("choice", "none") if d.get("choice") in self.cands else "none"
-        self.factor.update({k: float(v) for k, v in d.get("factor", {}).items() if k in self.factor})
-        self.choices.update({k: int(v) for k, v in d.get("choices", {}).items() if k in self.choices})
+        st = self.state
+        st.choice = d.get("choice", "none") if d.get("choice") in self.cands else "none"
+        st.factor.update({k: float(v) for k, v in d.get("factor", {}).items() if k in st.factor})
+        st.choices.update({k: int(v) for k, v in d.get("choices", {}).items() if k in st.choices})
         fx = self.cands.get("flexmoe")
         ok = fx.load_state_dict(d["flexmoe"]) if fx is not None and d.get("flexmoe") else True
         prev = {c: (Placement.from_dict(pd), float(t)) for c, (pd, t) in d.get("prev", {}).items() if c in self.cands}
@@ -541,193 +595,244 @@ class AutoPolicy(BalancePolicy):
         if not ok or pc is None or np.shape(pc) != (self.num_ranks, self.num_experts) or \
                 any(p.num_ranks != self.num_ranks or p.num_experts != self.num_experts for p, _ in prev.values()):
             return ok          # another EP size / expert count: plan afresh from the next counts
-        self._prev, self._prev_counts, self.drift = prev, np.asarray(pc, dtype=np.float64), float(d.get("drift", 0.0))
+        st.prev, st.prev_counts, st.drift = prev, np.asarray(pc, dtype=np.float64), float(d.get("drift", 0.0))
         for k, v in d.get("joint", {}).items():
-            if k in self._JOINT:
-                setattr(self, k, dict(v) if isinstance(v, dict) else float(v))
+            if k in RegimeState.CHECKPOINTED:
+                setattr(self.regime, k, dict(v) if isinstance(v, dict) else float(v))
         return ok
 
 
-def choose(policies: Sequence) -> List:
-    """One layer's choice over its EP groups (one ``AutoPolicy`` each, after ``propose``).
+class _Groups:
+    """The EP groups one :func:`choose` decides over, after their ``propose``: ``layers[l][g]`` is
+    layer l's group g (one layer unless the simulator chooses for all layers at once). The groups
+    share their settings (rules, interval, cost model), which are read from the first."""
 
-    The groups are synchronised: the iteration ends with the slowest group, so a layer's time under
-    a choice is the maximum over groups, and a group that switches into FlexMoE alone pays the
-    replica build on everybody's iteration while its gain counts only if it was the slowest. So the
-    regime is chosen for all groups together:
+    def __init__(self, layers: List[List[AutoPolicy]]):
+        self.layers = layers
+        self.lead = layers[0][0]
+        self.flat = [pol for lay in layers for pol in lay]
+        self.props = [[pol._proposal for pol in lay] for lay in layers]
 
-    * transient: each group takes the cheapest stateless candidate (no replication, Pro-Prophet's
-      transient replicas; neither keeps state, so per-group, per-iteration choices cost nothing to
-      change); the regime's time is the slowest group's;
-    * persistent (FlexMoE in every group): the slowest group's steady time (compute, all-to-alls,
-      replica sync) + the state moves of its re-plan per interval, best effort against each rank's
-      idle link time (slowest group's excess).
-
-    Entering FlexMoE builds every replica (the same best-effort rule, once); leaving drops them
-    (free), and coming back builds them again. Entering is decided as in ski rental: the advantage
-    of the persistent regime (transient minus persistent time) is summed over the iterations since
-    it last was not positive (``regret``), and FlexMoE is entered when that sum reaches the build's
-    exposed time and the smoothed advantage (EMA, weight ``drift_ema``, from 0) is positive; or
-    when this re-plan's advantage over the expected stay (``expected_stay``: ~1/drift re-plans, as
-    ``price`` spreads a build) pays the build; either way only when this re-plan's advantage exceeds
-    the margin (the spread of FlexMoE's realised / predicted ratio about its drift factor times the
-    slowest group's base: under drift 0.5 entries predicted 2-4% ahead ran 30-60% behind).
-    Entering restarts the smoothing at that advantage
-    (the earlier ones priced tables the shadow has left). FlexMoE is left when the smoothed
-    advantage is negative and the disadvantage summed since it last was not positive (``loss``)
-    exceeds the build's share per re-plan (build / expected stay): leaving costs that rebuild
-    again, so a brief dip does not. At the first re-plan (the table one FlexMoE step from plain,
-    nothing built at a cost) FlexMoE is kept if it is predicted faster, or if staying pays over the
-    expected stay with the table FlexMoE's planner reaches on this load (``_lookahead``). Where the
-    run's end is known (``remaining`` re-plans, set by the simulator), no build is entered that the
-    rest of the run could not pay back even if FlexMoE's layers took no time (remaining x transient
-    time < build): ski rental alone entered at the last re-plans of short runs.
-    Several layers (``policies`` a list of layers, each a list of its EP groups' policies; the
-    simulator's :func:`plan_layers`): the iteration ends with the slowest group's SUM over layers,
-    so one regime is chosen for all of them and every time above is the slowest group's sum. Chosen
-    layer by layer, each layer priced by its own slowest group, FlexMoE was overpriced where its
-    slowest group differs between layers (8192 GPUs, 2 layers, s 1.0, d 0: 95 ms priced as the sum
-    of the layers' maxima against 81 ms the slowest group's sum, which is what the iteration took).
-    The state of the rules lives on the first layer's first group.
-    Returns each group's choice (per layer when given layers); ``force`` (a test's mutation)
-    overrides it."""
-    layered = len(policies) > 0 and isinstance(policies[0], (list, tuple))
-    layers = [list(x) for x in policies] if layered else [list(policies)]
-    p0 = layers[0][0]
-    flat = [pol for lay in layers for pol in lay]
-
-    def out(regime: List[List[str]]) -> List:
-        return regime if layered else regime[0]
-    if p0.force is not None:
-        return out([[p0.force] * len(lay) for lay in layers])
-    props = [[pol._proposal for pol in lay] for lay in layers]
-
+    @staticmethod
     def slowest(per: List[np.ndarray]) -> float:
         """The slowest group's sum over layers of per-layer [groups] seconds (one layer: its max)."""
         return float(np.max(np.sum(per, axis=0)))
 
-    def exposed(busy, move, iteration_s: float) -> float:
+    def exposed(self, busy, move, iteration_s: float) -> float:
         """The slowest group's exposed state moves (``busy[l][g]``, ``move[l][g]``: per-rank link
         seconds): every layer's moves of an iteration share its idle link time, as the simulator
         charges them (one iteration lasting ``iteration_s``)."""
-        return max(pol.exposed_moves_s(sum(b[g] for b in busy), sum(m[g] for m in move), iteration_s, len(layers))
-                   for g, pol in enumerate(layers[0]))
-    stateless = [c for c in CANDIDATES if c in p0.cands and "steady" in props[0][0][c] and "busy" not in props[0][0][c]]
-    per_group = [[min((c for c in stateless if "steady" in pr[c]), key=lambda c: (pr[c]["steady"], c))
-                  for pr in lp] for lp in props]
-    # drift factors, per candidate: the slowest group's realised time over the slowest group's
-    # predicted one, for each candidate's last plans (all are re-priced every re-plan). Over many
-    # groups the maximum of noisy realisations exceeds the maximum of the predictions, more for the
-    # noisier candidate, which the groups' own factors (ratios of means) do not see. Per candidate:
-    # a factor learnt on Pro-Prophet's plans does not price plain EP's.
-    w = p0.drift_ema
-    jf = getattr(p0, "joint_factor", None) or {c: 1.0 for c in p0.cands}
-    jv = getattr(p0, "joint_spread", None) or {}      # a candidate enters at its first check
-    if all(pol._checked for pol in flat):
+        return max(pol.exposed_moves_s(sum(b[g] for b in busy), sum(m[g] for m in move), iteration_s,
+                                       len(self.layers))
+                   for g, pol in enumerate(self.layers[0]))
+
+    def everywhere(self, choice: str) -> List[List[str]]:
+        return [[choice] * len(lay) for lay in self.layers]
+
+
+class _Persistent(NamedTuple):
+    """The persistent regime (FlexMoE in every group) at this re-plan."""
+    flex: List[List[Dict]]     # each group's FlexMoE proposal, per layer
+    time: float                # the slowest group's time: steady + its ops' exposed moves per interval
+    advantage: float           # the transient regime's time minus ``time``
+    margin: float              # how far FlexMoE's prices have missed (an entry must beat it)
+    build: float               # exposed seconds of building every replica now, during the transient
+
+
+def choose(policies: Sequence, regime: RegimeState) -> List:
+    """One layer's choice over its EP groups (one ``AutoPolicy`` each, after ``propose``), with
+    the ``regime`` state they share.
+
+    The groups are synchronised: the iteration ends with the slowest group, so a layer's time under
+    a choice is the maximum over groups, and a group that switches into FlexMoE alone pays the
+    replica build on everybody's iteration while its gain counts only if it was the slowest. So the
+    regime is chosen for all groups together, in four steps:
+
+    1. the drift factors per candidate (:func:`_update_factors`);
+    2. the transient regime (:func:`_transient`): each group takes the cheapest stateless
+       candidate (no replication, Pro-Prophet's transient replicas; neither keeps state, so
+       per-group, per-iteration choices cost nothing to change); its time is the slowest group's;
+    3. the persistent regime (:func:`_persistent`, FlexMoE in every group): the slowest group's
+       steady time (compute, all-to-alls, replica sync) + the state moves of its re-plan per
+       interval, best effort against each rank's idle link time; and what building it would cost;
+    4. the switch: at the first re-plan :func:`_keep_first_table`, later :func:`_persistent_wins`.
+
+    Entering FlexMoE builds every replica; leaving drops them (free), and coming back builds them
+    again. Several layers (``policies`` a list of layers, each a list of its EP groups' policies;
+    the simulator's :func:`plan_layers`): the iteration ends with the slowest group's SUM over
+    layers, so one regime is chosen for all of them and every time above is the slowest group's
+    sum. Chosen layer by layer, each layer priced by its own slowest group, FlexMoE would be
+    overpriced wherever its slowest group differs between layers (the sum of the layers' maxima
+    exceeds the slowest group's sum, which is what the iteration takes). Returns each group's
+    choice (per layer when given layers)."""
+    layered = len(policies) > 0 and isinstance(policies[0], (list, tuple))
+    groups = _Groups([list(x) for x in policies] if layered else [list(policies)])
+    _update_factors(groups, regime)
+    per_group, t_tr = _transient(groups, regime)
+    regime.last_joint = {"transient": t_tr}
+    pers = _persistent(groups, regime, per_group, t_tr)
+    if pers is None:                   # no persistent candidate (or it does not fit)
+        regime.adv = None
+        out = per_group
+    elif regime.adv is None:
+        out = groups.everywhere("flexmoe") if _keep_first_table(groups, regime, pers, t_tr) else per_group
+    else:
+        out = groups.everywhere("flexmoe") if _persistent_wins(groups, regime, pers, t_tr) else per_group
+    return out if layered else out[0]
+
+
+def _update_factors(groups: _Groups, regime: RegimeState) -> None:
+    """Drift factors, per candidate: the slowest group's realised time over the slowest group's
+    predicted one, for each candidate's last plans (all are re-priced every re-plan). Over many
+    groups the maximum of noisy realisations exceeds the maximum of the predictions, more for the
+    noisier candidate, which the groups' own factors (ratios of means) do not see. Per candidate:
+    a factor learnt on Pro-Prophet's plans does not price plain EP's. With each factor, the spread
+    of its ratio about it (EMA of the squared miss): the entry margin."""
+    lead, w = groups.lead, groups.lead.rules.drift_ema
+    jf = regime.joint_factor or {c: 1.0 for c in lead.cands}
+    jv = regime.joint_spread or {}      # a candidate enters at its first check
+    if all(pol._checked for pol in groups.flat):
         for c in jf:
-            pairs = [[pol._checked.get(c) for pol in lay] for lay in layers]
+            pairs = [[pol._checked.get(c) for pol in lay] for lay in groups.layers]
             if all(pq is not None for lay in pairs for pq in lay):
-                real = slowest([np.array([r for r, _ in lay]) for lay in pairs])
-                ratio = real / slowest([np.array([q for _, q in lay]) for lay in pairs])
+                real = groups.slowest([np.array([r for r, _ in lay]) for lay in pairs])
+                ratio = real / groups.slowest([np.array([q for _, q in lay]) for lay in pairs])
                 if c not in jv:
                     # before any miss is measured, the spread's prior is the counts' own relative
-                    # change (observed drift, the largest over the groups): an EMA from 0 trusted
-                    # one lucky observation (8192 GPUs, s 1.6, d 0.5: a 1.1 ms margin, FlexMoE
-                    # entered and ran 1.5x its price for 8 re-plans)
-                    jv[c] = max(pol.drift for pol in flat) ** 2 if p0.spread_prior else 0.0
+                    # change (observed drift, the largest over the groups): an EMA from 0 would
+                    # trust one lucky observation, and a table planned on the last counts has no
+                    # better claim on these than their own change
+                    jv[c] = max(pol.state.drift for pol in groups.flat) ** 2 if lead.rules.spread_prior else 0.0
                 jv[c] = (1 - w) * jv[c] + w * (ratio - jf[c]) ** 2
                 jf[c] = (1 - w) * jf[c] + w * ratio
-    p0.joint_factor, p0.joint_spread = jf, jv
-    t_tr = slowest([np.array([p0.scaled(pr[c]["raw"], pr[c]["base"], jf[c]) for pr, c in zip(lp, lc)])
-                    for lp, lc in zip(props, per_group)])
-    flex = [[pr.get("flexmoe", {}) for pr in lp] for lp in props]
-    p0.last_joint = {"transient": t_tr}
-    if not all("busy" in f for lf in flex for f in lf):    # no persistent candidate (or it does not fit)
-        p0.adv = None
-        return out(per_group)
+    regime.joint_factor, regime.joint_spread = jf, jv
+
+
+def _transient(groups: _Groups, regime: RegimeState):
+    """(each group's cheapest stateless candidate per layer, the transient regime's time: the
+    slowest group's, each price under its candidate's layer factor)."""
+    lead, jf = groups.lead, regime.joint_factor
+    first = groups.props[0][0]
+    stateless = [c for c in CANDIDATES if c in lead.cands and "steady" in first[c] and "busy" not in first[c]]
+    per_group = [[min((c for c in stateless if "steady" in pr[c]), key=lambda c: (pr[c]["steady"], c))
+                  for pr in lp] for lp in groups.props]
+    t_tr = groups.slowest([np.array([lead.scaled(pr[c]["raw"], pr[c]["base"], jf[c]) for pr, c in zip(lp, lc)])
+                           for lp, lc in zip(groups.props, per_group)])
+    return per_group, t_tr
+
+
+def _persistent(groups: _Groups, regime: RegimeState, per_group, t_tr: float) -> Optional[_Persistent]:
+    """The persistent regime's time, advantage, entry margin and build; None if a group has no
+    FlexMoE proposal that fits."""
+    flex = [[pr.get("flexmoe", {}) for pr in lp] for lp in groups.props]
+    if not all("busy" in f for lf in flex for f in lf):
+        return None
+    lead, jf, jv = groups.lead, regime.joint_factor, regime.joint_spread
     # every layer's state moves share the iteration's idle link time (``exposed``)
-    flex_g = [np.array([p0.scaled(f["raw"], f["base"], jf["flexmoe"]) for f in lf]) for lf in flex]
-    steady = slowest(flex_g)
-    ops_s = exposed([[f["busy"] for f in lf] for lf in flex], [[f["move"] for f in lf] for lf in flex], steady)
-    t_flex = steady + ops_s / p0.interval
-    adv = t_tr - t_flex
+    steady = groups.slowest([np.array([lead.scaled(f["raw"], f["base"], jf["flexmoe"]) for f in lf])
+                             for lf in flex])
+    ops_s = groups.exposed([[f["busy"] for f in lf] for lf in flex], [[f["move"] for f in lf] for lf in flex],
+                           steady)
+    t_flex = steady + ops_s / lead.interval
     # how far FlexMoE's factor-corrected price has missed (its ratio's spread about the factor,
-    # EMA): an entry must win by more than that (under drift 0.5 its next tables priced 2-4% under
-    # the transient ran 30-60% over it; at drift 0 the spread is ~0 and nothing changes)
-    margin = float(np.sqrt(jv.get("flexmoe", 0.0))) * slowest([np.array([f["base"] for f in lf]) for lf in flex]) \
-        if p0.margin else 0.0
-    p0.last_joint.update(flexmoe=t_flex, margin=margin)
+    # EMA): an entry must win by more than that (under heavy drift a table priced a few percent
+    # under the transient can run far over it; at drift 0 the spread is ~0 and nothing changes)
+    margin = float(np.sqrt(jv.get("flexmoe", 0.0))) * \
+        groups.slowest([np.array([f["base"] for f in lf]) for lf in flex]) if lead.rules.margin else 0.0
+    regime.last_joint.update(flexmoe=t_flex, margin=margin)
     # the build runs while the current (transient) placement does: its idle links hide part
-    build = exposed([[pr[c]["link"] for pr, c in zip(lp, lc)] for lp, lc in zip(props, per_group)],
-                    [[f["build"] for f in lf] for lf in flex], t_tr)
-    stay = p0.expected_stay()
-    everywhere = [["flexmoe"] * len(lay) for lay in layers]
-    if getattr(p0, "adv", None) is None:
-        # first re-plan: nothing to smooth and no prediction checked yet; the persistent table is
-        # one FlexMoE step from plain (moved in the plain iteration's idle time). Its next steps on
-        # this load lower it further, moved as FlexMoE's own are, while leaving and coming back
-        # costs the build: keep it if it is predicted faster now, or if the next iteration's loss
-        # plus the extra steps' exposed moves is paid back over the expected stay by the table
-        # they reach. (Keeping it unless the loss exceeded the rebuild was tried: FlexMoE's first
-        # table runs far slower than predicted under drift, 1.17x at 8192 GPUs.)
-        p0.adv, p0.loss = 0.0, 0.0
-        p0.last_joint.update(build=build)
-        keep = p0.choice == "flexmoe" and adv > 0
-        if p0.choice == "flexmoe" and not keep and all(f.get("look") is not None for lf in flex for f in lf):
-            look_g = [np.array([p0.scaled(float(f["look"][0].max()), f["base"], jf["flexmoe"]) for f in lf])
-                      for lf in flex]
-            lsteady = slowest(look_g)
-            lmoves = exposed([[f["look"][1] for f in lf] for lf in flex], [[f["look"][2] for f in lf] for lf in flex],
-                             lsteady)
-            staying = -adv + lmoves / p0.interval + (stay - 1.0) * (lsteady - t_tr)
-            p0.last_joint.update(lookahead=lsteady, staying=staying)
-            keep = staying < 0
-        return out(everywhere if keep else per_group)
-    p0.adv = (1 - w) * p0.adv + w * adv
-    p0.last_joint["advantage"] = p0.adv
-    if p0.choice == "flexmoe":
-        p0.loss = max(0.0, p0.loss - adv)
-        p0.last_joint.update(build=build, loss=p0.loss)
-        stay_in = p0.adv > 0 or (p0.hysteresis and p0.loss <= build / stay)
-        p0.regret = 0.0
-    else:
-        p0.regret = max(0.0, getattr(p0, "regret", 0.0) + adv)
-        p0.last_joint.update(build=build, regret=p0.regret)
-        stay_in = (p0.adv > 0 and p0.regret >= build) or (p0.amortised and (adv - margin) * stay >= build)
-        stay_in = stay_in and adv > margin
-        # no build the rest of the run cannot pay back even if FlexMoE ran in no time
-        if p0.horizon and p0.remaining is not None:
-            stay_in = stay_in and p0.remaining * t_tr >= build
-        if stay_in:
-            p0.regret, p0.loss = 0.0, 0.0
-            if p0.amortised:
-                p0.adv = max(p0.adv, adv)
-    return out(everywhere if stay_in else per_group)
+    build = groups.exposed([[pr[c]["link"] for pr, c in zip(lp, lc)] for lp, lc in zip(groups.props, per_group)],
+                           [[f["build"] for f in lf] for lf in flex], t_tr)
+    return _Persistent(flex, t_flex, t_tr - t_flex, margin, build)
 
 
-def plan_groups(policies: Sequence[AutoPolicy], counts: Sequence[np.ndarray]) -> List[Placement]:
-    """Plan one layer for all its EP groups together (:func:`choose`): the simulator's entry point,
-    where every group's counts are at hand."""
-    return _plan([policies], [counts])[0]
+def _keep_first_table(groups: _Groups, regime: RegimeState, pers: _Persistent, t_tr: float) -> bool:
+    """The first re-plan: nothing to smooth and no prediction checked yet; the persistent table is
+    one FlexMoE step from plain (moved in the plain iteration's idle time). Its next steps on this
+    load lower it further, moved as FlexMoE's own are, while leaving and coming back costs the
+    build: keep it if it is predicted faster now, or if the next iteration's loss plus the extra
+    steps' exposed moves is paid back over the expected stay by the table they reach (the
+    lookahead). (It is not kept merely because leaving would cost a rebuild: under drift FlexMoE's
+    first table runs far slower than predicted.)"""
+    lead = groups.lead
+    regime.adv, regime.loss = 0.0, 0.0
+    regime.last_joint.update(build=pers.build)
+    in_flex = lead.state.choice == "flexmoe"
+    keep = in_flex and pers.advantage > 0
+    if in_flex and not keep and all(f.get("look") is not None for lf in pers.flex for f in lf):
+        look_g = [np.array([lead.scaled(float(f["look"][0].max()), f["base"], regime.joint_factor["flexmoe"])
+                            for f in lf]) for lf in pers.flex]
+        lsteady = groups.slowest(look_g)
+        lmoves = groups.exposed([[f["look"][1] for f in lf] for lf in pers.flex],
+                                [[f["look"][2] for f in lf] for lf in pers.flex], lsteady)
+        staying = -pers.advantage + lmoves / lead.interval + (lead.expected_stay() - 1.0) * (lsteady - t_tr)
+        regime.last_joint.update(lookahead=lsteady, staying=staying)
+        keep = staying < 0
+    return keep
 
 
-def plan_layers(layers: Sequence[Sequence[AutoPolicy]],
-                counts: Sequence[Sequence[np.ndarray]]) -> List[List[Placement]]:
+def _persistent_wins(groups: _Groups, regime: RegimeState, pers: _Persistent, t_tr: float) -> bool:
+    """Later re-plans: stay in, leave, or enter FlexMoE.
+
+    In FlexMoE, it is left when the smoothed advantage (EMA, from 0) is negative and the
+    disadvantage summed since it last was not positive (``loss``) exceeds the build's share per
+    re-plan (build / expected stay): leaving costs that rebuild again, so a brief dip does not.
+
+    Outside, entering is decided as in ski rental: the advantage summed over the re-plans since it
+    last was not positive (``regret``) reaches the build's exposed time and the smoothed advantage
+    is positive; or this re-plan's advantage over the expected stay (~1/drift re-plans, as
+    ``price`` spreads a build) pays the build; either way only when this re-plan's advantage
+    exceeds the margin (under heavy drift a small predicted lead is noise). Where the
+    run's end is known (``remaining`` re-plans), no build is entered that the rest of the run could
+    not pay back even if FlexMoE's layers took no time (remaining x transient time < build): ski
+    rental alone entered at the last re-plans of short runs. Entering restarts the smoothing at
+    that advantage (the earlier ones priced tables the shadow has left)."""
+    lead = groups.lead
+    rules, w, adv, build = lead.rules, lead.rules.drift_ema, pers.advantage, pers.build
+    stay = lead.expected_stay()
+    regime.adv = (1 - w) * regime.adv + w * adv
+    regime.last_joint["advantage"] = regime.adv
+    if lead.state.choice == "flexmoe":
+        regime.loss = max(0.0, regime.loss - adv)
+        regime.last_joint.update(build=build, loss=regime.loss)
+        regime.regret = 0.0
+        return regime.adv > 0 or (rules.hysteresis and regime.loss <= build / stay)
+    regime.regret = max(0.0, (regime.regret or 0.0) + adv)
+    regime.last_joint.update(build=build, regret=regime.regret)
+    enter = (regime.adv > 0 and regime.regret >= build) or (rules.amortised and (adv - pers.margin) * stay >= build)
+    enter = enter and adv > pers.margin
+    if rules.horizon and lead.remaining is not None:
+        enter = enter and lead.remaining * t_tr >= build
+    if enter:
+        regime.regret, regime.loss = 0.0, 0.0
+        if rules.amortised:
+            regime.adv = max(regime.adv, adv)
+    return enter
+
+
+def plan_groups(policies: Sequence[AutoPolicy], counts: Sequence[np.ndarray], regime: RegimeState) -> List[Placement]:
+    """Plan one layer for all its EP groups together (:func:`choose`, with the layer's ``regime``):
+    the simulator's entry point, where every group's counts are at hand."""
+    return _plan([policies], [counts], regime)[0]
+
+
+def plan_layers(layers: Sequence[Sequence[AutoPolicy]], counts: Sequence[Sequence[np.ndarray]],
+                regime: RegimeState) -> List[List[Placement]]:
     """Plan every MoE layer of an iteration together (``layers[l][g]``: layer l's EP group g, with
     ``counts[l][g]``): one regime for all layers and groups (:func:`choose` with layers). The
     simulator's entry point with several layers and several EP groups."""
-    return _plan(layers, counts)
+    return _plan(layers, counts, regime)
 
 
-def _plan(layers, counts) -> List[List[Placement]]:
+def _plan(layers, counts, regime: RegimeState) -> List[List[Placement]]:
     """:func:`plan_layers`' work, which :func:`plan_groups` does for one layer (the tests spy on
-    the two entry points apart)."""
-    if not all(pol.coordinate for lay in layers for pol in lay):
+    the two entry points apart). Without coordination (an ablation) every group plans alone."""
+    if not all(pol.rules.coordinate for lay in layers for pol in lay):
         return [[pol.plan(c) for pol, c in zip(lay, lc)] for lay, lc in zip(layers, counts)]
     for lay, lc in zip(layers, counts):
         for pol, c in zip(lay, lc):
             pol.propose(c)
-    return [[pol.commit(c) for pol, c in zip(lay, lch)] for lay, lch in zip(layers, choose(layers))]
+    return [[pol.commit(c) for pol, c in zip(lay, lch)] for lay, lch in zip(layers, choose(layers, regime))]
 
 
 register_policy(AutoPolicy)

@@ -37,7 +37,7 @@ from megatron_moe.balance.policies.base import (BalancePolicy, Placement, defaul
 from megatron_moe.balance.cost_model import as_planner_cost, sync_s_vec
 
 __all__ = ["SlotTable", "FlexMoEPolicy", "route_real", "route_tokens", "flex_cost", "balance_ratio",
-           "initial_slots", "FREE"]
+           "initial_slots", "FREE", "Priced", "route_hosts", "sync_hosts", "spill_traffic"]
 
 FREE = -1
 
@@ -198,7 +198,7 @@ def _expert_parts(origin_t: np.ndarray, n: np.ndarray, cost, sync: Optional[np.n
 def _pair_structure(cost):
     """(c_in, c_out, onehot[G, nodes], node index[G]) when the per-input link cost is one rate
     within a node and one between nodes, else False; checked once per cost object."""
-    st = getattr(cost, "_pair_structure", None)
+    st = cost.cache.pair_structure
     if st is None:
         pair = cost.pair_s_per_input
         st = False
@@ -212,7 +212,7 @@ def _pair_structure(cost):
         c_out = float(vout[0]) if len(vout) else 0.0
         if np.all(vin == c_in) and np.all(vout == c_out) and np.all(pair.diagonal() == 0):
             st = (c_in, c_out, onehot, inv)
-        cost._pair_structure = st
+        cost.cache.pair_structure = st
     return st
 
 
@@ -235,11 +235,11 @@ def _sync_value(cost, row: np.ndarray, hs) -> float:
     """``sync_s_vec`` of one expert whose hosts are ``hs`` (``row`` its count row): it depends only
     on the number of hosts and on whether they span nodes, so it is computed once per such pair by
     ``sync_s_vec`` itself and then looked up (the same float)."""
-    cache = cost.__dict__.get("_flex_sync")
+    cache = cost.cache.sync
     if cache is None:
-        cache = cost._flex_sync = {}
-        cost._flex_nodes = None if cost.node is None else cost.node.tolist()
-    nodes = cost._flex_nodes
+        cache = cost.cache.sync = {}
+        cost.cache.nodes = None if cost.node is None else cost.node.tolist()
+    nodes = cost.cache.nodes
     key = (len(hs), nodes is not None and len({nodes[h] for h in hs}) > 1)
     v = cache.get(key)
     if v is None:
@@ -255,7 +255,7 @@ def _sync_rows(cost, n_rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _route_hosts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray) -> Optional[Dict]:
+def route_hosts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray) -> Optional[Dict]:
     """:func:`route_real` of ``o_t.T`` on ``n`` (``ne`` its row sums) at the hosts (n > 0) only:
     away from them keep and frac are exactly 0 and spill is the origin count (see
     :func:`_full_parts`, which continues from it). None for counts that are negative or not
@@ -292,7 +292,7 @@ def _route_hosts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray) -> Optional[Dic
 
 def spill_traffic(r: Dict, into: np.ndarray) -> np.ndarray:
     """``into[dst, src]`` = inputs src sends dst by the real-number router (``spill.T @ frac``
-    transposed) from its host entries ``r`` (:func:`_route_hosts`): summed over the at most S
+    transposed) from its host entries ``r`` (:func:`route_hosts`): summed over the at most S
     experts a rank hosts (frac is zero elsewhere), in expert order; no E x G x G matmul."""
     he, hg, frac_h, spill = r["he"], r["hg"], r["frac_h"], r["spill"]
     sel = np.flatnonzero(frac_h > 0)
@@ -329,7 +329,7 @@ def _full_parts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray, cost):
     The dense version made 13+ full E x G temporaries per call; at 256-rank groups pricing each
     step's table dominated.  Returns None (caller prices densely) for counts that are negative or
     not finite, else the host entries (row-major, as ``np.nonzero``) and what they need."""
-    r = _route_hosts(o_t, n, ne)
+    r = route_hosts(o_t, n, ne)
     if r is None:
         return None
     he, hg, k, tot, keep_h, spill, spill_h, frac_h = (r[x] for x in ("he", "hg", "k", "tot", "keep_h", "spill",
@@ -347,13 +347,13 @@ def _full_parts(o_t: np.ndarray, n: np.ndarray, ne: np.ndarray, cost):
             node_h = (spill @ onehot)[he, inv[hg]]
             pp_h = c_out * (ssum[he] - node_h) + c_in * (node_h - spill_h)
         t_h = t_h + 4.0 * frac_h * pp_h
-    sync_e = _sync_hosts(cost, n, he, hg, k)
+    sync_e = sync_hosts(cost, n, he, hg, k)
     t_h = t_h + sync_e[he]
     return dict(he=he, hg=hg, k=k, keep_h=keep_h, frac_h=frac_h, spill=spill, sync_e=sync_e, tot=tot,
                 proc_h=proc_h, t_h=t_h)
 
 
-def _sync_hosts(cost, n: np.ndarray, he: np.ndarray, hg: np.ndarray, k: np.ndarray) -> np.ndarray:
+def sync_hosts(cost, n: np.ndarray, he: np.ndarray, hg: np.ndarray, k: np.ndarray) -> np.ndarray:
     """``sync_s_vec(cost, n > 0)`` from the host entries (``he`` ascending, ``k`` hosts per row)."""
     if cost.grad_bytes <= 0:
         return np.zeros(n.shape[0])
@@ -364,9 +364,9 @@ def _sync_hosts(cost, n: np.ndarray, he: np.ndarray, hg: np.ndarray, k: np.ndarr
         starts = (np.cumsum(k) - k)[rows]
         multi[rows] = np.minimum.reduceat(nd, starts) != np.maximum.reduceat(nd, starts)
     key = 2 * k + multi
-    lut = cost.__dict__.get("_flex_sync_lut")
+    lut = cost.cache.sync_lut
     if lut is None or len(lut) < 2 * n.shape[1] + 2:
-        lut = cost._flex_sync_lut = np.full(2 * n.shape[1] + 2, np.nan)
+        lut = cost.cache.sync_lut = np.full(2 * n.shape[1] + 2, np.nan)
     out = lut[key]
     for e in np.flatnonzero(np.isnan(out)):                     # first time for this (hosts, spans)
         if np.isnan(lut[key[e]]):
@@ -375,7 +375,7 @@ def _sync_hosts(cost, n: np.ndarray, he: np.ndarray, hg: np.ndarray, k: np.ndarr
     return out
 
 
-class _Priced:
+class Priced:
     """Per-expert rows of Eq. 5 for one count matrix, updated row by row as the slot table changes
     (the scheduler loop changes two experts per accepted pair; pricing all E x G again per
     candidate dominated large simulations).  The first pricing is :func:`_full_parts` (host
@@ -686,12 +686,12 @@ class FlexMoEPolicy(BalancePolicy):
         return int(hosts[np.argmin(link)])
 
     # -- Alg. 2 -----------------------------------------------------------------------------------
-    def make_plan(self, origin: np.ndarray, priced: Optional[_Priced] = None) -> List[Tuple]:
+    def make_plan(self, origin: np.ndarray, priced: Optional[Priced] = None) -> List[Tuple]:
         """One (Shrink, Expand) pair or a lone Expand; ``priced`` (the scheduler loop's running
         pricing of this ``origin`` and the current table) avoids pricing every expert again."""
         slots = self.table.slots
         if priced is None:
-            priced = _Priced(origin, self.table.counts(), self.cost, copy=False)
+            priced = Priced(origin, self.table.counts(), self.cost, copy=False)
         n = priced.n
         t0 = priced.time()
         ne = priced.ne
@@ -752,12 +752,12 @@ class FlexMoEPolicy(BalancePolicy):
 
     # -- Migrate (the paper gives no algorithm; greedy swaps, see module doc) ---------------------
     def migrate(self, origin: np.ndarray, experts: Optional[List[int]] = None,
-                priced: Optional[_Priced] = None) -> List[Tuple]:
+                priced: Optional[Priced] = None) -> List[Tuple]:
         """Greedy swaps for ``experts`` (default: all replicated experts), ascending id."""
         ops: List[Tuple] = []
         slots = self.table.slots
         if priced is None:
-            priced = _Priced(origin, self.table.counts(), self.cost, copy=False)
+            priced = Priced(origin, self.table.counts(), self.cost, copy=False)
         n = priced.n                                        # follows the swaps (priced.swap)
         cands = range(self.num_experts) if experts is None else sorted(set(experts))
         for _ in range(self.max_migrations):
@@ -809,14 +809,14 @@ class FlexMoEPolicy(BalancePolicy):
         return ops
 
     # -- Alg. 1 -----------------------------------------------------------------------------------
-    def price(self, origin: np.ndarray, counts: Optional[np.ndarray] = None) -> _Priced:
-        """Eq. 5 of ``origin`` on the current slot table; :meth:`_Priced.dispatch` gives what the
+    def price(self, origin: np.ndarray, counts: Optional[np.ndarray] = None) -> Priced:
+        """Eq. 5 of ``origin`` on the current slot table; :meth:`Priced.dispatch` gives what the
         simulator runs with it, and ``step(origin, priced)`` starts from it (call dispatch first:
         the step updates it). ``counts``: the table's ``counts()`` when the caller just made them
         (a fresh array, kept and updated by the pricing)."""
-        return _Priced(origin, self.table.counts() if counts is None else counts, self.cost, copy=False)
+        return Priced(origin, self.table.counts() if counts is None else counts, self.cost, copy=False)
 
-    def step(self, origin: np.ndarray, priced: Optional[_Priced] = None) -> List[Tuple]:
+    def step(self, origin: np.ndarray, priced: Optional[Priced] = None) -> List[Tuple]:
         origin = np.asarray(origin)
         if origin.shape != (self.num_ranks, self.num_experts):
             raise ValueError(f"flexmoe: counts shape {origin.shape} != ({self.num_ranks}, {self.num_experts})")
@@ -886,7 +886,7 @@ class FlexMoEPolicy(BalancePolicy):
                 return lens.tobytes(), flat.tobytes(), ("hosts", n.shape, n[hosts].tobytes())
         return lens.tobytes(), flat.tobytes(), (n.shape, n.tobytes())
 
-    def plan(self, counts, current: Optional[Placement] = None, priced: Optional[_Priced] = None) -> Placement:
+    def plan(self, counts, current: Optional[Placement] = None, priced: Optional[Priced] = None) -> Placement:
         """One scheduler step from ``counts``.  With ``current`` (the placement the layer ran), the
         layer's slot table is the one that produced ``current`` (an unknown placement, e.g. plain
         EP at the start, begins from the initial table); without it the policy's own table is used.
