@@ -86,6 +86,7 @@ LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "c
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 # aten ops that read a device value on the host (they block the host on CUDA)
 HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+GROUPED_OPS = ("aten::_grouped_mm", "aten::grouped_mm")   # see count_events
 
 
 TORCHTITAN = "0.3.0"   # the pinned release (megatron_moe/gpucheck/wheels.py PERF_WHEELS)
@@ -216,13 +217,24 @@ class Meter:
 
 
 def count_events(prof, iters, gpu):
-    """Per-iteration counts from a profile of ``iters`` iterations."""
+    """Per-iteration counts from a profile of ``iters`` iterations. Aten ops and host reads leave
+    out those nested in ``aten::_grouped_mm``: on the CPU torch runs it as one ``mm`` per group
+    after reading each offset on the host (``item``), which a CUDA grouped GEMM does not, so the
+    CPU counts would charge grouped experts the loop they replace."""
+    ops = reads = 0
     by = {}
-    for e in prof.key_averages():
-        by[e.key] = by.get(e.key, 0) + e.count
+    for e in prof.events():
+        by[e.name] = by.get(e.name, 0) + 1
+        if not e.name.startswith("aten::"):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and parent.name not in GROUPED_OPS:
+            parent = parent.cpu_parent
+        if parent is None:
+            ops += 1
+            reads += e.name in HOST_READ_OPS
     per = lambda n: n / iters  # noqa: E731
-    out = dict(aten_ops_per_iter=per(sum(n for k, n in by.items() if k.startswith("aten::"))),
-               host_reads_per_iter=per(sum(by.get(k, 0) for k in HOST_READ_OPS)))
+    out = dict(aten_ops_per_iter=per(ops), host_reads_per_iter=per(reads))
     if gpu:
         out.update(launches_per_iter=per(sum(by.get(k, 0) for k in LAUNCH_EVENTS)),
                    syncs_per_iter=per(sum(by.get(k, 0) for k in SYNC_EVENTS)))
@@ -257,6 +269,7 @@ def row_megatron(s, gpu, meter, stock):
     """``pretrain()`` of pretrain_gpt_moe.py on the synthetic batch, each iteration through the
     meter (its ``Trainer.train_step`` wrapped)."""
     import torch
+    from megatron.core.enums import ModelType
 
     import pretrain_gpt_moe
     from megatron_moe.gpucheck import checks
@@ -295,9 +308,8 @@ def row_megatron(s, gpu, meter, stock):
     T.Trainer.train_step = train_step
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the training log goes to the section log
-            T.pretrain(datasets, pretrain_gpt_moe.model_provider,
-                       __import__("megatron.core.enums", fromlist=["ModelType"]).ModelType
-                       .encoder_or_decoder, pretrain_gpt_moe.forward_step, argv=argv + options)
+            T.pretrain(datasets, pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                       pretrain_gpt_moe.forward_step, argv=argv + options)
     finally:
         T.Trainer.train_step = orig
     how = ("megatron-core local path as it comes: SequentialMLP expert loop, unfused local "
@@ -414,7 +426,8 @@ def row_transformers(s, gpu, meter):
                   num_attention_heads=s["heads"], num_key_value_heads=s["groups"],
                   head_dim=s["head_dim"], max_position_embeddings=s["seq"], rms_norm_eps=1e-6,
                   tie_word_embeddings=False, output_router_logits=False, attention_dropout=0.0,
-                  num_experts_per_tok=s["topk"], use_cache=False,
+                  num_experts_per_tok=s["topk"], use_cache=False, rope_theta=1e6,
+                  # transformers 5 reads rope_parameters; older releases rope_theta
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     if s["qk_norm"]:
         cfg = transformers.Qwen3MoeConfig(num_experts=s["experts"], moe_intermediate_size=s["ffn"],
@@ -608,11 +621,11 @@ def run_section(cpu, work, log, budget_s, shapes=None, systems=None):
     for i, (shape, system) in enumerate(todo):
         left = budget_s - (time.monotonic() - t0)
         reserve = 5.0 * (len(todo) - i - 1)
-        limit = min(ROW_CAP_S[system][1 if cpu else 0], left - reserve)
-        if limit < 5:
+        if left - reserve < 5:
             rows[shape][system] = dict(error=f"not run: the section's {budget_s:.0f} s budget "
                                              "was spent")
             continue
+        limit = min(ROW_CAP_S[system][1 if cpu else 0], left - reserve)
         result = os.path.join(work, f"perf_{shape}_{system}.json")
         rows[shape][system] = _row_process(system, shape, cpu, result, log, limit)
     for shape in shapes:

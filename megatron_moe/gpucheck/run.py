@@ -34,6 +34,10 @@ SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 
 GPU_DEFAULT_SECTIONS = [s for s in SECTIONS if s != "perf"]
 
 
+def default_sections(cpu):
+    return list(SECTIONS) if cpu else GPU_DEFAULT_SECTIONS
+
+
 def run_section(name, cpu, work, log, budget_s):
     """The section in a child process; returns (its result dict or None, why it ended)."""
     if name == "perf":  # one child process per row (megatron_moe/gpucheck/perf.py)
@@ -170,8 +174,8 @@ def main(argv=None):
                    help="the whole run's time limit (default on the GPU: 470 s for the checks, "
                         "their 8 minutes, plus 540 s for perf; 1800 s with --cpu)")
     a = p.parse_args(argv)
-    names = [s.strip() for s in (a.sections or ",".join(
-        SECTIONS if a.cpu else GPU_DEFAULT_SECTIONS)).split(",") if s.strip()]
+    names = [s.strip() for s in (a.sections or ",".join(default_sections(a.cpu))).split(",")
+             if s.strip()]
     unknown = [s for s in names if s not in SECTIONS]
     if unknown:
         p.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
