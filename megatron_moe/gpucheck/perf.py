@@ -313,7 +313,8 @@ def row_megatron(s, gpu, meter, stock):
     finally:
         T.Trainer.train_step = orig
     how = ("megatron-core local path as it comes: SequentialMLP expert loop, unfused local "
-           "attention" if stock else "speed options: " + (" ".join(options) or "none"))
+           "attention" if stock else "speed options: " + (" ".join(options) or "none")
+           + ("; refused by the parser: " + ", ".join(refused) if refused else ""))
     return dict(params=params.get("n"), how=how, options=options, refused_options=refused)
 
 
