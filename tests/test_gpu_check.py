@@ -15,7 +15,7 @@ from megatron_moe.gpucheck.checks import SECTIONS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_kit(out, *args, env=None, timeout=900):
+def run_kit(out, *args, env=None, timeout=1800):
     e = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env or {}))
     e.pop("GPU_CHECK_INSTALL_WHEELS", None)
     return subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--cpu",
@@ -23,10 +23,32 @@ def run_kit(out, *args, env=None, timeout=900):
                           timeout=timeout, cwd=ROOT)
 
 
+# the checks and the performance section run in two kit runs (each inside the suite's time limit
+# per test on a loaded 2-core machine); `gpu_check.sh --cpu` alone runs both
+CHECKS = [s for s in SECTIONS if s != "perf"]
+
+
+def test_cpu_mode_runs_every_section_by_default():
+    from megatron_moe.gpucheck.run import GPU_DEFAULT_SECTIONS, default_sections
+
+    assert default_sections(cpu=True) == list(SECTIONS) and "perf" in SECTIONS
+    # on the GPU the performance section is a device call of its own (docs/gpu.md)
+    assert default_sections(cpu=False) == GPU_DEFAULT_SECTIONS == CHECKS
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    p = run_kit(out)
+    p = run_kit(out, "--sections", ",".join(CHECKS))
+    with open(out / "gpu_report.json") as f:
+        report = json.load(f)
+    return p, report, out
+
+
+@pytest.fixture(scope="module")
+def perf_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check_perf")
+    p = run_kit(out, "--sections", "perf")
     with open(out / "gpu_report.json") as f:
         report = json.load(f)
     return p, report, out
@@ -34,7 +56,7 @@ def cpu_run(tmp_path_factory):
 
 def test_every_check_runs_and_passes(cpu_run):
     p, report, out = cpu_run
-    names = [n for checks in SECTIONS.values() for n in checks]
+    names = [n for s in CHECKS for n in SECTIONS[s]]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert [c["name"] for c in report["checks"]] == names
     for c in report["checks"]:
@@ -67,6 +89,40 @@ def test_figures_prove_the_checks_ran(cpu_run):
     assert off["planted"]["detected"] and off["planted"]["skips"] == 1
     ring = c["inference-ring-memory"]["figures"]
     assert ring["fraction"] == pytest.approx(ring["k_over_n"])
+
+
+@pytest.mark.timeout(1500)   # eight row processes: 5 minutes at a load average of 40 here
+def test_perf_section_runs_every_system_on_the_same_model(perf_run):
+    """--cpu runs the performance section (megatron_moe/gpucheck/perf.py) at toy sizes: every
+    system trains each shape with the shape's parameter count, one FLOP count, and the ratios
+    are computed; torchtitan's row is skipped, with the reason, only where it is not installed."""
+    import importlib.util
+
+    from megatron_moe.gpucheck import perf
+
+    p, report, out = perf_run
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    c = {x["name"]: x for x in report["checks"]}
+    assert [n for n in c] == SECTIONS["perf"] and all(x["status"] == "PASS" for x in c.values())
+    have_titan = importlib.util.find_spec("torchtitan") is not None
+    for shape in perf.SHAPES:
+        fig = c[f"perf-{shape}"]["figures"]
+        assert fig["expected_params"] == perf.expected_params(perf.SHAPES[shape]["cpu"])
+        assert list(fig["rows"]) == list(perf.SYSTEMS)
+        for system, row in fig["rows"].items():
+            if system == "torchtitan" and not have_titan:
+                assert "torchtitan is not installed" in row["skipped"]
+                continue
+            assert row["same_model"] and row["params"] == fig["expected_params"], (system, row)
+            assert row["tokens_per_s"] > 0 and row["aten_ops_per_iter"] > 0
+        assert fig["ratios"]["ours/stock"] > 0 and fig["ratios"]["ours/transformers"] > 0
+        assert (fig["ratios"]["ours/torchtitan"] is not None) == have_titan
+        ours = fig["rows"]["ours"]
+        # at least the grouped experts are on: the parser accepts one of their flags
+        assert {"--moe-torch-grouped-gemm", "--moe-grouped-gemm"} & set(ours["options"])
+    md = (out / "perf_report.md").read_text()
+    assert "| ours |" in md and "| stock |" in md and "Ratios of tokens/s: ours/torchtitan" in md
+    assert json.loads((out / "perf_report.json").read_text())["mode"] == "cpu"
 
 
 def test_cuda_only_parts_are_listed_as_skipped(cpu_run):

@@ -91,3 +91,79 @@ def test_planted_skipped_bind_fails_the_offload_check(tmp_path):
     # caught either by the arena probe (a parameter outside the slots) or because the skipped
     # layer computed on its poison placeholder (NaN or zero-element: the run stops)
     assert host["error"] or host["probe"]["violations"] > 0, host
+
+
+# --- the performance section (megatron_moe/gpucheck/perf.py) ------------------------------------
+def test_perf_wheels_are_pinned_and_not_followed(tmp_path, monkeypatch):
+    """torchtitan travels pinned (the version the row names) with exactly the packages the row
+    imports: its own Requires-Dist (its data stack) is not followed."""
+    from megatron_moe.gpucheck import perf
+
+    assert f"torchtitan=={perf.TORCHTITAN}" in wheels.PERF_WHEELS
+    assert all("==" in r for r in wheels.PERF_WHEELS)
+    fetched = []
+
+    def fake_download(req, dest, python=None):
+        name = req.split("==")[0].replace("-", "_")
+        path = os.path.join(dest, f"{name}-1.0-py3-none-any.whl")
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"{name}-1.0.dist-info/METADATA", f"Name: {name}\nVersion: 1.0\n"
+                       "Requires-Dist: datasets>=3.6\nRequires-Dist: wandb\n")
+        fetched.append(req)
+        return path
+    monkeypatch.setattr(wheels, "pip_download", fake_download)
+    monkeypatch.setattr(wheels, "project_dependencies", lambda path: [])
+    got = wheels.fetch(ROOT, str(tmp_path), log=lambda *a: None)
+    assert fetched == list(wheels.PERF_WHEELS) and len(got) == len(wheels.PERF_WHEELS)
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_perf_row_trains_the_shapes_model(mutate, monkeypatch):
+    """A row in process (transformers' Mixtral, toy size): it trains, is measured and profiled,
+    and its parameter count equals the shape's, which the section's verdict checks. Mutation: the
+    row builds a model with a wider expert FFN; the verdict must catch it."""
+    import transformers
+
+    from megatron_moe.gpucheck import perf
+
+    if mutate:
+        real = transformers.MixtralConfig
+
+        def wider(**kw):
+            kw["intermediate_size"] += 8
+            return real(**kw)
+        monkeypatch.setattr(transformers, "MixtralConfig", wider)
+    row = perf.run_row("transformers", "mixtral", "cpu")
+    n = perf.ITERS["cpu"]
+    assert len(row["losses"]) == n["warmup"] + n["timed"] + n["profiled"]
+    assert len(row["iter_s_all"]) == n["timed"] and row["iter_s"] > 0
+    assert row["aten_ops_per_iter"] > 0 and row["host_reads_per_iter"] >= 0
+    ok, summary, figures, skipped = perf.verdict("mixtral", "cpu", {"transformers": row}, None)
+    assert figures["rows"]["transformers"]["tokens_per_s"] > 0
+    assert figures["flops_per_iter"] > 0 and skipped
+    if mutate:
+        assert not ok and not row["same_model"] and "parameters, the shape has" in summary
+    else:
+        assert ok and row["same_model"] and row["params"] == perf.expected_params(
+            perf.SHAPES["mixtral"]["cpu"]), summary
+
+
+def test_perf_failing_row_reports_and_the_others_run(tmp_path, monkeypatch):
+    """Each row is its own process with a time limit: a row that runs out of time is reported
+    with why, the next row still runs, and the shape's check fails."""
+    from megatron_moe.gpucheck import perf
+
+    monkeypatch.setitem(perf.ROW_CAP_S, "stock", (1, 1))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    with open(tmp_path / "log", "w") as log:
+        data = perf.run_section(True, str(tmp_path), log, 600, shapes=["mixtral"],
+                                systems=["stock", "transformers"])
+    (check,) = data["checks"]
+    rows = check["figures"]["rows"]
+    assert check["status"] == "FAIL" and "timed out after 1s" in rows["stock"]["error"]
+    assert rows["transformers"]["same_model"] and rows["transformers"]["tokens_per_s"] > 0
+    assert "stock: no result: timed out after 1s" in check["summary"]
+    perf.write_reports(str(tmp_path), data["checks"], "cpu")
+    md = (tmp_path / "perf_report.md").read_text()
+    assert "| stock | FAILED: no result: timed out after 1s |" in md
+    assert "| transformers |" in md and "say nothing about GPU speed" in md

@@ -34,6 +34,9 @@ SECTIONS = {
     "resume": ["training-resume", "training-fp16"],
     "offload": ["offload"],
     "inference": ["inference-gpu-vs-cpu", "inference-ring-memory"],
+    # megatron_moe/gpucheck/perf.py: four systems side by side, one process per row (its own
+    # device call on the GPU: not in the GPU run's default sections)
+    "perf": ["perf-mixtral", "perf-finegrained"],
 }
 # Set to "skip-bind" to plant the offload fault into the host K=2 run itself (the offload check
 # must then FAIL: the mutation test of the kit, tests/test_gpu_check.py).
@@ -852,7 +855,7 @@ def _last(text, n=3):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m megatron_moe.gpucheck.checks")
-    p.add_argument("section", choices=list(SECTIONS))
+    p.add_argument("section", choices=[s for s in SECTIONS if s != "perf"])
     p.add_argument("--result", required=True)
     p.add_argument("--work", required=True)
     p.add_argument("--cpu", action="store_true")

@@ -28,11 +28,30 @@ from megatron_moe.gpucheck.checks import GROUPED, PLANT_ENV, ROOT, SECTIONS
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
 SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 300),
-                 "offload": (120, 400), "inference": (120, 400)}
+                 "offload": (120, 400), "inference": (120, 400), "perf": (540, 1200)}
+# the GPU run's default sections: the performance section fits a 10-minute device call of its own
+# (docs/gpu.md); the CPU mode runs every section
+GPU_DEFAULT_SECTIONS = [s for s in SECTIONS if s != "perf"]
+
+
+def default_sections(cpu):
+    return list(SECTIONS) if cpu else GPU_DEFAULT_SECTIONS
 
 
 def run_section(name, cpu, work, log, budget_s):
     """The section in a child process; returns (its result dict or None, why it ended)."""
+    if name == "perf":  # one child process per row (megatron_moe/gpucheck/perf.py)
+        from megatron_moe.gpucheck import perf
+
+        t0 = time.monotonic()
+        try:
+            data, why = perf.run_section(cpu, work, log, budget_s), "ok"
+        except Exception as exc:  # reported as the section's missing checks
+            import traceback
+
+            log.write(traceback.format_exc())
+            data, why = None, f"crashed ({exc!r})"
+        return data, why, time.monotonic() - t0
     result = os.path.join(work, f"{name}.json")
     cmd = [sys.executable, "-m", "megatron_moe.gpucheck.checks", name, "--result", result,
            "--work", os.path.join(work, name)] + (["--cpu"] if cpu else [])
@@ -147,17 +166,21 @@ def main(argv=None):
     p.add_argument("outdir")
     p.add_argument("--cpu", action="store_true",
                    help="toy sizes on the CPU (the suite runs this; CUDA-only parts skipped)")
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help="comma-separated subset of: " + ", ".join(SECTIONS))
+    p.add_argument("--sections", default=None,
+                   help="comma-separated subset of: " + ", ".join(SECTIONS) + " (default: all "
+                        "but perf on the GPU, which runs in a device call of its own; all with "
+                        "--cpu)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="the whole run's time limit (default 470 s on the GPU: the checks' 8 "
-                        "minutes; 1500 s with --cpu)")
+                   help="the whole run's time limit (default on the GPU: 470 s for the checks, "
+                        "their 8 minutes, plus 540 s for perf; 1800 s with --cpu)")
     a = p.parse_args(argv)
-    names = [s.strip() for s in a.sections.split(",") if s.strip()]
+    names = [s.strip() for s in (a.sections or ",".join(default_sections(a.cpu))).split(",")
+             if s.strip()]
     unknown = [s for s in names if s not in SECTIONS]
     if unknown:
         p.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
-    budget = a.budget_s or (1500.0 if a.cpu else 470.0)
+    budget = a.budget_s or (1800.0 if a.cpu else 470.0 * any(n != "perf" for n in names)
+                            + 540.0 * ("perf" in names))
     os.makedirs(a.outdir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu_check_")
     t_start = time.monotonic()
@@ -187,6 +210,11 @@ def main(argv=None):
                     print(f"gpu-check {c['name']}: skipped here: " + "; ".join(c["skipped"]),
                           flush=True)
     shutil.rmtree(work, ignore_errors=True)
+    if "perf" in names:
+        from megatron_moe.gpucheck import perf
+
+        perf.write_reports(a.outdir, [c for c in checks if c["name"] in SECTIONS["perf"]],
+                           "cpu" if a.cpu else "gpu")
     report = dict(mode=mode, date=datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%d %H:%M"), wall_s=time.monotonic() - t_start, info=info, checks=checks,
         passed=sum(c["status"] == "PASS" for c in checks),

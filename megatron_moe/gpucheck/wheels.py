@@ -25,6 +25,15 @@ GPU_MACHINE_HAS = frozenset({
     "torch", "triton", "numpy", "transformers", "tokenizers", "sentencepiece", "safetensors",
     "regex", "tqdm", "matplotlib", "tensorboard", "pytest"})
 LIMIT_MIB = 48
+# The performance section's torchtitan row (megatron_moe/gpucheck/perf.py): the pinned release and
+# exactly the packages its model, FSDP2 wrapping, loss, optimizer and LR scheduler import, at the
+# versions that ran it here (torch 2.13 CPU), fetched without their own requirements: its
+# Requires-Dist also names its data stack (datasets, torchdata, wandb, pillow, ...), which the row
+# does not use and whose pyarrow alone would not fit the carry. typing-extensions: typeguard needs
+# a newer one than torch does. 1.8 MiB in all.
+PERF_WHEELS = ("torchtitan==0.3.0", "tyro==1.0.17", "docstring-parser==0.18.0",
+               "typeguard==4.6.1", "spmd-types==0.2.3", "einops==0.8.2",
+               "typing-extensions==4.16.0")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 # the GPU machine, for evaluating environment markers of Requires-Dist
@@ -112,6 +121,17 @@ def fetch(root: str, dest: str, limit_mib: float = LIMIT_MIB, log=print) -> list
         wheels.append(path)
         log(f"  {os.path.basename(path)}  {os.path.getsize(path) / 2**20:.2f} MiB  (for {req})")
         todo += missing(wheel_requirements(path))
+    for req in PERF_WHEELS:  # pinned, their own requirements not followed (above)
+        from packaging.requirements import Requirement
+
+        name = canonical(Requirement(req).name)
+        if name in done:
+            continue
+        done.add(name)
+        path = pip_download(req, dest)
+        wheels.append(path)
+        log(f"  {os.path.basename(path)}  {os.path.getsize(path) / 2**20:.2f} MiB  "
+            f"(performance section: {req})")
     total = sum(os.path.getsize(w) for w in wheels) / 2**20
     log(f"{len(wheels)} wheels, {total:.2f} MiB in all, in {dest}")
     if total > limit_mib:

@@ -1,0 +1,733 @@
+"""The GPU kit's performance section: one MoE model trained by four systems side by side.
+
+``bash scripts/gpu_check.sh --sections perf OUTDIR`` (docs/gpu.md, "The performance section"):
+for each shape (``SHAPES``: Mixtral-like, 8 experts top-2 with a large FFN; Qwen3-MoE-like
+fine-grained, many small experts top-8), the same model, batch and sequence, world size 1, bf16, is
+trained for a few iterations by
+
+* ``ours``: this project's ``pretrain()`` with every speed option its parser accepts (probed at run
+  time: grouped experts, SDPA attention, the fused permute; ``speed_options``),
+* ``stock``: the same ``pretrain()`` with megatron-core's local path as it comes (the expert loop
+  ``SequentialMLP``, the unfused local attention),
+* ``torchtitan``: its Qwen3 MoE model (``_build_qwen3_moe_layers``; Mixtral-like is that model
+  without the q/k norms), its FSDP2 mixed-precision wrapping at world size 1, its loss, optimizer
+  container, LR scheduler and grad clipping, in the order of its ``Trainer.train_step``, on our
+  synthetic batch instead of its data stack,
+* ``transformers``: ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` from a config, fp32 weights
+  under bf16 autocast (what its Trainer does with ``bf16=True``), AdamW, grad clipping,
+
+each in its own process with a time limit (a failing row reports its error; the others still run).
+Every row counts FLOPs with the one formula (megatron_moe/flops.py) from the shape, and reports
+tokens/s, MFU against the card's bf16 dense peak, peak allocated memory, and per iteration the
+kernel launches and host syncs (torch.profiler on CUDA) or, on the CPU, the aten op calls and the
+host reads that would block on a GPU. Each row's parameter count must equal the shape's: the proof
+that the four systems trained the same model. Speed targets are reported, never asserted.
+
+``--cpu`` runs the same section at toy sizes (the suite does: tests/test_gpu_kit.py); its figures
+say nothing about GPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import importlib.util
+import io
+import json
+import math
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SYSTEMS = ("ours", "stock", "torchtitan", "transformers")
+# Megatron-style (layers, hidden, heads, query groups, head dim, expert FFN, experts, top-k,
+# vocabulary, sequence, micro-batch = global batch, q/k RMSNorm as Qwen3). Every layer is MoE, no
+# shared experts, untied embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, SwiGLU, no biases.
+SHAPES = {
+    # ~2.3B parameters, ~0.7B active: Mixtral's 8 experts top-2 with FFN 3.5x hidden
+    "mixtral": {"gpu": dict(layers=6, hidden=2048, heads=16, groups=4, head_dim=128, ffn=7168,
+                            experts=8, topk=2, vocab=32000, seq=2048, batch=8, qk_norm=False),
+                "cpu": dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=224,
+                            experts=8, topk=2, vocab=512, seq=64, batch=2, qk_norm=False)},
+    # Qwen3-30B-A3B's layer (128 experts of 768, top-8, 32 query heads of 128, 4 groups), 4 of
+    # them: ~2.6B parameters. Batch 4: the stock local attention keeps the full score matrices.
+    "finegrained": {"gpu": dict(layers=4, hidden=2048, heads=32, groups=4, head_dim=128,
+                                ffn=768, experts=128, topk=8, vocab=32000, seq=2048, batch=4,
+                                qk_norm=True),
+                    "cpu": dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=16,
+                                experts=64, topk=8, vocab=512, seq=64, batch=2, qk_norm=True)},
+}
+# iterations: warm-up (left out), timed (median), profiled (counted, not timed)
+ITERS = {"gpu": dict(warmup=3, timed=5, profiled=2), "cpu": dict(warmup=1, timed=2, profiled=1)}
+# seconds each row may take at most (GPU, CPU), start-up included; the runner also keeps the whole
+# section inside its budget (on the GPU 540 s: the section fits one 10-minute device call)
+ROW_CAP_S = {"ours": (60, 300), "stock": (100, 300), "torchtitan": (70, 300),
+             "transformers": (70, 300)}
+SECTION_BUDGET_S = {"gpu": 540.0, "cpu": 1500.0}
+# the speed options of "ours", in order; in each group the first set the parser accepts is used
+# (the local path's flags are changing: --moe-grouped-gemm is to select torch grouped_mm, and
+# --attention-backend flash SDPA; where the parser refuses one, it is left out and reported)
+SPEED_CANDIDATES = ((("--moe-torch-grouped-gemm",), ("--moe-grouped-gemm",)),
+                    (("--attention-backend", "flash"),),
+                    (("--moe-permute-fusion",),))
+TARGETS = {"mixtral": dict(mfu=0.40), "finegrained": dict(mfu=0.25),
+           "vs_torchtitan": 1.0, "vs_stock": 5.0}
+LR, MIN_LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 3e-5, 0.1, (0.9, 0.95), 1.0
+# profiler event names: CUDA runtime/driver calls that launch a kernel or block the host
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                 "cudaLaunchCooperativeKernel")
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+# aten ops that read a device value on the host (they block the host on CUDA)
+HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+GROUPED_OPS = ("aten::_grouped_mm", "aten::grouped_mm")   # see count_events
+
+
+TORCHTITAN = "0.3.0"   # the pinned release (megatron_moe/gpucheck/wheels.py PERF_WHEELS)
+
+
+class RowSkipped(Exception):
+    """A row that cannot run here, with the reason (reported; a failure only on the GPU)."""
+
+
+# --- the shape, as each system spells it -------------------------------------------------------
+def _count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def expected_params(s):
+    """Parameters of the shape's model (the count every system's model must have)."""
+    h, q, kv = s["hidden"], s["heads"] * s["head_dim"], s["groups"] * s["head_dim"]
+    attn = h * q + 2 * h * kv + q * h + (2 * s["head_dim"] if s["qk_norm"] else 0)
+    moe = s["experts"] * 3 * h * s["ffn"] + s["experts"] * h
+    return 2 * s["vocab"] * h + s["layers"] * (attn + moe + 2 * h) + h
+
+
+def flops_args(s):
+    """The shape as megatron_moe/flops.py reads it."""
+    import types
+
+    return types.SimpleNamespace(
+        num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+        seq_length=s["seq"], ffn_hidden_size=s["ffn"], vocab_size=s["vocab"],
+        padded_vocab_size=s["vocab"], swiglu=True, num_experts=s["experts"],
+        moe_router_topk=s["topk"], moe_ffn_hidden_size=s["ffn"], moe_layer_freq=1,
+        kv_channels=s["head_dim"], group_query_attention=True, num_query_groups=s["groups"],
+        moe_shared_expert_intermediate_size=None)
+
+
+def megatron_argv(s, gpu, iters):
+    argv = (f"--num-layers {s['layers']} --hidden-size {s['hidden']} "
+            f"--num-attention-heads {s['heads']} --group-query-attention "
+            f"--num-query-groups {s['groups']} --kv-channels {s['head_dim']} "
+            f"--ffn-hidden-size {s['ffn']} --num-experts {s['experts']} "
+            f"--moe-ffn-hidden-size {s['ffn']} --moe-router-topk {s['topk']} "
+            f"--seq-length {s['seq']} --max-position-embeddings {s['seq']} "
+            f"--micro-batch-size {s['batch']} --global-batch-size {s['batch']} "
+            # NullTokenizer adds its end-of-document id: vocab - 1 + 1 = the shape's vocabulary
+            f"--vocab-size {s['vocab'] - 1} --make-vocab-size-divisible-by 128 "
+            "--swiglu --normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
+            "--rotary-base 1000000 --untie-embeddings-and-output-weights --disable-bias-linear "
+            "--hidden-dropout 0 --attention-dropout 0 --moe-router-load-balancing-type none "
+            "--moe-token-dispatcher-type alltoall --tokenizer-type NullTokenizer --mock-data "
+            f"--lr {LR} --min-lr {MIN_LR} --lr-warmup-iters 1 --lr-decay-style cosine "
+            f"--weight-decay {WEIGHT_DECAY} --adam-beta1 {BETAS[0]} --adam-beta2 {BETAS[1]} "
+            f"--clip-grad {CLIP} --train-iters {iters} --log-interval 1 "
+            "--eval-interval 1000000 --eval-iters 1 --seed 1234 --bf16").split()
+    argv += ["--distributed-backend", "nccl" if gpu else "gloo"]
+    return argv + (["--qk-layernorm"] if s["qk_norm"] else [])
+
+
+def speed_options(argv):
+    """The speed options of ``SPEED_CANDIDATES`` that this project's parser accepts with ``argv``
+    (the first accepted set of each group), and the groups none of whose sets it accepted."""
+    from megatron_moe.arguments import parse_args
+
+    chosen, refused = [], []
+    for group in SPEED_CANDIDATES:
+        for flags in group:
+            try:
+                with contextlib.redirect_stderr(io.StringIO()):
+                    parse_args(list(argv) + chosen + list(flags), world_size=1,
+                               check_data_paths=False)
+            except (SystemExit, ValueError):
+                continue
+            chosen += list(flags)
+            break
+        else:
+            refused.append(" | ".join(" ".join(f) for f in group))
+    return chosen, refused
+
+
+def synthetic_batch(s):
+    """The one batch every system trains on: (batch, seq + 1) seeded random token ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), generator=g)
+
+
+# --- timing and counting, the same for every system --------------------------------------------
+class Meter:
+    """Runs the iterations: ``warmup`` untimed, ``timed`` each between device syncs (their median
+    is the iteration time), then ``profiled`` under torch.profiler (counted, not timed)."""
+
+    def __init__(self, gpu, warmup, timed, profiled):
+        self.gpu, self.warmup, self.timed, self.profiled = gpu, warmup, timed, profiled
+        self.total = warmup + timed + profiled
+        self.times, self.losses, self.counts, self.prof = [], [], {}, None
+
+    def _sync(self):
+        if self.gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def step(self, fn):
+        """One iteration: ``fn()`` trains it and returns its loss (a float)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        i = len(self.losses)
+        if i == self.warmup + self.timed:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.gpu else [])
+            self.prof = profile(activities=acts)
+            self._sync()
+            self.prof.start()
+        self._sync()
+        t0 = time.perf_counter()
+        loss = fn()
+        self._sync()
+        if self.warmup <= i < self.warmup + self.timed:
+            self.times.append(time.perf_counter() - t0)
+        self.losses.append(float(loss) if loss is not None else float("nan"))
+        if i == self.total - 1 and self.prof is not None:
+            self.prof.stop()
+            self.counts = count_events(self.prof, self.profiled, self.gpu)
+        return loss
+
+    def figures(self):
+        return dict(iter_s=statistics.median(self.times) if self.times else None,
+                    iter_s_all=self.times, losses=self.losses, **self.counts)
+
+
+def count_events(prof, iters, gpu):
+    """Per-iteration counts from a profile of ``iters`` iterations. Aten ops and host reads leave
+    out those nested in ``aten::_grouped_mm``: on the CPU torch runs it as one ``mm`` per group
+    after reading each offset on the host (``item``), which a CUDA grouped GEMM does not, so the
+    CPU counts would charge grouped experts the loop they replace."""
+    ops = reads = 0
+    by = {}
+    for e in prof.events():
+        by[e.name] = by.get(e.name, 0) + 1
+        if not e.name.startswith("aten::"):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and parent.name not in GROUPED_OPS:
+            parent = parent.cpu_parent
+        if parent is None:
+            ops += 1
+            reads += e.name in HOST_READ_OPS
+    per = lambda n: n / iters  # noqa: E731
+    out = dict(aten_ops_per_iter=per(ops), host_reads_per_iter=per(reads))
+    if gpu:
+        out.update(launches_per_iter=per(sum(by.get(k, 0) for k in LAUNCH_EVENTS)),
+                   syncs_per_iter=per(sum(by.get(k, 0) for k in SYNC_EVENTS)))
+    return out
+
+
+def memory_figures(gpu):
+    if gpu:
+        import torch
+
+        return dict(peak_allocated=torch.cuda.max_memory_allocated())
+    # no device allocator on the CPU: the process's peak resident set (interpreter and libraries
+    # included), labelled as such in the report
+    return dict(max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+# --- the systems --------------------------------------------------------------------------------
+def _init_dist(gpu):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_moe.runtime.local_ranks import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+
+
+def row_megatron(s, gpu, meter, stock):
+    """``pretrain()`` of pretrain_gpt_moe.py on the synthetic batch, each iteration through the
+    meter (its ``Trainer.train_step`` wrapped)."""
+    import torch
+    from megatron.core.enums import ModelType
+
+    import pretrain_gpt_moe
+    from megatron_moe.gpucheck import checks
+    from megatron_moe.training import loop as T
+
+    argv = megatron_argv(s, gpu, meter.total)
+    options, refused = ([], []) if stock else speed_options(argv)
+    batch = synthetic_batch(s)
+
+    class Fixed(torch.utils.data.Dataset):  # the synthetic batch, sample after sample
+        def __len__(self):
+            return 1 << 30
+
+        def __getitem__(self, i):
+            t = batch[i % batch.shape[0]]
+            return dict(tokens=t[:-1].clone(), labels=t[1:].clone(),
+                        loss_mask=torch.ones(s["seq"]), position_ids=torch.arange(s["seq"]))
+
+    def datasets(num_samples):
+        return Fixed(), None, None
+    datasets.is_distributed = True
+    checks.init_process("gpu" if gpu else "cpu")
+    orig = T.Trainer.train_step
+    params = {}
+
+    def train_step(self, data_iterator):
+        if not params:
+            params["n"] = sum(p.numel() for chunk in self.model for p in chunk.parameters())
+        out = []
+
+        def one():
+            out.append(orig(self, data_iterator))
+            return out[0][0].get("lm loss")
+        meter.step(one)
+        return out[0]
+    T.Trainer.train_step = train_step
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the training log goes to the section log
+            T.pretrain(datasets, pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                       pretrain_gpt_moe.forward_step, argv=argv + options)
+    finally:
+        T.Trainer.train_step = orig
+    how = ("megatron-core local path as it comes: SequentialMLP expert loop, unfused local "
+           "attention" if stock else "speed options: " + (" ".join(options) or "none")
+           + ("; refused by the parser: " + ", ".join(refused) if refused else ""))
+    return dict(params=params.get("n"), how=how, options=options, refused_options=refused)
+
+
+def _titan_cpu_device():
+    """torchtitan picks its device type at import ("cuda" when it sees no accelerator): on a CPU
+    run point it at the CPU before any of its modules binds the name."""
+    import torch
+
+    import torchtitan.tools.utils as tu
+
+    if not torch.cuda.is_available():
+        tu.device_type, tu.device_module = "cpu", torch.cpu
+
+
+def row_torchtitan(s, gpu, meter):
+    """torchtitan's Qwen3 MoE model and training step (torchtitan/trainer.py ``train_step`` and
+    ``_forward_backward_body`` at world size 1 without pipeline parallelism), our batch."""
+    import torch
+
+    if importlib.util.find_spec("torchtitan") is None:
+        raise RowSkipped(f"torchtitan is not installed here: scripts/gpu_wheels.sh carries "
+                         f"torchtitan=={TORCHTITAN} and its imported dependencies to the GPU "
+                         f"machine; for the CPU mode install them (docs/gpu.md)")
+    _init_dist(gpu)
+    _titan_cpu_device()
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers,
+                                         _qwen3_norm, parallelize_qwen3)
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    torch.autograd.set_multithreading_enabled(False)   # as its init_distributed does
+    layers = _build_qwen3_moe_layers(
+        n_layers=s["layers"], dim=s["hidden"], n_heads=s["heads"], n_kv_heads=s["groups"],
+        head_dim=s["head_dim"], moe_hidden_dim=s["ffn"], num_experts=s["experts"],
+        top_k=s["topk"], attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=s["head_dim"], max_seq_len=s["seq"], theta=1e6))
+    for layer in layers:
+        # causal SDPA (its flash/cuDNN kernels on CUDA): one document per sequence needs no
+        # document mask, and flex attention would spend the row's time in torch.compile
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        layer.moe.load_balance_coeff = None   # no balancing in any system (its bias update hook)
+        if not s["qk_norm"]:
+            layer.attention.qk_norm = None    # Mixtral-like: no q/k norms
+    config = Qwen3Model.Config(
+        vocab_size=s["vocab"], dim=s["hidden"], norm=_qwen3_norm(s["hidden"]),
+        tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["hidden"],
+                                        param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=s["hidden"], out_features=s["vocab"],
+                              param_init=_LINEAR_INIT),
+        layers=layers)
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    parallelism = ParallelismConfig()
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    with torch.device("meta"):
+        model = config.build()
+    # its FSDP2 wrapping: bf16 compute copies of fp32 parameters (training.mixed_precision_param)
+    model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(),
+                              parallelism=parallelism, compile_config=CompileConfig(),
+                              ac_config=None, dump_folder=os.environ.get("TMPDIR", "/tmp"))
+    device = torch.device("cuda" if gpu else "cpu")
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
+        pattern=".*", optimizer_name="AdamW", optimizer_kwargs=dict(
+            lr=LR, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY))]).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers,
+                                                      training_steps=meter.total)
+    loss_fn = CrossEntropyLoss.Config().build()
+    context = dist_utils.get_spmd_context(parallel_dims=dims)
+    batch = synthetic_batch(s)
+    inputs, labels = batch[:, :-1].to(device), batch[:, 1:].to(device)
+    valid = torch.tensor(labels.numel(), device=device)
+    params = list(model.parameters())
+
+    def one():
+        optimizers.zero_grad()
+        with context():
+            pred = model(inputs)
+            loss, _ = loss_fn(pred, labels, valid)
+            del pred
+            loss.backward()
+        dist_utils.clip_grad_norm_(params, CLIP, foreach=True)
+        optimizers.step()
+        schedulers.step()
+        return loss.item()   # its train_step reads the loss for logging every step as well
+    for _ in range(meter.total):
+        meter.step(one)
+    return dict(params=sum(p.numel() for p in params),
+                how=f"torchtitan {importlib.metadata.version('torchtitan')} Qwen3 MoE, FSDP2 "
+                    "bf16 params / fp32 reduce at world size 1, SDPA, grouped_mm experts, fused "
+                    "AdamW")
+
+
+def row_transformers(s, gpu, meter):
+    """``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` from a config: fp32 weights, bf16
+    autocast, its own loss (``labels=``), AdamW, grad clipping."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                  num_attention_heads=s["heads"], num_key_value_heads=s["groups"],
+                  head_dim=s["head_dim"], max_position_embeddings=s["seq"], rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, output_router_logits=False, attention_dropout=0.0,
+                  num_experts_per_tok=s["topk"], use_cache=False, rope_theta=1e6,
+                  # transformers 5 reads rope_parameters; older releases rope_theta
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if s["qk_norm"]:
+        cfg = transformers.Qwen3MoeConfig(num_experts=s["experts"], moe_intermediate_size=s["ffn"],
+                                          intermediate_size=s["ffn"], norm_topk_prob=True,
+                                          decoder_sparse_step=1, mlp_only_layers=[], **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(num_local_experts=s["experts"],
+                                         intermediate_size=s["ffn"], router_jitter_noise=0.0,
+                                         **common)
+        cls = transformers.MixtralForCausalLM
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    device = torch.device("cuda" if gpu else "cpu")
+    model = cls(cfg).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                            fused=gpu)
+    ids = synthetic_batch(s)[:, :-1].to(device)
+    params = list(model.parameters())
+
+    def one():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        return loss.item()
+    for _ in range(meter.total):
+        meter.step(one)
+    return dict(params=sum(p.numel() for p in params),
+                how=f"transformers {transformers.__version__} {cls.__name__}, "
+                    f"{cfg._attn_implementation} attention, experts "
+                    f"{getattr(cfg, '_experts_implementation', None) or 'default'}, fp32 weights "
+                    "under bf16 autocast, AdamW")
+
+
+def run_row(system, shape, mode):
+    """One row in this process: the figures of ``system`` training ``shape``."""
+    gpu = mode == "gpu"
+    s = SHAPES[shape][mode]
+    n = ITERS[mode]
+    meter = Meter(gpu, n["warmup"], n["timed"], n["profiled"])
+    if system in ("ours", "stock"):
+        out = row_megatron(s, gpu, meter, stock=system == "stock")
+    elif system == "torchtitan":
+        out = row_torchtitan(s, gpu, meter)
+    elif system == "transformers":
+        out = row_transformers(s, gpu, meter)
+    else:
+        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+    out.update(meter.figures())
+    out.update(memory_figures(gpu))
+    return out
+
+
+# --- the runner ---------------------------------------------------------------------------------
+def _row_process(system, shape, cpu, result, log, limit_s):
+    cmd = [sys.executable, "-m", "megatron_moe.gpucheck.perf", "row", system, shape,
+           "--result", result] + (["--cpu"] if cpu else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1" if cpu else "8")
+    log.write(f"\n===== perf row {shape}/{system} (limit {limit_s:.0f}s): {' '.join(cmd)}\n")
+    log.flush()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                            start_new_session=True)
+    try:
+        rc = proc.wait(timeout=max(1.0, limit_s))
+        why = f"exit {rc}" if rc else "ok"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        why = f"timed out after {limit_s:.0f}s"
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.monotonic() - t0
+    log.write(f"===== perf row {shape}/{system}: {why} in {took:.1f}s\n")
+    log.flush()
+    data = None
+    if os.path.exists(result):
+        with open(result) as f:
+            data = json.load(f)
+    if data is None:
+        data = dict(error=f"no result: {why}")
+    data.update(wall_s=took, ended=why)
+    return data
+
+
+def verdict(shape, mode, rows, peak_tflops):
+    """The shape's check from its rows: (ok, summary, figures, skipped). ok: every row trained
+    the shape's model (its parameter count) to finite losses; speed is reported, not judged."""
+    gpu = mode == "gpu"
+    s = SHAPES[shape][mode]
+    from megatron_moe.flops import num_floating_point_operations
+
+    flops = num_floating_point_operations(flops_args(s), s["batch"])
+    tokens = s["batch"] * s["seq"]
+    want = expected_params(s)
+    ok, parts, problems = True, [], []
+    skipped_rows = []
+    for name, r in rows.items():
+        if r.get("skipped"):   # a failure on the GPU, where the kit carries every system
+            ok &= not gpu
+            (problems if gpu else skipped_rows).append(f"{name}: {r['skipped']}")
+            continue
+        if r.get("error"):
+            ok = False
+            problems.append(f"{name}: {r['error']}")
+            continue
+        it = r.get("iter_s")
+        r["tokens_per_s"] = tokens / it if it else None
+        r["model_tflops"] = flops / it / 1e12 if it else None
+        r["mfu"] = r["model_tflops"] / peak_tflops if it and peak_tflops else None
+        r["same_model"] = r.get("params") == want
+        finite = bool(r.get("losses")) and all(math.isfinite(x) for x in r["losses"])
+        if not r["same_model"]:
+            ok = False
+            problems.append(f"{name}: {r.get('params')} parameters, the shape has {want}")
+        if not finite:
+            ok = False
+            problems.append(f"{name}: non-finite loss {r.get('losses')}")
+    ratios = {}
+    ours = (rows.get("ours") or {}).get("tokens_per_s")
+    for peer in ("torchtitan", "stock", "transformers"):
+        theirs = (rows.get(peer) or {}).get("tokens_per_s")
+        ratios[f"ours/{peer}"] = ours / theirs if ours and theirs else None
+    for name, r in rows.items():
+        if r.get("error") or r.get("skipped"):
+            parts.append(f"{name} {'FAILED' if r.get('error') else 'skipped'}")
+            continue
+        mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+        mem = (f", peak {r['peak_allocated'] / 2**30:.1f} GiB" if r.get("peak_allocated")
+               else "")
+        ev = (f", {r['launches_per_iter']:.0f} launches, {r['syncs_per_iter']:.0f} syncs/it"
+              if gpu and r.get("launches_per_iter") is not None else
+              f", {r.get('aten_ops_per_iter', 0):.0f} aten ops, "
+              f"{r.get('host_reads_per_iter', 0):.0f} host reads/it")
+        parts.append(f"{name} {r['tokens_per_s']:.0f} tok/s{mfu}{mem}{ev}")
+    rs = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if v is not None)
+    summary = (f"{s['experts']} experts top-{s['topk']}, {_count(want)} params, "
+               f"{s['batch']}x{s['seq']} tokens: " + "; ".join(parts) + (f"; {rs}" if rs else ""))
+    if problems:
+        summary += "; PROBLEMS: " + "; ".join(problems)
+    targets = {}
+    if gpu:
+        mfu = (rows.get("ours") or {}).get("mfu")
+        targets = dict(mfu=dict(target=TARGETS[shape]["mfu"], got=mfu,
+                                met=None if mfu is None else mfu >= TARGETS[shape]["mfu"]),
+                       vs_torchtitan=dict(target=TARGETS["vs_torchtitan"],
+                                          got=ratios["ours/torchtitan"],
+                                          met=None if ratios["ours/torchtitan"] is None else
+                                          ratios["ours/torchtitan"] >= TARGETS["vs_torchtitan"]),
+                       vs_stock=dict(target=TARGETS["vs_stock"], got=ratios["ours/stock"],
+                                     met=None if ratios["ours/stock"] is None else
+                                     ratios["ours/stock"] >= TARGETS["vs_stock"]))
+    skipped = [] if gpu else [
+        "MFU and the speed targets: toy sizes on a CPU say nothing about GPU speed",
+        "peak allocated memory (torch.cuda.max_memory_allocated): no CUDA; the process's peak "
+        "resident set is reported instead (max_rss, interpreter and libraries included)",
+        "kernel launches and cudaStreamSynchronize per iteration: no CUDA; aten op calls and "
+        "host reads (ops that block on a GPU: " + ", ".join(HOST_READ_OPS) + ") per iteration "
+        "are reported instead"] + [f"row {x}" for x in skipped_rows]
+    figures = dict(shape=s, expected_params=want, flops_per_iter=flops, tokens_per_iter=tokens,
+                   bf16_peak_tflops=peak_tflops, rows=rows, ratios=ratios, targets=targets)
+    return ok, summary, figures, skipped
+
+
+def run_section(cpu, work, log, budget_s, shapes=None, systems=None):
+    """Every row of every shape, each in its own process; returns ``{"checks": [...]}`` as the
+    kit's sections do (one check per shape: ``perf-<shape>``)."""
+    mode = "cpu" if cpu else "gpu"
+    shapes = list(shapes or SHAPES)
+    systems = list(systems or SYSTEMS)
+    t0 = time.monotonic()
+    peak = None
+    if not cpu:
+        from megatron_moe.gpucheck.checks import bf16_peak_tflops
+
+        try:
+            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30).stdout.strip()
+            peak = bf16_peak_tflops(name.splitlines()[0]) if name else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            peak = None
+    checks = []
+    todo = [(sh, sy) for sh in shapes for sy in systems]
+    rows = {sh: {} for sh in shapes}
+    for i, (shape, system) in enumerate(todo):
+        left = budget_s - (time.monotonic() - t0)
+        reserve = 5.0 * (len(todo) - i - 1)
+        if left - reserve < 5:
+            rows[shape][system] = dict(error=f"not run: the section's {budget_s:.0f} s budget "
+                                             "was spent")
+            continue
+        limit = min(ROW_CAP_S[system][1 if cpu else 0], left - reserve)
+        result = os.path.join(work, f"perf_{shape}_{system}.json")
+        rows[shape][system] = _row_process(system, shape, cpu, result, log, limit)
+    for shape in shapes:
+        ok, summary, figures, skipped = verdict(shape, mode, rows[shape], peak)
+        checks.append(dict(name=f"perf-{shape}", status="PASS" if ok else "FAIL",
+                           summary=summary, figures=figures, skipped=skipped))
+    return {"checks": checks, "info": {}}
+
+
+def write_reports(outdir, checks, mode):
+    """OUTDIR/perf_report.json and OUTDIR/perf_report.md: one table per shape."""
+    with open(os.path.join(outdir, "perf_report.json"), "w") as f:
+        json.dump(dict(mode=mode, checks=checks), f, indent=1, default=str)
+    gpu = mode == "gpu"
+    lines = [f"# MoE training side by side ({mode} mode)", ""]
+    if not gpu:
+        lines += ["Toy sizes on a CPU: these figures prove the section runs; they say nothing "
+                  "about GPU speed.", ""]
+    for c in checks:
+        fig = c["figures"]
+        s = fig.get("shape", {})
+        lines += [f"## {c['name']}: {c['status']}", "",
+                  f"{s.get('layers')} layers, hidden {s.get('hidden')}, {s.get('experts')} experts "
+                  f"of {s.get('ffn')} top-{s.get('topk')}, {s.get('heads')} heads "
+                  f"({s.get('groups')} groups of {s.get('head_dim')}), vocabulary {s.get('vocab')},"
+                  f" batch {s.get('batch')} x sequence {s.get('seq')}; "
+                  f"{_count(fig.get('expected_params', 0))} parameters; "
+                  f"{fig.get('flops_per_iter', 0) / 1e9:.4g} model GFLOP per iteration "
+                  "(megatron_moe/flops.py)", ""]
+        if gpu:
+            head = ("| system | tokens/s | MFU | peak allocated GiB | launches/it | syncs/it | "
+                    "host reads/it | params equal | how |")
+        else:
+            head = ("| system | tokens/s | max RSS MiB | aten ops/it | host reads/it | "
+                    "params equal | how |")
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for name, r in fig.get("rows", {}).items():
+            if r.get("error") or r.get("skipped"):
+                why = "FAILED: " + str(r["error"]) if r.get("error") else "skipped: " + \
+                    str(r["skipped"])
+                lines.append(f"| {name} | {why.replace('|', '/')[:300]} |")
+                continue
+            tok = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
+            how = str(r.get("how", "")).replace("|", "/")
+            if gpu:
+                mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+                mem = (f"{r['peak_allocated'] / 2**30:.2f}" if r.get("peak_allocated")
+                       else "-")
+                lines.append(f"| {name} | {tok} | {mfu} | {mem} | "
+                             f"{r.get('launches_per_iter', 0):.0f} | "
+                             f"{r.get('syncs_per_iter', 0):.0f} | "
+                             f"{r.get('host_reads_per_iter', 0):.0f} | {r.get('same_model')} | "
+                             f"{how} |")
+            else:
+                rss = f"{r['max_rss'] / 2**20:.0f}" if r.get("max_rss") else "-"
+                lines.append(f"| {name} | {tok} | {rss} | {r.get('aten_ops_per_iter', 0):.0f} |"
+                             f" {r.get('host_reads_per_iter', 0):.0f} | {r.get('same_model')} |"
+                             f" {how} |")
+        rs = fig.get("ratios", {})
+        lines += ["", "Ratios of tokens/s: " + ", ".join(
+            f"{k} {'x%.2f' % v if v is not None else '-'}" for k, v in rs.items()), ""]
+        for k, t in fig.get("targets", {}).items():
+            got = "-" if t["got"] is None else f"{t['got']:.3g}"
+            lines.append(f"* target {k} >= {t['target']}: got {got}, "
+                         f"{'met' if t['met'] else 'NOT met' if t['met'] is False else 'unknown'}")
+        if c.get("skipped"):
+            lines += ["", "Skipped here: " + "; ".join(c["skipped"])]
+        lines.append("")
+    with open(os.path.join(outdir, "perf_report.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m megatron_moe.gpucheck.perf")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("row", help="one system on one shape, in this process")
+    r.add_argument("system", choices=SYSTEMS)
+    r.add_argument("shape", choices=list(SHAPES))
+    r.add_argument("--result", required=True)
+    r.add_argument("--cpu", action="store_true")
+    a = p.parse_args(argv)
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    try:
+        out = run_row(a.system, a.shape, "cpu" if a.cpu else "gpu")
+    except RowSkipped as exc:
+        out = dict(skipped=str(exc))
+    except BaseException:  # a crash is this row's result; the runner goes on with the others
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        lines = [l.strip() for l in tb.strip().splitlines() if l.strip()]
+        out = dict(error=" | ".join(lines[-3:])[:600])
+    with open(a.result, "w") as f:
+        json.dump(out, f, default=str)
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
