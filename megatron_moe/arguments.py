@@ -111,7 +111,10 @@ def _add_megatron_model_impl_args(p):
                         "else local (megatron-core's own modules).")
     g.add_argument("--attention-backend", default="auto",
                    choices=["flash", "fused", "unfused", "local", "auto"],
-                   help="flash/fused need --transformer-impl transformer_engine.")
+                   help="With --transformer-impl local: flash is torch SDPA (flash/cuDNN/"
+                        "efficient kernels on CUDA), auto is SDPA on CUDA and megatron-core's "
+                        "unfused math on CPU, local/unfused megatron-core's math; fused needs "
+                        "--transformer-impl transformer_engine.")
 
 
 def _add_moe_args(p):
@@ -487,10 +490,14 @@ def _validate_model_impl_args(args):
     if args.transformer_impl == "transformer_engine" and not te:
         raise ValueError("--transformer-impl transformer_engine needs Transformer Engine and CUDA "
                          "(not available here); use --transformer-impl local")
-    if args.attention_backend in ("flash", "fused") and args.transformer_impl != "transformer_engine":
-        raise ValueError(f"--attention-backend {args.attention_backend} needs --transformer-impl "
-                         f"transformer_engine (Transformer Engine kernels); local attention is "
-                         f"--attention-backend local|unfused|auto")
+    if args.attention_backend == "fused" and args.transformer_impl != "transformer_engine":
+        raise ValueError("--attention-backend fused needs --transformer-impl transformer_engine "
+                         "(Transformer Engine's cuDNN attention); with --transformer-impl local "
+                         "use --attention-backend flash (torch SDPA) or local|unfused|auto")
+    if args.context_parallel_size > 1 and args.transformer_impl == "local":
+        raise ValueError("--context-parallel-size > 1 needs --transformer-impl transformer_engine "
+                         "(megatron-core's local and this package's SDPA attention have no "
+                         "context parallelism)")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type != "rope":

@@ -148,18 +148,34 @@ def test_refusal_on_the_cli_before_any_process_group():
 
 
 @pytest.mark.parametrize("extra,message", [
-    ("--attention-backend flash", "--attention-backend flash needs --transformer-impl transformer_engine"),
+    ("--transformer-impl local --attention-backend fused",
+     "--attention-backend fused needs --transformer-impl transformer_engine"),
     ("--no-position-embedding", "--no-position-embedding is deprecated"),
     ("--transformer-impl inference_optimized", "--transformer-impl inference_optimized is refused"),
     ("--rotary-percent 1.5", "--rotary-percent (1.5) must be in (0, 1]"),
     ("--hidden-size 30", "--hidden-size (30) must be divisible by --num-attention-heads (4)"),
     ("--overlap-param-gather", "--overlap-param-gather needs --use-distributed-optimizer"),
-], ids=["flash-local", "no-pos-emb", "inference-impl", "rotary-percent", "heads", "param-gather"])
+], ids=["fused-local", "no-pos-emb", "inference-impl", "rotary-percent", "heads", "param-gather"])
 def test_bad_model_flags_fail_at_parse_time(extra, message, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(BASE + extra.split(), world_size=1)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_context_parallel_with_local_attention_fails_at_parse_time(capsys):
+    """megatron-core's local attention asserts CP == 1 inside the model build; refused here."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + "--transformer-impl local --context-parallel-size 2".split(),
+                   world_size=2)
+    assert exc.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and "--context-parallel-size > 1 needs --transformer-impl " \
+        "transformer_engine" in err[0], err
+    # the local path with one context-parallel rank is accepted, flash (SDPA) included
+    args = parse_args(BASE + "--transformer-impl local --attention-backend flash".split(),
+                      world_size=2)
+    assert args.attention_backend == "flash" and args.context_parallel_size == 1
 
 
 def test_transformer_impl_resolution():

@@ -1,4 +1,4 @@
-"""Core attention with unequal query/key and value head dims, for megatron-core's MLA on CPU.
+"""Core attention for megatron-core's local path: unequal q/k and v head dims (MLA), and torch SDPA.
 
 megatron-core's Multi-Latent Attention builds its core attention with ``k_channels`` (the q/k
 head dim, ``qk_head_dim + qk_pos_emb_head_dim``), ``v_channels`` (``v_head_dim``) and the YaRN
@@ -12,19 +12,30 @@ only the construction differs: the keywords are accepted, the default scale is 1
 dim), and the output size is ``v_channels x heads per partition``. Used in place of
 ``DotProductAttention`` wherever a spec asks for it (``customize_spec``); a spec that already has
 TE's attention (GPU with TE) is left alone.
+
+``SDPADotProductAttention`` is the same module computing with
+``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN / memory-efficient kernels on
+CUDA, the math kernel on CPU): no [b, heads, sq, sk] score matrix is materialised by us, where the
+parent's baddbmm + masked_fill + softmax + bmm are four passes over it. Chosen by Megatron's own
+flags: ``--transformer-impl local`` with ``--attention-backend flash`` (or ``auto`` when CUDA is
+available); ``local``/``unfused`` (and ``auto`` on CPU) keep megatron-core's math.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
-__all__ = ["UnequalHeadDotProductAttention", "LayerNormColumnParallelLinear", "customize_spec"]
+__all__ = ["UnequalHeadDotProductAttention", "SDPADotProductAttention", "use_sdpa",
+           "LayerNormColumnParallelLinear", "customize_spec"]
 
 
 class UnequalHeadDotProductAttention(DotProductAttention):
@@ -49,36 +60,166 @@ class UnequalHeadDotProductAttention(DotProductAttention):
         self.hidden_size_per_attention_head = self.v_channels
         self.hidden_size_per_partition = self.v_channels * self.num_attention_heads_per_partition
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **unused):
+    def check_head_dims(self, query, key, value):
         if query.shape[-1] != self.k_channels or key.shape[-1] != self.k_channels \
                 or value.shape[-1] != self.v_channels:
             raise ValueError(f"head dims q {query.shape[-1]}, k {key.shape[-1]}, v {value.shape[-1]}"
                              f" != k_channels {self.k_channels}, v_channels {self.v_channels}")
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        self.check_head_dims(query, key, value)
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
 
 
+class SDPADotProductAttention(UnequalHeadDotProductAttention):
+    """The same core attention (construction, parameters, checkpoint keys) computed by
+    ``torch.nn.functional.scaled_dot_product_attention``, with megatron-core's local semantics:
+
+    * masks: the layer's sliding window (``--window-size``, which megatron-core's local softmax
+      applies in place of any mask it is given), else causal when no mask is passed (queries and
+      keys aligned at the start, as megatron's: ``sq == sk`` or one query), else the mask passed
+      (True = masked, [b|1, 1, sq, sk], e.g. BERT's padding mask);
+    * a query row with every key masked: megatron-core fills masked scores with -10000, so its
+      softmax is uniform and the row's output the mean of V; SDPA kernels give 0 or NaN there,
+      so such rows attend to nothing masked-wise and are then set to that mean;
+    * sinks (``--softmax-type learnable|off-by-one``: ``softmax_offset``, one logit per head in
+      every softmax denominator): one extra key whose score is the sink, through SDPA's additive
+      mask, with a zero value;
+    * GQA: SDPA's ``enable_gqa`` when no mask is needed (flash kernels take it); with a mask the
+      keys and values are repeated per head, as megatron-core does, since the masked kernels
+      (memory-efficient, cuDNN) may not take grouped heads and SDPA would fall back to its math;
+    * scale: the parent's ``softmax_scale`` (MLA's mscale, ``apply_query_key_layer_scaling``'s
+      division by the layer number undone by its softmax's multiplication, so the net scale);
+      SDPA's fused kernels accumulate the softmax in fp32 (``--attention-softmax-in-fp32``);
+    * dropout: ``attention_dropout`` in training, in the model-parallel RNG region as megatron's.
+
+    The explicit masks (window, sinks, padding) are [sq, sk] per batch/head at most; only the
+    unmasked causal path reaches the flash kernel. Packed sequences and attention biases are
+    refused as megatron-core's local attention refuses them.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences (packed_seq_params) are not supported by the local "
+                             "attention; use --transformer-impl transformer_engine")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by the local attention")
+        self.check_head_dims(query, key, value)
+        sq, b, heads, _ = query.shape
+        sk = key.shape[0]
+        keep, is_causal = self._keep_mask(attention_mask, sq, sk, query.device)
+        offset = self.softmax_offset
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        groups = heads // key.shape[2]
+        if groups > 1 and (keep is not None or offset is not None):
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            groups = 1
+        dead = None
+        if offset is not None:
+            if keep is None:   # causal or unmasked: the sink column needs an explicit mask
+                keep = (torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+                        if is_causal else torch.ones(sq, sk, dtype=torch.bool, device=q.device))
+                is_causal = False
+            mask = self._sink_mask(keep, offset, heads, q.dtype)
+            k = torch.cat([k, k.new_zeros(k.shape[:2] + (1, k.shape[3]))], dim=2)
+            v = torch.cat([v, v.new_zeros(v.shape[:2] + (1, v.shape[3]))], dim=2)
+        elif keep is not None:
+            dead = ~keep.any(dim=-1, keepdim=True)
+            mask = keep | dead
+        else:
+            mask = None
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        region = (tensor_parallel.get_cuda_rng_tracker().fork()
+                  if dropout_p > 0 and not self.config.sequence_parallel
+                  else contextlib.nullcontext())
+        # the net scale: the parent divides softmax_scale by the layer number under
+        # apply_query_key_layer_scaling and its softmax multiplies it back
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        with region:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                 is_causal=is_causal, scale=scale,
+                                                 enable_gqa=groups > 1)
+        if dead is not None:
+            out = self._uniform_rows(out, v, dead)
+        # [b, heads, sq, dv] -> [sq, b, heads x dv]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _keep_mask(self, attention_mask, sq, sk, device):
+        """(keep, is_causal): a bool mask True where a query sees a key ([sq, sk] or
+        [b|1, 1, sq, sk]) or None, and whether SDPA's own causal mask is the mask."""
+        window = self.scale_mask_softmax.window_size
+        if window is not None:
+            # megatron-core's get_sliding_window_causal_mask, as the keys kept
+            ones = torch.ones(sq, sk, dtype=torch.bool, device=device)
+            return ones.triu(sk - sq - window[0]).tril(sk - sq + window[1]), False
+        if self.attn_mask_type == AttnMaskType.causal and attention_mask is None and sq > 1:
+            if sq != sk:
+                raise ValueError(f"causal attention needs as many queries as keys "
+                                 f"(got {sq} and {sk})")
+            return None, True
+        if attention_mask is None:
+            return None, False
+        return ~attention_mask, False
+
+    @staticmethod
+    def _uniform_rows(out, v, dead):
+        """megatron-core's softmax over a fully masked row is uniform (its masked scores are all
+        -10000): the output there is the mean of V."""
+        return torch.where(dead, v.mean(dim=2, keepdim=True), out)
+
+    @staticmethod
+    def _sink_mask(keep, offset, heads, dtype):
+        """SDPA's additive mask with the sink column: [., heads, sq, sk + 1], 0 where kept,
+        -inf where masked, the head's sink logit in the last column."""
+        while keep.dim() < 4:
+            keep = keep.unsqueeze(0)
+        base = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+        base = base.masked_fill(~keep, float("-inf")).expand(keep.shape[0], heads, *keep.shape[2:])
+        sink = offset.to(dtype).view(1, heads, 1, 1).expand(keep.shape[0], heads, keep.shape[2], 1)
+        return torch.cat([base, sink], dim=-1)
+
+
+def use_sdpa(args) -> bool:
+    """--transformer-impl local with --attention-backend flash, or auto when CUDA is available:
+    the core attention is SDPADotProductAttention (TE's attention has its own kernels)."""
+    if getattr(args, "transformer_impl", None) != "local":
+        return False
+    backend = getattr(args, "attention_backend", "auto")
+    return backend == "flash" or (backend == "auto" and torch.cuda.is_available())
+
+
 def customize_spec(args, spec):
-    """model.gpt_layer_spec hook: MLA layers get the unequal-head core attention instead of
-    megatron-core's local DotProductAttention (TE's, on GPU, already takes the head dims), and no
-    query norm without a query LoRA (compat/mla.py)."""
-    if not getattr(args, "multi_latent_attention", False):
+    """model.gpt_layer_spec hook: megatron-core's local DotProductAttention becomes
+    SDPADotProductAttention when ``use_sdpa(args)``; otherwise MLA layers get the unequal-head
+    core attention (TE's, on GPU, already takes the head dims). MLA layers get no query norm
+    without a query LoRA (compat/mla.py)."""
+    mla = getattr(args, "multi_latent_attention", False)
+    sdpa = use_sdpa(args)
+    if not (mla or sdpa):
         return spec
     import dataclasses
 
     from megatron_moe.compat.mla import drop_unused_q_norm, fix_te_stand_ins, local_fused_q_norm
 
-    fix_te_stand_ins()
-    local_fused_q_norm(LayerNormColumnParallelLinear)
+    if mla:
+        fix_te_stand_ins()
+        local_fused_q_norm(LayerNormColumnParallelLinear)
+    core = SDPADotProductAttention if sdpa else UnequalHeadDotProductAttention
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
         sub = getattr(attn, "submodules", None)
-        if sub is None or not hasattr(sub, "linear_kv_down_proj"):
-            continue  # not an MLA layer
-        new = drop_unused_q_norm(sub, args.q_lora_rank)
+        if sub is None:
+            continue
+        is_mla = hasattr(sub, "linear_kv_down_proj")
+        if not (is_mla or sdpa):
+            continue
+        new = drop_unused_q_norm(sub, args.q_lora_rank) if is_mla else sub
         if getattr(new, "core_attention", None) is DotProductAttention:
-            new = dataclasses.replace(new, core_attention=UnequalHeadDotProductAttention)
+            new = dataclasses.replace(new, core_attention=core)
         # fresh objects: megatron-core shares one layer spec between layers
         layer.submodules = dataclasses.replace(
             layer.submodules, self_attention=dataclasses.replace(attn, submodules=new))
