@@ -45,3 +45,38 @@ def test_flash_backend_trains_like_local_attention(model):
         gap = max(abs(a - b) for a, b in zip(mutated, local))
         print(f"{model}: mutated (no causal mask) vs local max |loss gap| {gap:.3g}")
         assert gap > 1e-4, (mutated, local)
+
+
+def test_memory_report_drops_the_score_matrix_under_sdpa():
+    """tools/report_theoretical_memory.py: --transformer-impl local with --attention-backend
+    flash keeps no [heads, s, s] softmax per layer; local/unfused keep it (fp32 + 16-bit copy)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.test_theoretical_memory import TINY as MEM_TINY
+    from tools import report_theoretical_memory as rtm
+
+    def activations(backend):
+        args, _ = rtm.parse(MEM_TINY + ["--world-size", "1", "--bf16", "--transformer-impl",
+                                        "local", "--attention-backend", backend])
+        return rtm.estimate(args)["activations"]
+
+    flash, local = activations("flash"), activations("local")
+    heads, seq, micro, layers = 4, 64, 2, 2
+    # the local softmax: fp32 probabilities + their bf16 copy, per head, query and key
+    assert local - flash == layers * micro * heads * seq * seq * (4 + 2), (local, flash)
+
+
+def test_attention_bench_runs():
+    """bench/attention.py at toy size: both core attentions agree and are timed, every case."""
+    import os
+
+    from megatron_moe.runtime.local_ranks import run_script
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = run_script(os.path.join(root, "bench", "attention.py"),
+                     ["--seq", "32", "--heads", "8", "--reps", "1"], timeout_s=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if "local/ours x" in line]
+    assert [line.split()[0] for line in lines] == ["causal", "causal-gqa", "sinks-window-gqa"]

@@ -262,8 +262,12 @@ def _local(args):
 
 
 def _flash(args):
-    if getattr(args, "transformer_impl", None) == "local":    # megatron-core's unfused attention
-        return args.recompute_granularity == "selective"
+    if getattr(args, "transformer_impl", None) == "local":
+        # torch SDPA (--attention-backend flash, auto with CUDA) keeps no score matrix;
+        # megatron-core's local attention does unless it is recomputed
+        from megatron_moe.models.attention import use_sdpa
+
+        return use_sdpa(args) or args.recompute_granularity == "selective"
     return (args.use_flash_attn or args.attention_backend in ("flash", "fused", "auto")
             or args.recompute_granularity == "selective")
 

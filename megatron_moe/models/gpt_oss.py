@@ -5,7 +5,8 @@ core_v0.19.0: ``--window-size``/``--window-attn-skip-freq``/``--quick-geglu`` in
 group, ``--softmax-type``/``--glu-linear-offset``/``--activation-func-clamp-value`` from
 TransformerConfig's fields, the ``--yarn-*`` flags and ``--position-embedding-type yarn`` of
 core_v0.19.0). The values reach megatron-core's TransformerConfig by field name
-(model.transformer_config_from_args); megatron-core's local DotProductAttention applies the sinks
+(model.transformer_config_from_args); megatron-core's local DotProductAttention (or, under
+``--attention-backend flash``, models/attention.py's SDPA one) applies the sinks
 (``softmax_offset``) and the window mask, its MLP and experts the clamp and the offset, its
 GPTModel the YaRN rotary embedding (``yarn_*`` config attributes, set as Megatron-LM's
 ``_apply_yarn_config_from_args`` sets them: model.apply_yarn_config).
