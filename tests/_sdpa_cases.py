@@ -24,3 +24,30 @@ def train_counting_sdpa(rank, world_size, argv, mutate=False):
     finally:
         F.scaled_dot_product_attention = real
     return history, calls[0]
+
+
+def generate_counting_sdpa(rank, world_size, argv, prompts, tokens):
+    """Greedy generation (megatron-core's static engine, KV cache) from a checkpoint with the
+    given flags; torch's SDPA calls counted. Returns ([(tokens, log probs)], calls)."""
+    import torch.nn.functional as F
+
+    from megatron_moe.inference.arguments import parse_inference_args
+    from megatron_moe.inference.engine import TextGenerator, setup_model
+    from tools.generate import add_text_generate_args
+
+    real = F.scaled_dot_product_attention
+    calls = [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    F.scaled_dot_product_attention = counting
+    try:
+        args = parse_inference_args(argv, add_text_generate_args, prog="test")
+        model, tokenizer, _ = setup_model(args)
+        gen = TextGenerator(model, tokenizer, args)
+        res = gen.generate(prompts, tokens_to_generate=tokens, return_log_probs=True)
+    finally:
+        F.scaled_dot_product_attention = real
+    return [(list(r.tokens), list(r.log_probs)) for r in res], calls[0]

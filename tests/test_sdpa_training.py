@@ -80,3 +80,33 @@ def test_attention_bench_runs():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if "local/ours x" in line]
     assert [line.split()[0] for line in lines] == ["causal", "causal-gqa", "sinks-window-gqa"]
+
+
+def test_generation_with_flash_equals_local(tmp_path):
+    """The static inference engine (prefill with SDPA's causal mask, then one query per step
+    against the KV cache, no mask) generates the same greedy tokens with --attention-backend
+    flash as with local, log probs within 1e-4, and SDPA ran on every step."""
+    from tests import _data_helpers as H
+    from tests._sdpa_cases import generate_counting_sdpa
+
+    data, tok = H.sp_dataset(str(tmp_path), max_docs=60, vocab_size=300)
+    save = str(tmp_path / "ckpt")
+    argv = TINY[:]
+    for flag in ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"):
+        argv.remove(flag)
+    argv += ("--train-iters 4 --transformer-impl local --attention-dropout 0.0 "
+             "--tokenizer-type SentencePieceTokenizer --split 90,10,0").split()
+    argv += ["--data-path", data, "--tokenizer-model", tok, "--save", save]
+    run_distributed(train_counting_sdpa, 1, argv, timeout_s=300)
+    prompts, tokens = ["The module", "Return the value of"], 6
+    out = {}
+    for backend in ("local", "flash"):
+        gen_argv = ["--load", save, "--use-checkpoint-args", "--transformer-impl", "local",
+                    "--attention-backend", backend]
+        ((out[backend]),) = run_distributed(generate_counting_sdpa, 1, gen_argv, prompts, tokens,
+                                            timeout_s=300)
+    (local, local_calls), (flash, flash_calls) = out["local"], out["flash"]
+    assert local_calls == 0 and flash_calls >= tokens * LAYERS, (local_calls, flash_calls)
+    for (lt, lp), (ft, fp) in zip(local, flash):
+        assert ft == lt and len(fp) == len(lp) > 0
+        assert max(abs(a - b) for a, b in zip(fp, lp)) < 1e-4, (fp, lp)
