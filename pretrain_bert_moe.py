@@ -42,6 +42,8 @@ class BertMoEModel(BertModel):
     def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
         block = self.transformer_layer_spec
         layers = getattr(block, "layer_specs", None)
+        if _own_local_core_attention(layers[0] if layers else block):
+            return "b1ss"
         if not layers:
             return super()._sanity_check_attention_and_get_attn_mask_dimension()
         self.transformer_layer_spec = layers[0]
@@ -53,6 +55,17 @@ class BertMoEModel(BertModel):
         for spec in layers:
             spec.submodules.self_attention.params["attn_mask_type"] = mask_type
         return dims
+
+
+def _own_local_core_attention(layer_spec) -> bool:
+    """True when the layer's core attention is one of models/attention.py's local ones (SDPA
+    under --attention-backend flash): they take megatron-core's local [b, 1, s, s] mask, but
+    BertModel recognises only megatron-core's own class and would ask Transformer Engine."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    core = layer_spec.submodules.self_attention.submodules.core_attention
+    return isinstance(core, type) and issubclass(core, DotProductAttention) \
+        and core is not DotProductAttention
 
 
 def bert_layer_spec(args, config):

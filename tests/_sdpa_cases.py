@@ -1,29 +1,31 @@
 """Rank functions for tests/test_sdpa_training.py (spawned by run_distributed)."""
 
 
-def train_counting_sdpa(rank, world_size, argv, mutate=False):
-    """pretrain() with torch's SDPA wrapped to count its calls; ``mutate`` drops its causal mask
-    (the mutation the loss comparison must catch: each token sees the ones after it). Returns
-    (history, calls)."""
+def train_counting_sdpa(rank, world_size, argv, mutate=False, bert=False):
+    """pretrain() (GPT, or BERT with ``bert``) with torch's SDPA wrapped to count its calls and
+    those given a mask; ``mutate`` drops its causal mask (the mutation the loss comparison must
+    catch: each token sees the ones after it). Returns (history, calls, masked calls)."""
     import torch.nn.functional as F
 
+    from tests._bert_cases import run_pretrain_bert
     from tests._train_cases import run_pretrain
 
     real = F.scaled_dot_product_attention
-    calls = [0]
+    calls, masked = [0], [0]
 
     def counting(*args, **kwargs):
         calls[0] += 1
+        masked[0] += kwargs.get("attn_mask") is not None
         if mutate:
             kwargs["is_causal"] = False
         return real(*args, **kwargs)
 
     F.scaled_dot_product_attention = counting
     try:
-        history = run_pretrain(rank, world_size, argv)
+        history = (run_pretrain_bert if bert else run_pretrain)(rank, world_size, argv)
     finally:
         F.scaled_dot_product_attention = real
-    return history, calls[0]
+    return history, calls[0], masked[0]
 
 
 def generate_counting_sdpa(rank, world_size, argv, prompts, tokens):

@@ -22,8 +22,8 @@ MODELS = {
 def _train(backend, model, mutate=False):
     argv = TINY + (f"--train-iters {ITERS} --transformer-impl local --attention-backend {backend} "
                    f"--attention-dropout 0.0 {MODELS[model]}").split()
-    ((history, calls),) = run_distributed(train_counting_sdpa, 1, argv, mutate=mutate,
-                                          timeout_s=300)
+    ((history, calls, _),) = run_distributed(train_counting_sdpa, 1, argv, mutate=mutate,
+                                             timeout_s=300)
     return history["lm_loss"], calls
 
 
@@ -45,6 +45,27 @@ def test_flash_backend_trains_like_local_attention(model):
         gap = max(abs(a - b) for a, b in zip(mutated, local))
         print(f"{model}: mutated (no causal mask) vs local max |loss gap| {gap:.3g}")
         assert gap > 1e-4, (mutated, local)
+
+
+def test_bert_with_flash_trains_like_local_attention(tmp_path):
+    """BERT (padding masks: [b, 1, s, s], padding queries' rows fully masked) trained 3 iterations
+    on 2 ranks (EP 2) with --attention-backend flash: the losses of local within 1e-4."""
+    from tests._bert_cases import preprocess
+    from tests.test_bert import TINY as BERT_TINY
+
+    prefix, vocab, _ = preprocess(str(tmp_path))
+    argv = BERT_TINY + ["--data-path", prefix, "--vocab-file", vocab, "--train-iters", "3",
+                        "--attention-dropout", "0.0", "--transformer-impl", "local"]
+    runs = {}
+    for backend in ("local", "flash"):
+        runs[backend] = run_distributed(train_counting_sdpa, 2, argv + ["--attention-backend",
+                                                                        backend],
+                                        bert=True, timeout_s=300)[0]
+    (local, local_calls, _), (flash, calls, masked) = runs["local"], runs["flash"]
+    assert local_calls == 0 and calls > 0 and masked == calls   # every call had BERT's mask
+    gap = max(abs(a - b) for a, b in zip(flash["lm_loss"], local["lm_loss"]))
+    print(f"bert: flash vs local max |loss gap| {gap:.3g}, {calls} SDPA calls on rank 0")
+    assert len(flash["lm_loss"]) == 3 and gap < 1e-4, (flash["lm_loss"], local["lm_loss"])
 
 
 def test_memory_report_drops_the_score_matrix_under_sdpa():
