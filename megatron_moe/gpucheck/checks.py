@@ -290,8 +290,9 @@ def _estimate(argv):
     from megatron_moe.models.builder import have_transformer_engine
     from tools import report_theoretical_memory as rtm
 
-    # without Transformer Engine megatron-core builds its local layers: unfused attention
-    local = [] if have_transformer_engine() else ["--attention-backend", "local"]
+    # without Transformer Engine the run builds megatron-core's local layers, its attention
+    # as --attention-backend resolves there (auto: torch SDPA with CUDA, unfused on CPU)
+    local = [] if have_transformer_engine() else ["--transformer-impl", "local"]
     args, _ = rtm.parse(list(argv) + ["--world-size", "1"] + local)
     est = rtm.estimate(args)
     return dict(estimate_bytes=est["total"], params=est["nonexpert_params"] + est["expert_params"],
