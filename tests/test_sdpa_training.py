@@ -11,19 +11,29 @@ from tests.test_training import TINY
 ITERS = 4
 LAYERS = 2
 
-# GQA on every case; gpt-oss: learned sinks, a sliding window on layer 1, full attention on 2
+# name: (ranks, flags). GQA; gpt-oss's learned sinks with a sliding window on layer 1 and full
+# attention on layer 2; the same at TP 2 (heads and sinks split); DeepSeek's MLA (unequal q/k and
+# v head dims, YaRN mscale in the softmax scale)
 MODELS = {
-    "gqa": "--group-query-attention --num-query-groups 2",
-    "gpt-oss": "--group-query-attention --num-query-groups 2 --softmax-type learnable "
-               "--window-size 5,0 --window-attn-skip-freq 2",
+    "gqa": (1, "--group-query-attention --num-query-groups 2"),
+    "gpt-oss": (1, "--group-query-attention --num-query-groups 2 --softmax-type learnable "
+                   "--window-size 5,0 --window-attn-skip-freq 2"),
+    "gpt-oss-tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel "
+                       "--group-query-attention --num-query-groups 2 --softmax-type learnable "
+                       "--window-size 5,0 --window-attn-skip-freq 2"),
+    "mla": (1, "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 "
+               "--qk-pos-emb-head-dim 4 --v-head-dim 6 --kv-channels 8 --rotary-scaling-factor 40 "
+               "--mscale 0.707 --mscale-all-dim 0.707 --position-embedding-type rope"),
 }
 
 
 def _train(backend, model, mutate=False):
+    world, flags = MODELS[model]
     argv = TINY + (f"--train-iters {ITERS} --transformer-impl local --attention-backend {backend} "
-                   f"--attention-dropout 0.0 {MODELS[model]}").split()
-    ((history, calls, _),) = run_distributed(train_counting_sdpa, 1, argv, mutate=mutate,
-                                             timeout_s=300)
+                   f"--attention-dropout 0.0 {flags}").split()
+    runs = run_distributed(train_counting_sdpa, world, argv, mutate=mutate, timeout_s=300)
+    history, calls, _ = runs[0]
+    assert all(r[0]["lm_loss"] == history["lm_loss"] for r in runs)
     return history["lm_loss"], calls
 
 
