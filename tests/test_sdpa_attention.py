@@ -283,3 +283,19 @@ def test_mla_scale_is_the_mscale_one(tp1):  # noqa: F811
     scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
     ref = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v).reshape(S, B, -1)
     torch.testing.assert_close(out, ref, **FP32)
+
+
+@pytest.mark.parametrize("window", ["-1,0", "3,-1"])
+def test_unlimited_window_side_refused_on_the_local_path(window, capsys):
+    """megatron-core's local window mask reads -1 literally (-1,0 keeps no key, 3,-1 drops the
+    diagonal); TE's -1 means unlimited: refused at parse time on the local path."""
+    from megatron_moe.arguments import parse_args
+    from tests.test_flags import BASE
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + ["--transformer-impl", "local", f"--window-size={window}"], world_size=1)
+    assert exc.value.code == 2
+    assert "--window-size with -1 (unlimited) needs --transformer-impl transformer_engine" \
+        in capsys.readouterr().err
+    args = parse_args(BASE + ["--transformer-impl", "local", "--window-size", "3,0"], world_size=1)
+    assert args.window_size == (3, 0)

@@ -81,9 +81,10 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
       applies in place of any mask it is given), else causal when no mask is passed (queries and
       keys aligned at the start, as megatron's: ``sq == sk`` or one query), else the mask passed
       (True = masked, [b|1, 1, sq, sk], e.g. BERT's padding mask);
-    * a query row with every key masked: megatron-core fills masked scores with -10000, so its
-      softmax is uniform and the row's output the mean of V; SDPA kernels give 0 or NaN there,
-      so such rows attend to nothing masked-wise and are then set to that mean;
+    * a query row with every key masked (BERT's padding queries): megatron-core fills masked
+      scores with -10000, so its softmax is uniform and the row's output the mean of V; SDPA
+      kernels give 0 or NaN there, so SDPA sees such rows unmasked and their output is then
+      replaced by that mean;
     * sinks (``--softmax-type learnable|off-by-one``: ``softmax_offset``, one logit per head in
       every softmax denominator): one extra key whose score is the sink, through SDPA's additive
       mask, with a zero value;

@@ -82,6 +82,10 @@ def validate_args(args):
     if window is not None and (len(window) != 2 or min(window) < -1):
         raise ValueError(f"--window-size takes two integers LEFT,RIGHT >= -1 (-1: unlimited), "
                          f"got {','.join(map(str, window))}")
+    if window is not None and -1 in window and getattr(args, "transformer_impl", None) == "local":
+        raise ValueError("--window-size with -1 (unlimited) needs --transformer-impl "
+                         "transformer_engine: megatron-core's local window mask (and the SDPA "
+                         "attention matching it) takes -1 as an offset (-1,0 masks every key)")
     freq = args.window_attn_skip_freq
     if freq is not None:
         if args.window_size is None:
