@@ -550,13 +550,20 @@ def section_resume(rec, mode, work):
     it = ITERS[mode]
     # 1. save and resume: iterations n/2+1..n after a load equal the uninterrupted run's
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # without TE, --attention-backend auto is torch SDPA on CUDA, whose flash/efficient backward
+    # is deterministic only under warn_only=False: bit-exact resume takes megatron-core's local
+    # attention (deterministic with the cuBLAS workspace setting)
+    from megatron_moe.models.builder import have_transformer_engine
+
+    attn = [] if have_transformer_engine() else ["--attention-backend", "local"]
     n = it["resume"]
     ckpt = os.path.join(work, "resume_ckpt")
     try:
-        straight = train(_argv(mode, SMALL, n, "--bf16", "--moe-permute-fusion"))
+        straight = train(_argv(mode, SMALL, n, "--bf16", "--moe-permute-fusion", *attn))
         train(_argv(mode, SMALL, n, "--bf16", "--moe-permute-fusion", "--save", ckpt,
-                    "--save-interval", n // 2, "--exit-interval", n // 2))
-        resumed = train(_argv(mode, SMALL, n, "--bf16", "--moe-permute-fusion", "--load", ckpt))
+                    "--save-interval", n // 2, "--exit-interval", n // 2, *attn))
+        resumed = train(_argv(mode, SMALL, n, "--bf16", "--moe-permute-fusion", "--load", ckpt,
+                              *attn))
         a = straight["history"]["lm_loss"][n // 2:]
         b = resumed["history"]["lm_loss"]
         same = a == b and len(b) == n - n // 2
