@@ -495,9 +495,9 @@ def _validate_model_impl_args(args):
                          "(Transformer Engine's cuDNN attention); with --transformer-impl local "
                          "use --attention-backend flash (torch SDPA) or local|unfused|auto")
     if args.context_parallel_size > 1 and args.transformer_impl == "local":
-        raise ValueError("--context-parallel-size > 1 needs --transformer-impl transformer_engine "
-                         "(megatron-core's local and this package's SDPA attention have no "
-                         "context parallelism)")
+        raise ValueError(f"--transformer-impl local needs --context-parallel-size 1 (got "
+                         f"{args.context_parallel_size}); megatron-core's local attention and this "
+                         f"package's SDPA one have no context parallelism (Transformer Engine's has)")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type != "rope":

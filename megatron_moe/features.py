@@ -33,7 +33,7 @@ from megatron_moe.training import wandb_writer
 FEATURES = (
     comm,                 # --moe-a2a-algorithm / compression / overlap, emulated link, topology
     embedding,            # --embedding-partition
-    attention,            # MLA's core attention with unequal q/k and v head dims
+    attention,            # local core attention: MLA's head dims; torch SDPA (--attention-backend flash)
     dispatcher,           # --moe-permute-fusion, chunked overlapped exchange
     topo_router,          # --moe-router-topology (its flags are comm's)
     balance,              # --moe-balance-policy: expert replication (Pro-Prophet, FasterMoE, FlexMoE)
