@@ -552,7 +552,8 @@ def section_resume(rec, mode, work):
     torch.use_deterministic_algorithms(True, warn_only=True)
     # without TE, --attention-backend auto is torch SDPA on CUDA, whose flash/efficient backward
     # is deterministic only under warn_only=False: bit-exact resume takes megatron-core's local
-    # attention (deterministic with the cuBLAS workspace setting)
+    # attention (deterministic with the cuBLAS workspace setting); the whole section does, as
+    # megatron-core pins the backend per process (NVTE_* variables, asserted by the next model)
     from megatron_moe.models.builder import have_transformer_engine
 
     attn = [] if have_transformer_engine() else ["--attention-backend", "local"]
@@ -580,7 +581,7 @@ def section_resume(rec, mode, work):
     # 2. fp16 with dynamic loss scaling
     try:
         run = train(_argv(mode, SMALL, it["fp16"], "--fp16", "--initial-loss-scale", "65536",
-                          "--moe-permute-fusion"))
+                          "--moe-permute-fusion", *attn))
         losses = run["history"]["lm_loss"]
         ok = _falls(losses)
         rec.record("training-fp16", ok,
