@@ -277,6 +277,8 @@ def row_megatron(s, gpu, meter, stock):
 
     argv = megatron_argv(s, gpu, meter.total)
     options, refused = ([], []) if stock else speed_options(argv)
+    # stock names megatron-core's local attention: auto is this package's SDPA on CUDA
+    stock_attention = ["--attention-backend", "local"] if stock else []
     batch = synthetic_batch(s)
 
     class Fixed(torch.utils.data.Dataset):  # the synthetic batch, sample after sample
@@ -309,7 +311,7 @@ def row_megatron(s, gpu, meter, stock):
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the training log goes to the section log
             T.pretrain(datasets, pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
-                       pretrain_gpt_moe.forward_step, argv=argv + options)
+                       pretrain_gpt_moe.forward_step, argv=argv + stock_attention + options)
     finally:
         T.Trainer.train_step = orig
     how = ("megatron-core local path as it comes: SequentialMLP expert loop, unfused local "
