@@ -38,7 +38,7 @@ def _rank(rank, world_size, argv, mode, peer_dir):
     from megatron.core.enums import ModelType
 
     from megatron_moe.training.loop import checkpointing
-    from megatron_moe.training.loop import loop as training
+    from megatron_moe.training import loop as training
     from megatron_moe.compat import checkpoint as compat_checkpoint
 
     if mode == "sync-no-prestart":
