@@ -102,3 +102,26 @@ def test_balanced_layer_and_grouped_experts_read_only_their_splits():
         assert unexpected == {} and not allowed, (unexpected, allowed)
         _assert_counter_is_live(grp)
         assert grp["grouped_calls"] == ITERS * LAYERS * MICRO_BATCHES   # the grouped path ran
+
+
+def test_kit_sync_counter_counts_torch_sync_warnings_per_iteration():
+    """The GPU kit's counter (megatron_moe/gpucheck/syncs.py) on what torch's sync debug mode emits
+    on CUDA: every 'called a synchronizing CUDA operation' warning, labelled with the iteration and
+    the call site; other warnings pass through uncounted."""
+    import warnings
+
+    from megatron_moe.gpucheck.syncs import SyncCounter
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with SyncCounter() as c:
+            for it in (1, 2):
+                c.phase = it
+                for _ in range(it):
+                    warnings.warn("called a synchronizing CUDA operation")   # same site twice
+            warnings.warn("something else")
+    assert c.per_phase() == {1: {"total": 1, "ours": 0, "megatron-core": 0, "other": 1},
+                             2: {"total": 2, "ours": 0, "megatron-core": 0, "other": 2}}
+    (site, per), = c.sites([1, 2])
+    assert "tests/test_host_syncs.py" in site and per == 1.5
+    assert [str(w.message) for w in shown] == ["something else"]

@@ -28,7 +28,7 @@ from megatron_moe.gpucheck.checks import GROUPED, PLANT_ENV, ROOT, SECTIONS
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
 SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 300),
-                 "offload": (120, 400), "inference": (120, 400)}
+                 "offload": (120, 400), "inference": (120, 400), "syncs": (90, 200)}
 
 
 def run_section(name, cpu, work, log, budget_s):

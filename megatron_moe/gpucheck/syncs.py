@@ -71,7 +71,8 @@ class SyncCounter:
     def __enter__(self):
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
-        warnings.simplefilter("always")     # every sync, not once per call site
+        # every sync, not once per call site; other warnings keep their filters
+        warnings.filterwarnings("always", message=".*" + MESSAGE)
         self._show, warnings.showwarning = warnings.showwarning, self.on_warning
         if self.available:
             torch.cuda.synchronize()
