@@ -16,6 +16,13 @@ the entry scripts), ``megatron-core`` or ``other`` (tests, torch internals reach
 Python caller). A read made inside megatron-core counts for megatron-core even when our code called
 it: the alltoall dispatcher's split sizes are megatron-core's own read.
 
+A tensor the strict device mode (megatron_moe/comm/strict.py) tagged as made on the host is no
+device read (reading a host copy again costs nothing), and a ``.to()`` counts only when it names
+the host by the string ``"cpu"`` (a ``torch.device`` is the data's device, the strict mode's
+convention). Not seen on the CPU: blocking host-to-device copies (``.to(device)`` of a host tensor
+waits for the stream on CUDA); the GPU kit's ``training-syncs`` check counts those.
+``stand_ins``: functions a test monkeypatched into our code (a mutation) count as ours.
+
 ``phase`` labels the reads: tests set it (e.g. to the iteration number) and read ``by_phase``.
 """
 
