@@ -102,7 +102,9 @@ class BalancedMoELayer(MoELayer):
         # (token, expert) pairs in expert-major order (the dispatcher's permute); of expert e's
         # pairs the first send[e, r, r] stay here, the rest go to the other ranks in ascending order
         permute, unpermute = permute_fns()
-        perm_x, pprobs, sorted_idx = permute(x, routing_map, probs=probs)[:3]
+        # num_out_tokens from the host counts: megatron-core >= 0.17's permute would read it back
+        perm_x, pprobs, sorted_idx = permute(x, routing_map, probs=probs,
+                                             num_out_tokens=int(C.numpy()[r].sum()))[:3]
         row = send[:, r, :]                                  # [E, D]
         order = [r] + [d for d in range(D) if d != r]
         dst = np.repeat(np.tile(order, E), row[:, order].reshape(-1))

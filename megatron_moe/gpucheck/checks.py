@@ -34,6 +34,7 @@ SECTIONS = {
     "resume": ["training-resume", "training-fp16"],
     "offload": ["offload"],
     "inference": ["inference-gpu-vs-cpu", "inference-ring-memory"],
+    "syncs": ["training-syncs"],
     # megatron_moe/gpucheck/perf.py: four systems side by side, one process per row (its own
     # device call on the GPU: not in the GPU run's default sections)
     "perf": ["perf-mixtral", "perf-finegrained"],
@@ -80,8 +81,8 @@ MID = {"gpu": ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-l
        "cpu": SMALL["cpu"]}
 # the first H100 run: the bf16 model ran 3.5-4.5 s per iteration (host-bound, docs/gpu.md), so 40
 # + 15 iterations took 232 s of the training cap of 240
-ITERS = {"gpu": dict(big=30, fusion=10, loop=8, resume=8, fp16=12, offload=6, infer=10),
-         "cpu": dict(big=6, fusion=4, loop=4, resume=4, fp16=4, offload=3, infer=4)}
+ITERS = {"gpu": dict(big=30, fusion=10, loop=8, resume=8, fp16=12, offload=6, infer=10, syncs=8),
+         "cpu": dict(big=6, fusion=4, loop=4, resume=4, fp16=4, offload=3, infer=4, syncs=4)}
 # the experts as two grouped GEMMs (megatron_moe/moe/grouped_experts.py): without Transformer
 # Engine megatron-core's expert loop left the first H100 run host-bound at 0.9% MFU
 GROUPED = "--moe-torch-grouped-gemm"
@@ -849,6 +850,66 @@ def section_inference(rec, mode, work):
                                    "own byte count is reported)"])
     except (Exception, SystemExit):
         _crashed(rec, "inference-ring-memory")
+
+
+def section_syncs(rec, mode, work):
+    """Host syncs per training iteration (megatron_moe/gpucheck/syncs.py): the SMALL model with
+    grouped experts and the fused permute, a log line every 4th iteration; in the iterations without
+    one our code must not sync at all, megatron-core's alltoall dispatcher syncs once per MoE layer
+    and micro-batch for its split sizes (docs/gpu.md, "Host syncs")."""
+    from megatron_moe.gpucheck.syncs import SyncCounter
+    from megatron_moe.training import loop as T
+
+    init_process(mode)
+    n, log_every = ITERS[mode]["syncs"], 4 if _gpu(mode) else 2
+    extra = ["--bf16"] if _gpu(mode) else []
+    argv = _argv(mode, SMALL, n, "--moe-permute-fusion", GROUPED, *extra)
+    argv[argv.index("--log-interval") + 1] = str(log_every)
+    counter = SyncCounter()
+    step, seen = T.Trainer.train_step, []
+
+    def counted_step(self, data_iterator):
+        seen.append(len(seen) + 1)
+        counter.phase = seen[-1]
+        return step(self, data_iterator)
+
+    T.Trainer.train_step = counted_step
+    try:
+        with counter:
+            run = train(argv)
+    except (Exception, SystemExit):
+        _crashed(rec, "training-syncs")
+        return
+    finally:
+        T.Trainer.train_step = step
+    # steady iterations without a log line (the first one builds lazy state)
+    quiet = [i for i in seen[1:-1] if i % log_every]
+    phases = counter.per_phase()
+    per = {k: [phases.get(i, {}).get(k, 0) for i in quiet]
+           for k in ("total", "ours", "megatron-core", "other")}
+    layers = int(SMALL[mode].split("--num-layers ")[1].split()[0])
+    flag = lambda name: int(argv[len(argv) - 1 - argv[::-1].index(name) + 1])  # noqa: E731 (last wins)
+    micro = flag("--global-batch-size") // flag("--micro-batch-size")   # world size 1
+    fig = dict(iterations=len(seen), quiet_iterations=quiet, syncs_per_iteration=per,
+               megatron_core_per_layer_microbatch=(
+                   statistics.median(per["megatron-core"]) / (layers * micro) if quiet else None),
+               ours_sites=counter.sites(quiet, "ours"), top_sites=counter.sites(quiet),
+               log_iteration_syncs={i: phases.get(i, {}).get("total", 0)
+                                    for i in seen if i % log_every == 0},
+               losses=run["history"]["lm_loss"])
+    if not counter.available:
+        rec.record("training-syncs", len(seen) == n and len(counter.events) == 0,
+                   f"{len(seen)} iterations under the sync counter; no CUDA: nothing to count",
+                   fig, ["cudaStreamSynchronize per iteration (torch.cuda.set_sync_debug_mode): "
+                         "no CUDA; tests/test_host_syncs.py counts host reads on the CPU"])
+        return
+    ours = max(per["ours"]) if quiet else None
+    ok = bool(quiet) and ours == 0
+    rec.record("training-syncs", ok,
+               f"syncs per iteration without a log line: {statistics.median(per['total']):.0f} "
+               f"(ours {ours}, megatron-core {statistics.median(per['megatron-core']):.0f} = "
+               f"{fig['megatron_core_per_layer_microbatch']:.2f} per MoE layer and micro-batch)"
+               + (f"; ours at {fig['ours_sites'][:3]}" if ours else ""), fig)
 
 
 def _crashed(rec, name):

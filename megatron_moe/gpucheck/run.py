@@ -28,7 +28,8 @@ from megatron_moe.gpucheck.checks import GROUPED, PLANT_ENV, ROOT, SECTIONS
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
 SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 300),
-                 "offload": (120, 400), "inference": (120, 400), "perf": (540, 1200)}
+                 "offload": (120, 400), "inference": (120, 400), "syncs": (90, 200),
+                 "perf": (540, 1200)}
 # the GPU run's default sections: the performance section fits a 10-minute device call of its own
 # (docs/gpu.md); the CPU mode runs every section
 GPU_DEFAULT_SECTIONS = [s for s in SECTIONS if s != "perf"]

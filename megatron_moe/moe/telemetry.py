@@ -43,9 +43,11 @@ class ExpertLoadTracker:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.ep_size = ep_size
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        # [layers, experts] float64 sums on the routers' device, made by the first hook; read on
+        # the host only by collect(), once per log line, never per step (docs/gpu.md, host syncs)
+        self.counts = None
         # [off-node assignments, all assignments] per layer, summed like ``counts``
-        self.cross = torch.zeros(num_layers, 2, dtype=torch.float64)
+        self.cross = None
         self.layout = layout
         self._off_node = None  # [E] bool: expert on another node than this rank
         self.enabled = True  # off during evaluation
@@ -74,12 +76,17 @@ class ExpertLoadTracker:
         routing_map = outputs[1]
         # set by megatron-core's TransformerLayer; MTP routers by attach()
         layer = self._mtp_layer.get(id(router)) or int(router.layer_number)
-        counts = routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(dim=0)
-        self.counts[layer - 1] += counts.to(device="cpu", dtype=torch.float64)
+        flat = routing_map.detach().reshape(-1, routing_map.shape[-1])
+        counts = flat.sum(dim=0)
+        if self.counts is None:
+            self.counts = counts.new_zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+            self.cross = counts.new_zeros(self.num_layers, 2, dtype=torch.float64)
+        self.counts[layer - 1] += counts
         if self._off_node is not None:
-            flat = routing_map.detach().reshape(-1, routing_map.shape[-1])
-            off = flat[:, self._off_node.to(flat.device)].sum()
-            self.cross[layer - 1] += torch.stack([off, counts.sum()]).to("cpu", torch.float64)
+            if self._off_node.device != flat.device:
+                self._off_node = self._off_node.to(flat.device)
+            off = (flat & self._off_node).sum()   # a mask product, not flat[:, mask]: no nonzero
+            self.cross[layer - 1] += torch.stack([off, counts.sum()])
         for listener in self.listeners:
             listener(layer, routing_map)
 
@@ -103,30 +110,33 @@ class ExpertLoadTracker:
 
         The cross-node figures are summed over the same ranks: the fraction is that of every
         routing rank's assignments leaving its own node (all EP groups together)."""
-        counts = torch.cat([self.counts, self.cross], dim=1)
-        self.counts.zero_()
-        self.cross.zero_()
+        if self.counts is None:   # no router ran here (a stage of dense layers): zeros to reduce
+            counts = torch.zeros(self.num_layers, self.num_experts + 2, dtype=torch.float64)
+        else:
+            counts = torch.cat([self.counts, self.cross], dim=1)
+            self.counts.zero_()
+            self.cross.zero_()
         if dist.is_initialized():
-            # the data's device (NCCL needs device tensors); on a CPU build the shims answer cpu
+            # on the data's device (NCCL needs device tensors); on a CPU build the shims answer cpu
             device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
             counts = counts.to(device)
             dist.all_reduce(counts, group=group)
-            counts = counts.cpu()
-        counts, cross = counts[:, :self.num_experts], counts[:, self.num_experts:]
+        rows = counts.tolist()   # the one device-to-host copy; integers, exact in float64
+        E = self.num_experts
         loads = []
-        for layer in range(self.num_layers):
-            row = counts[layer]
-            if row.sum() == 0:
+        for layer, row in enumerate(rows):
+            row, (off, total) = row[:E], row[E:]
+            if sum(row) == 0:
                 continue  # a dense layer, or one on another pipeline stage that routed nothing
-            per_rank = row.view(self.ep_size, -1).sum(dim=1)
+            per_rank = [sum(row[r * E // self.ep_size:(r + 1) * E // self.ep_size])
+                        for r in range(self.ep_size)]
             loads.append(LayerLoad(
                 layer=layer + 1,
-                tokens_per_expert=[int(c) for c in row.tolist()],
-                expert_max_over_mean=float(row.max() / row.mean()),
-                rank_max_over_mean=float(per_rank.max() / per_rank.mean()),
-                cross_node_fraction=(float(cross[layer, 0] / cross[layer, 1])
-                                     if self._off_node is not None and cross[layer, 1] > 0
-                                     else None),
+                tokens_per_expert=[int(c) for c in row],
+                expert_max_over_mean=max(row) / (sum(row) / E),
+                rank_max_over_mean=max(per_rank) / (sum(per_rank) / self.ep_size),
+                cross_node_fraction=(off / total
+                                     if self._off_node is not None and total > 0 else None),
             ))
         return loads
 

@@ -124,7 +124,7 @@ def congestion_topk(scores: torch.Tensor, top_indices: torch.Tensor, expert_node
     tokens, k = top_indices.shape
     remote = expert_node[top_indices] != my_node                        # [T, k]
     allowed = math.floor(cap * tokens * k)
-    if int(remote.sum()) <= allowed:
+    if allowed >= tokens * k:
         return top_indices
     chosen = (scores if priority is None else priority).gather(1, top_indices)
     ranked = chosen.masked_fill(~remote, float("-inf")).flatten()
@@ -143,7 +143,9 @@ def congestion_topk(scores: torch.Tensor, top_indices: torch.Tensor, expert_node
     valid = slots >= 0
     # stable sort puts the k valid entries first, in slot order
     pick = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :k]
-    return slots.gather(1, pick)
+    # under the cap the plain choice stands; chosen on the device (asking the host whether the
+    # cap binds would be a sync per layer and micro-batch)
+    return torch.where(remote.sum() <= allowed, top_indices, slots.gather(1, pick))
 
 
 def link_costs(layout: EPLayout, num_experts: int) -> torch.Tensor:

@@ -344,6 +344,7 @@ class Trainer:
                     decoder_seq_length=args.seq_length, forward_only=True)
                 for key, value in reduce_losses(losses).items():
                     totals[key] = totals.get(key, 0.0) + value / args.eval_iters
+        totals = {key: float(value) for key, value in totals.items()}
         for chunk in self.model:
             chunk.train()
         _restore_moe_tracker(saved_aux)
@@ -369,9 +370,25 @@ class Trainer:
             raise TrainingError("--data-path: the training split is empty (check --split)")
         last_time = time.time()
 
+        def read_losses():
+            """The window's losses to the host in one copy (each log line, each save, the end;
+            never per iteration: docs/gpu.md): history, then the NaN check, which therefore stops
+            a run at most --log-interval - 1 iterations after the NaN and always before a save."""
+            for it, losses in window.read():
+                lm_loss = losses.get(_LOSS_KEY)
+                history["lm_loss"].append(lm_loss)
+                if args.check_for_nan_in_loss and lm_loss is not None and not math.isfinite(lm_loss):
+                    self.nan_iters += 1
+                    last = f"{args.save} (iteration {saved_at})" if saved_at else "none written this run"
+                    raise TrainingError(
+                        f"{_LOSS_KEY} is {lm_loss} at iteration {it}; stopping without saving. "
+                        f"Last checkpoint: {last}. Lower --lr, raise --clip-grad or check the data; "
+                        f"--no-nan-check disables this check")
+
         def save(it):
             nonlocal saved_at
             if args.save and saved_at != it:
+                read_losses()   # a NaN loss is never saved
                 t0 = time.time()
                 with self.hooks.checkpoint_io(), _params_gathered(self.model, args):
                     save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
@@ -387,23 +404,15 @@ class Trainer:
             iteration += 1
             consumed_train += args.global_batch_size
             args.iteration, args.consumed_train_samples = iteration, consumed_train
-            lm_loss = loss_dict.get(_LOSS_KEY)
-            if args.check_for_nan_in_loss and lm_loss is not None and not math.isfinite(lm_loss):
-                self.nan_iters += 1
-                last = f"{args.save} (iteration {saved_at})" if saved_at else "none written this run"
-                raise TrainingError(
-                    f"{_LOSS_KEY} is {lm_loss} at iteration {iteration}; stopping without saving. "
-                    f"Last checkpoint: {last}. Lower --lr, raise --clip-grad or check the data; "
-                    f"--no-nan-check disables this check")
             self.hooks.after_step(iteration)
             lr = self.scheduler.get_lr(self.optimizer.param_groups[0])
-            window.add(loss_dict, ok)
+            window.add(iteration, loss_dict, ok)   # the losses stay on the device until read
             history["iteration"].append(iteration)
-            history["lm_loss"].append(lm_loss)
             history["lr"].append(lr)
             history["grad_norm"].append(float(grad_norm) if grad_norm is not None else None)
 
             if iteration % args.log_interval == 0:
+                read_losses()
                 now = time.time()
                 elapsed = (now - last_time) / window.count
                 last_time = now
@@ -423,6 +432,7 @@ class Trainer:
                 save(iteration)
                 print_rank_0(f"{stop} (iteration {iteration})" if "iteration" not in stop else stop)
                 break
+        read_losses()
         if args.save and iteration == args.train_iters:
             save(iteration)
         return {"history": history, "iteration": iteration, "consumed_train_samples": consumed_train}
@@ -536,20 +546,34 @@ class Trainer:
 
 
 class LogWindow:
-    """Sums of losses over the iterations between two log lines."""
+    """The iterations between two log lines: their losses stay on the device until ``read()``, which
+    brings them to the host in one copy and sums them there (the sums Megatron's log line prints)."""
 
     def __init__(self):
         self.sums, self.count, self.skipped, self.nan = {}, 0, 0, 0
+        self.pending = []   # (iteration, {name: 0-dim device tensor}) not read yet
 
-    def add(self, loss_dict, update_successful):
+    def add(self, iteration, loss_dict, update_successful):
         self.count += 1
         if not update_successful:
             self.skipped += 1
-        for key, value in loss_dict.items():
-            if not math.isfinite(value):
-                self.nan += 1
-                continue
-            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.pending.append((iteration, loss_dict))
+
+    def read(self):
+        """The pending iterations' losses as host floats, [(iteration, {name: float})], summed
+        into the window (non-finite values counted as nan iterations instead)."""
+        tensors = [v.reshape(()) for _, d in self.pending for v in d.values() if torch.is_tensor(v)]
+        host = iter(torch.stack(tensors).tolist() if tensors else [])   # the one device-to-host copy
+        out = [(it, {k: next(host) if torch.is_tensor(v) else float(v) for k, v in d.items()})
+               for it, d in self.pending]
+        self.pending = []
+        for _, loss_dict in out:
+            for key, value in loss_dict.items():
+                if not math.isfinite(value):
+                    self.nan += 1
+                    continue
+                self.sums[key] = self.sums.get(key, 0.0) + value
+        return out
 
     def averages(self):
         return {k: v / self.count for k, v in self.sums.items()}
@@ -559,30 +583,34 @@ def reduce_losses(losses_reduced) -> dict:
     """Average each reported loss over micro-batches and data-parallel ranks; same on every rank.
 
     Only the last pipeline stage has losses; a world all-reduce of (sum, count) pairs gives every
-    rank the value, so all ranks agree on NaN checks and on what is logged.
+    rank the value, so all ranks agree on NaN checks and on what is logged. The values stay on the
+    data's device (0-dim float64 tensors): the training loop reads them on the host once per log
+    interval (``LogWindow.read``), not once per iteration (docs/gpu.md, host syncs).
     """
     from megatron.core import parallel_state
 
     keys = sorted({k for d in losses_reduced or [] for k in d}) if losses_reduced else []
+    if not keys and parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return {}   # no micro-batch reported a loss (every rank is a last stage)
     names = _agree_on_loss_names(keys)
-    values = torch.zeros(2 * len(names), dtype=torch.float64)
+    device = _data_device()
+    values = torch.zeros(2 * len(names), dtype=torch.float64, device=device)
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
         for i, name in enumerate(names):
             for d in losses_reduced or []:
                 if name in d:
-                    values[2 * i] += float(d[name])
+                    # one micro-batch at a time, in float64: the sum the host computed before
+                    values[2 * i] += torch.as_tensor(d[name], device=device).to(torch.float64).reshape(())
                     values[2 * i + 1] += 1
     if dist.is_initialized():
-        # the data's device (NCCL needs device tensors); on a CPU build the shims answer cpu
-        device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
-        values = values.to(device)
         dist.all_reduce(values)
-        values = values.cpu()
-    out = {}
-    for i, name in enumerate(names):
-        if values[2 * i + 1] > 0:
-            out[name] = float(values[2 * i] / values[2 * i + 1])
-    return out
+    # every agreed name was reported by the last stage, so its count is > 0
+    return {name: values[2 * i] / values[2 * i + 1] for i, name in enumerate(names)}
+
+
+def _data_device():
+    # the data's device (NCCL needs device tensors); on a CPU build the shims answer cpu
+    return torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _agree_on_loss_names(keys):

@@ -1,0 +1,83 @@
+"""Spawned-rank body for tests/test_host_syncs.py: the real pretrain() under the host-read counter
+(tests/_sync_counter.py), each read labelled by the iteration it happens in (from one train_step's
+start to the next), with optional mutations that bring back a per-step host read."""
+
+from __future__ import annotations
+
+
+def _mutate_telemetry_item(counter):
+    """The router hook reads its counts on the host every call (what it did before: a per-layer,
+    per-micro-batch device-to-host copy)."""
+    from megatron_moe.moe import telemetry
+
+    orig = telemetry.ExpertLoadTracker._hook
+
+    def hook(self, router, inputs, outputs):
+        orig(self, router, inputs, outputs)
+        self.counts.sum().item()
+
+    counter.stand_ins.add(hook.__code__)
+    telemetry.ExpertLoadTracker._hook = hook
+    return lambda: setattr(telemetry.ExpertLoadTracker, "_hook", orig)
+
+
+def _mutate_loss_per_step(counter):
+    """The step's reduced losses come back as host floats (what the loop did before: one read per
+    loss per iteration)."""
+    from megatron_moe.training import loop
+
+    orig = loop.reduce_losses
+
+    def reduce_losses(losses_reduced):
+        out = {}
+        for k, v in orig(losses_reduced).items():   # no comprehension: its frame is its own code
+            out[k] = float(v)
+        return out
+
+    counter.stand_ins.add(reduce_losses.__code__)
+    loop.reduce_losses = reduce_losses
+    return lambda: setattr(loop, "reduce_losses", orig)
+
+
+MUTATIONS = {"telemetry_item": _mutate_telemetry_item, "loss_per_step": _mutate_loss_per_step}
+
+
+def run_counted(rank, world, runs):
+    """``runs``: [(argv, mutation name or None)]. Per run: {owner: {iteration: [read, ...]}}
+    (iteration None: setup and teardown outside any step) and the training history."""
+    import pretrain_gpt_moe
+    from megatron.core.enums import ModelType
+
+    from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
+    from megatron_moe.training import loop
+    from tests._sync_counter import HostReadCounter
+
+    out = []
+    for argv, mutation in runs:
+        counter = HostReadCounter()
+        step = loop.Trainer.train_step
+        state = {"iteration": 0}
+
+        def counted_step(self, data_iterator):
+            state["iteration"] += 1
+            counter.phase = state["iteration"]
+            return step(self, data_iterator)
+
+        loop.Trainer.train_step = counted_step
+        undo = MUTATIONS[mutation](counter) if mutation else None
+        grouped_before = GroupedSequentialMLP.grouped_calls
+        try:
+            with counter:
+                result = loop.pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
+                                       pretrain_gpt_moe.model_provider,
+                                       ModelType.encoder_or_decoder, pretrain_gpt_moe.forward_step,
+                                       argv=argv)
+        finally:
+            loop.Trainer.train_step = step
+            if undo is not None:
+                undo()
+        out.append({"reads": {owner: dict(counter.by_phase(owner))
+                              for owner in ("ours", "megatron-core", "other")},
+                    "history": result["history"],
+                    "grouped_calls": GroupedSequentialMLP.grouped_calls - grouped_before})
+    return out

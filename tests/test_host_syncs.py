@@ -1,0 +1,127 @@
+"""No host reads of device data in our hot path (docs/gpu.md, "Host syncs").
+
+The real pretrain() loop runs on 2 gloo ranks (EP=2, alltoall dispatcher) under
+tests/_sync_counter.py's counter; every host read (``.item()``/``float()``/``bool()`` on a tensor,
+``.tolist()``, ``.cpu()``, ``.numpy()``, ``.to("cpu")``, data-sized ops such as ``nonzero``: each a
+``cudaStreamSynchronize`` on a GPU) is attributed to our code or megatron-core's. In an iteration
+that prints no log line, our code reads nothing, except the listed, justified reads below. A
+mutation that brings back a per-step read (the router hook's counts, the losses) fails the check.
+"""
+
+import re
+
+import pytest
+
+from megatron_moe.runtime.local_ranks import run_distributed
+from tests import _sync_cases as S
+
+LOG_INTERVAL, ITERS, LAYERS, MICRO_BATCHES = 3, 6, 2, 2   # 8 global / (2 micro x DP 2) = 2
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 256 --num-experts 4 --moe-router-topk 2 "
+        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 "
+        f"--log-interval {LOG_INTERVAL} --eval-interval 1000 --eval-iters 1 --disable-bias-linear "
+        f"--expert-model-parallel-size 2 --train-iters {ITERS}").split()
+# cross-node telemetry on (two emulated nodes) and the congestion router (it used to ask the host
+# whether its cap binds)
+TELEMETRY = BASE + "--ranks-per-node 1 --moe-router-topology congestion".split()
+
+# Our per-iteration reads that stay, each one per MoE layer per micro-batch, with why.
+ALLOWED = {
+    # --moe-balance-policy: the balanced layer replaces megatron-core's dispatcher and reads its
+    # all-gathered [source rank x expert] count matrix once: the host needs it for the all-to-all
+    # split sizes and the replica routing, as megatron-core's alltoall dispatcher does its splits
+    ("megatron_moe/balance/layer.py", "_experts"): "the balanced all-to-all's split sizes",
+}
+
+_READ = re.compile(r"^(?P<what>\S+) at (?P<file>[^:]+):(?P<line>\d+) (?P<func>\S+)$")
+
+
+def hot_path_reads(run):
+    """Our reads in the iterations that print no log line: {iteration: [read, ...]}, the allowed
+    ones left out, and {(file, function): count per iteration} of the allowed ones."""
+    unexpected, allowed = {}, {}
+    for it, reads in run["reads"]["ours"].items():
+        if it is None or it % LOG_INTERVAL == 0 or it == ITERS:
+            continue
+        for read in reads:
+            m = _READ.match(read)
+            key = (m["file"], m["func"])
+            if key in ALLOWED:
+                allowed.setdefault(key, {}).setdefault(it, 0)
+                allowed[key][it] += 1
+            else:
+                unexpected.setdefault(it, []).append(read)
+    return unexpected, allowed
+
+
+def _assert_counter_is_live(run):
+    # megatron-core's alltoall dispatcher reads its split sizes in every iteration, and a log
+    # iteration shows our reads for the log line (expert loads, loss scale): the counter sees reads
+    core = run["reads"]["megatron-core"]
+    assert all(core.get(it) for it in range(1, ITERS + 1)), core.keys()
+    assert any("telemetry.py" in r and " collect" in r
+               for r in run["reads"]["ours"][LOG_INTERVAL]), run["reads"]["ours"][LOG_INTERVAL]
+
+
+@pytest.mark.parametrize("mutate", [None, "telemetry_item", "loss_per_step"])
+def test_no_host_reads_in_iterations_without_a_log_line(mutate):
+    run = run_distributed(S.run_counted, 2, [(TELEMETRY, mutate)], timeout_s=300)[-1][0]
+    _assert_counter_is_live(run)
+    losses = run["history"]["lm_loss"]
+    assert len(losses) == ITERS and all(l == l for l in losses), losses
+    unexpected, allowed = hot_path_reads(run)
+    assert not allowed
+    quiet = [it for it in range(1, ITERS) if it % LOG_INTERVAL]
+    if mutate is None:
+        assert unexpected == {}, unexpected
+    elif mutate == "telemetry_item":   # one per router call: layers x micro-batches
+        assert sorted(unexpected) == quiet
+        assert all(len(r) == LAYERS * MICRO_BATCHES and all(" hook" in x for x in r)
+                   for r in unexpected.values()), unexpected
+    else:                               # the losses read every iteration
+        assert sorted(unexpected) == quiet
+        assert all(len(r) == 1 and "reduce_losses" in r[0] for r in unexpected.values()), unexpected
+
+
+def test_balanced_layer_and_grouped_experts_read_only_their_splits():
+    from megatron_moe.moe.grouped_experts import FLAG as GROUPED
+
+    balance = BASE + "--moe-balance-policy proprophet --moe-balance-overlap".split()
+    grouped = BASE + [GROUPED, "--moe-ffn-hidden-size", "16"]
+    out = run_distributed(S.run_counted, 2, [(balance, None), (grouped, None)], timeout_s=400)
+    for rank_out in out:
+        bal, grp = rank_out
+        unexpected, allowed = hot_path_reads(bal)
+        assert unexpected == {}, unexpected
+        # exactly one read of the count matrix per MoE layer per micro-batch
+        quiet = [it for it in range(1, ITERS) if it % LOG_INTERVAL]
+        assert allowed == {key: {it: LAYERS * MICRO_BATCHES for it in quiet} for key in ALLOWED}
+        unexpected, allowed = hot_path_reads(grp)
+        assert unexpected == {} and not allowed, (unexpected, allowed)
+        _assert_counter_is_live(grp)
+        assert grp["grouped_calls"] == ITERS * LAYERS * MICRO_BATCHES   # the grouped path ran
+
+
+def test_kit_sync_counter_counts_torch_sync_warnings_per_iteration():
+    """The GPU kit's counter (megatron_moe/gpucheck/syncs.py) on what torch's sync debug mode emits
+    on CUDA: every 'called a synchronizing CUDA operation' warning, labelled with the iteration and
+    the call site; other warnings pass through uncounted."""
+    import warnings
+
+    from megatron_moe.gpucheck.syncs import SyncCounter
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with SyncCounter() as c:
+            for it in (1, 2):
+                c.phase = it
+                for _ in range(it):
+                    warnings.warn("called a synchronizing CUDA operation")   # same site twice
+            warnings.warn("something else")
+    assert c.per_phase() == {1: {"total": 1, "ours": 0, "megatron-core": 0, "other": 1},
+                             2: {"total": 2, "ours": 0, "megatron-core": 0, "other": 2}}
+    (site, per), = c.sites([1, 2])
+    assert "tests/test_host_syncs.py" in site and per == 1.5
+    assert [str(w.message) for w in shown] == ["something else"]
