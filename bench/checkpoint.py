@@ -37,8 +37,8 @@ def _rank(rank, world_size, argv, mode, peer_dir):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training.loop import checkpointing
-    from megatron_moe.training.loop import loop as training
+    from megatron_moe.training import checkpointing
+    from megatron_moe.training import loop as training
     from megatron_moe.compat import checkpoint as compat_checkpoint
 
     if mode == "sync-no-prestart":

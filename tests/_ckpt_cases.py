@@ -37,7 +37,7 @@ def run_pretrain_capture(rank, world_size, argv, poison_after_first_save=False):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training.loop import checkpointing
+    from megatron_moe.training import checkpointing
     from megatron_moe.training.loop import pretrain
 
     capture = _Capture()

@@ -101,7 +101,7 @@ def test_kill9_at_many_moments_resumes_from_last_complete_checkpoint(tmp_path):
 
 def _async_then_resume(rank, world_size, argv_async, argv_resume):
     """An --async-save run, then (same processes) a resume from its iteration-2 checkpoint."""
-    from megatron_moe.training.loop import checkpointing
+    from megatron_moe.training import checkpointing
     from tests._ckpt_cases import run_pretrain_sequence
 
     scheduled = []
