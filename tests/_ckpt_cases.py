@@ -171,7 +171,8 @@ def run_pretrain_steps(rank, world_size, steps):
     """pretrain() runs one after the other in the same ranks, each step a dict: ``argv``;
     ``prepare``: a callable rank 0 runs first (damaging files, say), the other ranks waiting;
     ``mutate``: a callable run on every rank that installs a monkeypatch and returns its undo.
-    Each run returns its printed text and exit code (0, or the SystemExit's)."""
+    Each run returns its printed text and exit code (0, the SystemExit's, or "raised ..." for an
+    exception that left pretrain())."""
     import contextlib
     import io
 
@@ -198,6 +199,10 @@ def run_pretrain_steps(rank, world_size, steps):
                          pretrain_gpt_moe.forward_step, argv=step["argv"])
         except SystemExit as exc:
             code = exc.code
+        except BaseException as exc:   # torch DCP's CheckpointException is a BaseException
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            code = f"raised {type(exc).__name__}: {str(exc)[:500]}"
         finally:
             if undo is not None:
                 undo()

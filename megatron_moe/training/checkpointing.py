@@ -233,6 +233,16 @@ def _free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def _size(n: int) -> str:
+    """Bytes, exact for scripts and scaled for people: '1364643 bytes (1.30 MiB)'."""
+    scaled, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if scaled < 1024 or unit == "TiB":
+            break
+        scaled /= 1024
+    return f"{n} bytes" if unit == "B" else f"{n} bytes ({scaled:.2f} {unit})"
+
+
 def _state_bytes(state) -> int:
     """The tensor bytes this rank writes: its main replicas (each shard is written once)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -283,9 +293,9 @@ def _prepare_save_dir(root: str, tmp_dir: str, state) -> int:
         raise CheckpointError(f"{tmp_dir}: cannot start the save ({needed})")
     if kind == "full":
         raise CheckpointError(
-            f"{tmp_dir}: not enough disk space for this checkpoint: it needs about {needed} bytes "
-            f"({needed / 2**30:.2f} GiB), {free} are free ({free / 2**30:.2f} GiB); nothing was "
-            f"written, {_last_checkpoint(root)}")
+            f"{tmp_dir}: not enough disk space for this checkpoint: it needs about "
+            f"{_size(needed)}, {_size(free)} are free; nothing was written, "
+            f"{_last_checkpoint(root)}")
     return needed
 
 
@@ -316,8 +326,8 @@ def _save_failed(exc, root: str, tmp_dir: str, needed: int):
     if dist.get_rank() == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     free = _free_bytes(root) if os.path.isdir(root) else 0
-    what = (f"no space left on device: it needs about {needed} bytes ({needed / 2**30:.2f} GiB), "
-            f"{free} are free ({free / 2**30:.2f} GiB) once the partial save is removed"
+    what = (f"no space left on device: it needs about {_size(needed)}, {_size(free)} are free "
+            f"once the partial save is removed"
             if _is_disk_full(exc) or needed > free else
             f"the save failed ({_describe_load_error(exc)})")
     raise CheckpointError(f"{tmp_dir}: {what}; removed {os.path.basename(tmp_dir)}, "
