@@ -65,6 +65,14 @@ def _no_manifest(src, dst):
         os.remove(os.path.join(_it(dst, it), MANIFEST))
 
 
+def _old_truncated(src, dst):
+    """A checkpoint saved before checksums, with a truncated shard."""
+    _no_manifest(src, dst)
+    path = os.path.join(_it(dst, 2), _largest_shard(_it(dst, 2)))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
 def _skip_verification():
     """Mutation: load without checking the checksums (what every load did before)."""
     from megatron_moe.training import checkpointing
@@ -92,7 +100,7 @@ def _error(run):
 def test_damaged_shards_and_config_mismatch(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     copies = {name: str(tmp_path / name) for name in
-              ("random", "random_both", "truncated", "old")}
+              ("random", "random_both", "truncated", "old", "old_truncated")}
     resume = lambda load, *extra: BASE + ["--train-iters", "3", "--load", load,
                                          "--override-opt_param-scheduler", *extra]
     steps = [
@@ -107,9 +115,11 @@ def test_damaged_shards_and_config_mismatch(tmp_path):
         dict(argv=resume(ckpt, "--hidden-size", "64")),
         dict(argv=resume(ckpt, "--hidden-size", "64"), mutate=_skip_config_check),
         dict(argv=resume(copies["old"]), prepare=functools.partial(_no_manifest, ckpt, copies["old"])),
+        dict(argv=resume(copies["old_truncated"]),
+             prepare=functools.partial(_old_truncated, ckpt, copies["old_truncated"])),
     ]
     out = run_distributed(run_pretrain_steps, 2, steps, timeout_s=900)[0]
-    saved, random_, unverified, both, truncated, hidden, hidden_mut, old = out
+    saved, random_, unverified, both, truncated, hidden, hidden_mut, old, old_truncated = out
 
     # the manifest: every file of the iteration directory, beside Megatron's layout
     assert saved["exit"] == 0
@@ -151,6 +161,11 @@ def test_damaged_shards_and_config_mismatch(tmp_path):
     assert old["exit"] == 0, old["text"][-3000:]
     notes = [l for l in old["text"].splitlines() if f"has no {MANIFEST}" in l]
     assert len(notes) == 1 and "successfully loaded checkpoint" in old["text"]
+
+    # ... and one with a truncated shard names the file from torch DCP's metadata
+    line = _error(old_truncated)
+    assert f"{_it(copies['old_truncated'], 2)}/{shard}: truncated:" in line, line
+    assert "--ckpt-step 1" in line and "corrupt or incomplete" in line
 
     # tools/checkpoint_info.py --verify reads every file
     tool = os.path.join(ROOT, "tools", "checkpoint_info.py")

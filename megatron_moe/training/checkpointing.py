@@ -435,6 +435,30 @@ def _describe_load_error(exc) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
+def _short_shards(ckpt: str) -> str:
+    """For a checkpoint without checksums: the shard files shorter than the byte ranges torch
+    DCP's .metadata gives them ("" when none is, or the metadata is unreadable)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(ckpt).read_metadata().storage_data
+    except Exception:
+        return ""
+    needs = {}
+    for where in storage.values():
+        needs[where.relative_path] = max(needs.get(where.relative_path, 0),
+                                         where.offset + where.length)
+    short = []
+    for name, need in sorted(needs.items()):
+        path = os.path.join(ckpt, name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size is None or size < need:
+            short.append(f"{path}: " + ("missing" if size is None else
+                                        f"truncated: {size} bytes, its tensors need {need}"))
+    more = f" (and {len(short) - 1} more file(s))" if len(short) > 1 else ""
+    return f"{short[0]}{more}:" if short else ""
+
+
 def _unreadable(verified: bool) -> str:
     # a checkpoint whose files match their checksums is intact: what fails is this run's reading
     return ("its files match their checksums, yet it does not load into this model" if verified
@@ -546,9 +570,11 @@ def _schedule_bounds_to_param_groups(optimizer, scheduler):
     issue #1138; its load_checkpoint now re-applies the command line's bounds). The groups take
     the scheduler's bounds: the command line's with --override-opt_param-scheduler, the
     checkpoint's with --use-checkpoint-opt_param-scheduler (also when the optimizer state was
-    not loaded). --decoupled-lr groups would keep their own; that flag is refused here."""
+    not loaded). Only the groups on the default schedule (megatron-core's ``default_config``:
+    max_lr = --lr); a group with its own LR (--decoupled-lr, refused here; 0.19's MuP scaling)
+    keeps it."""
     for group in optimizer.param_groups:
-        if not group.get("is_decoupled_lr", False):
+        if group.get("default_config", True) and not group.get("is_decoupled_lr", False):
             group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
     scheduler.step(0)
 
@@ -657,6 +683,10 @@ def load_checkpoint(model, optimizer, scheduler, args):
             warnings.simplefilter("ignore")
             state = dist_checkpointing.load(sharded, ckpt, get_default_load_sharded_strategy(ckpt))
     except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
+        short = "" if verified else _short_shards(ckpt)
+        if short:   # torch DCP raised on every rank: the search for an older one is collective
+            raise CheckpointError(f"{short} {_unreadable(verified)}; "
+                                  f"{_previous_good(root, iteration)}") from None
         raise CheckpointError(f"{ckpt}: {_unreadable(verified)} "
                               f"({_describe_load_error(exc)})") from None
     unwrap(model[0]).load_state_dict(state["model"], strict=True)
