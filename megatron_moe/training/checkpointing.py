@@ -4,11 +4,15 @@ Layout (what Megatron-LM tools expect)::
 
     <save>/latest_checkpointed_iteration.txt     "100"
     <save>/iter_0000100/                         dist_checkpointing output (metadata.json, .metadata,
-                                                 __<rank>_<i>.distcp, common.pt)
+                                                 __<rank>_<i>.distcp, common.pt) and our
+                                                 megatron_moe_checksums.json (checkpoint_manifest.py)
 
 A save goes to ``<save>/iter_0000100.tmp`` and is renamed into place only after every rank
-finished writing; the tracker file is then replaced atomically. A crash or kill during a save
-leaves the previous checkpoint and the tracker pointing at it untouched.
+finished writing and the files' checksums are in the manifest; the tracker file is then replaced
+atomically. A crash or kill during a save leaves the previous checkpoint and the tracker pointing
+at it untouched; so does a full disk (checked before writing; a failed write removes the
+``.tmp``). A load verifies every file against the manifest first and compares the model's shapes
+with the checkpoint's, so damage names the file and another configuration names its flags.
 
 Model and optimizer state are sharded tensors, so a checkpoint saved with one TP/EP/PP layout
 loads into another (megatron-core resharding). Per-rank RNG state is restored only when the
@@ -156,7 +160,6 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     root = args.save
     final_dir = checkpoint_dir(root, iteration)
     tmp_dir = final_dir + ".tmp"
-    rank = dist.get_rank()
     finalize_async_save(blocking=True)
     delay = _test_delay()
     if delay:
