@@ -40,12 +40,16 @@ def _nearly_full_disk(root):
     return lambda: setattr(shutil, "disk_usage", real)
 
 
-def _enospc_in_writer(iteration=2):
+def _enospc_in_writer(fired, iteration=2):
     """Rank 1's shard files of ``iteration`` fail with ENOSPC after 100 bytes (megatron-core's
-    writer workers are forked from the rank, so they inherit this)."""
+    writer workers are forked from the rank, so they inherit this); from then on
+    shutil.disk_usage says 1000 bytes are free, as on a disk another job filled (``fired``: a
+    file the fault creates, so that every process sees it; one per run)."""
+    import shutil
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    real = filesystem_async._write_item
+    real, real_usage = filesystem_async._write_item, shutil.disk_usage
 
     @functools.wraps(real)   # megatron-core inspects its signature
     def write_item(*args, **kwargs):
@@ -53,18 +57,26 @@ def _enospc_in_writer(iteration=2):
         name = str(stream.name)
         if f"iter_{iteration:07d}.tmp" in name and os.path.basename(name).startswith("__1_"):
             stream.write(b"\0" * 100)
+            open(fired, "w").close()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(*args, **kwargs)
 
-    filesystem_async._write_item = write_item
-    return lambda: setattr(filesystem_async, "_write_item", real)
+    def usage(path):
+        out = real_usage(path)
+        return out._replace(free=1000) if os.path.exists(fired) else out
+
+    filesystem_async._write_item, shutil.disk_usage = write_item, usage
+
+    def undo():   # ``fired`` stays: another rank may still be reporting this run's failure
+        filesystem_async._write_item, shutil.disk_usage = real, real_usage
+    return undo
 
 
-def _enospc_unhandled():
+def _enospc_unhandled(fired):
     """Mutation: the fault as above, and a failed save is not handled (the error as raised)."""
     from megatron_moe.training import checkpointing
 
-    undo = _enospc_in_writer()
+    undo = _enospc_in_writer(fired)
     real = checkpointing._save_failed
 
     def reraise(exc, *a):
@@ -86,12 +98,14 @@ def _error(run):
 
 def test_disk_full_at_save(tmp_path):
     roots = {name: str(tmp_path / name) for name in ("check", "sync", "unhandled", "async")}
+    enospc = lambda name: functools.partial(_enospc_in_writer, str(tmp_path / f"{name}-fired"))
     steps = [
         dict(argv=BASE + ["--save", roots["check"]],
              mutate=functools.partial(_nearly_full_disk, roots["check"])),
-        dict(argv=BASE + ["--save", roots["sync"]], mutate=_enospc_in_writer),
-        dict(argv=BASE + ["--save", roots["unhandled"]], mutate=_enospc_unhandled),
-        dict(argv=BASE + ["--save", roots["async"], "--async-save"], mutate=_enospc_in_writer),
+        dict(argv=BASE + ["--save", roots["sync"]], mutate=enospc("sync")),
+        dict(argv=BASE + ["--save", roots["unhandled"]],
+             mutate=functools.partial(_enospc_unhandled, str(tmp_path / "unhandled-fired"))),
+        dict(argv=BASE + ["--save", roots["async"], "--async-save"], mutate=enospc("async")),
         # the kept checkpoint resumes
         dict(argv=BASE + ["--load", roots["sync"]]),
     ]
@@ -110,7 +124,8 @@ def test_disk_full_at_save(tmp_path):
         line = _error(run)
         assert f"{_it(root, 2, '.tmp')}: no space left on device: it needs about " \
                f"{total_bytes(_it(root, 1))} bytes" in line, line
-        assert " are free " in line and "removed iter_0000002.tmp" in line
+        assert "1000 bytes are free once the partial save is removed" in line
+        assert "removed iter_0000002.tmp" in line
         assert f"the last checkpoint, {_it(root, 1)} (iteration 1), is kept" in line
 
     for root in (roots["check"], roots["sync"], roots["async"]):

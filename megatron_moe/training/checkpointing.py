@@ -329,10 +329,11 @@ def _save_failed(exc, root: str, tmp_dir: str, needed: int):
     if dist.get_rank() == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     free = _free_bytes(root) if os.path.isdir(root) else 0
-    what = (f"no space left on device: it needs about {_size(needed)}, {_size(free)} are free "
-            f"once the partial save is removed"
-            if _is_disk_full(exc) or needed > free else
-            f"the save failed ({_describe_load_error(exc)})")
+    # megatron-core 0.16 keeps the writer's OSError (ENOSPC) in the chain; 0.19 passes on only
+    # "error: <class 'OSError'>", so there a disk still short of the save's size says it
+    space = f"it needs about {_size(needed)}, {_size(free)} are free once the partial save is removed"
+    what = (f"no space left on device: {space}" if _is_disk_full(exc) or needed > free else
+            f"the save failed ({_describe_load_error(exc)}); {space}")
     raise CheckpointError(f"{tmp_dir}: {what}; removed {os.path.basename(tmp_dir)}, "
                           f"{_last_checkpoint(root)}") from None
 
