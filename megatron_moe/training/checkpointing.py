@@ -695,6 +695,9 @@ def load_checkpoint(model, optimizer, scheduler, args):
                               f"({_describe_load_error(exc)})") from None
     unwrap(model[0]).load_state_dict(state["model"], strict=True)
     if load_optim:
+        from megatron_moe.compat import checkpoint as compat_checkpoint
+
+        compat_checkpoint.align_loaded_param_group_bounds(state["optimizer"], args.lr, args.min_lr)
         optimizer.load_state_dict(state["optimizer"])
     if (scheduler is not None and state.get("opt_param_scheduler") and not args.no_load_optim
             and not args.finetune):
