@@ -16,7 +16,9 @@ Each save is followed, in the same process, by ``torch.save`` of the same tensor
 (model and optimizer state dicts, fsynced like the shards); after training, ``load_checkpoint``
 and ``torch.load`` of that file are timed. Printed: first and median later save per mode, the
 peer's, their ratios; load times and ratio; for async, the time a save blocks training (the call
-plus waits in finalisation) against the sync save it replaces: the training time hidden.
+plus waits in finalisation) against the sync save it replaces: the training time hidden; the
+per-file checksums a save writes (its share on rank 0) and their verification at load, each
+against the save or load that contains it.
 """
 
 from __future__ import annotations
@@ -41,9 +43,28 @@ def _rank(rank, world_size, argv, mode, peer_dir):
     from megatron_moe.training import loop as training
     from megatron_moe.compat import checkpoint as compat_checkpoint
 
+    from megatron_moe.training import checkpoint_manifest
+
     if mode == "sync-no-prestart":
         compat_checkpoint.prestart_writer = lambda: None
-    rec = {"save": [], "peer_save": [], "finalize": [], "step": [], "warmup_wait": []}
+    rec = {"save": [], "peer_save": [], "finalize": [], "step": [], "warmup_wait": [],
+           "checksum": [], "checksum_bytes": [], "verify": []}
+    real_checksums, real_verify = checkpoint_manifest.checksum_files, checkpointing.verify_checkpoint
+
+    def checksums(directory, names):   # this rank's share of a save's files
+        t0 = time.perf_counter()
+        out = real_checksums(directory, names)
+        rec["checksum"].append(time.perf_counter() - t0)
+        rec["checksum_bytes"].append(sum(e["bytes"] for e in out.values()))
+        return out
+
+    def verify(ckpt):
+        t0 = time.perf_counter()
+        out = real_verify(ckpt)
+        rec["verify"].append(time.perf_counter() - t0)
+        return out
+
+    checkpoint_manifest.checksum_files, checkpointing.verify_checkpoint = checksums, verify
     real_wait = compat_checkpoint.wait_writer_ready
 
     def wait():
@@ -154,6 +175,13 @@ def main(argv=None):
           f"{sync_later - async_cost:.3f}s per save ({(1 - async_cost / sync_later) * 100:.0f}%)")
     print(f"median train step: sync {med(results['sync']['step']):.3f}s, async "
           f"{med(a['step']):.3f}s (background writer competing for the same cores)")
+    s = results["sync"]
+    ck, mib = med(s["checksum"][1:]), med(s["checksum_bytes"][1:]) / 2 ** 20
+    print(f"checksums (CRC-32, rank 0's share of each save's files, {mib:.1f} MiB): median "
+          f"{ck:.4f}s per save = {ck / sync_later * 100:.1f}% of the sync save "
+          f"({sync_later:.3f}s, checksums included), {mib / ck:.0f} MiB/s; at load, verifying "
+          f"every file (striped over the ranks) {s['verify'][0]:.4f}s of load_checkpoint's "
+          f"{s['load']:.3f}s ({s['verify'][0] / s['load'] * 100:.1f}%)")
 
 
 if __name__ == "__main__":

@@ -424,6 +424,11 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError("--lr is required")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if getattr(args, "override_opt_param_scheduler", False) and \
+            getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        raise ValueError("--override-opt_param-scheduler (this command line's schedule) and "
+                         "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude "
+                         "each other")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:

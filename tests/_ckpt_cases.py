@@ -165,3 +165,46 @@ def run_pretrain_sequence(rank, world_size, argvs):
                           pretrain_gpt_moe.forward_step, argv=argv)
         out.append(result["history"])
     return out
+
+
+def run_pretrain_steps(rank, world_size, steps):
+    """pretrain() runs one after the other in the same ranks, each step a dict: ``argv``;
+    ``prepare``: a callable rank 0 runs first (damaging files, say), the other ranks waiting;
+    ``mutate``: a callable run on every rank that installs a monkeypatch and returns its undo.
+    Each run returns its printed text and exit code (0, the SystemExit's, or "raised ..." for an
+    exception that left pretrain())."""
+    import contextlib
+    import io
+
+    import pretrain_gpt_moe
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.enums import ModelType
+
+    from megatron_moe.training.loop import pretrain
+
+    out = []
+    for step in steps:
+        if step.get("prepare") is not None:
+            if rank == 0:
+                step["prepare"]()
+            dist.barrier()
+        parallel_state.destroy_model_parallel()
+        undo = step["mutate"]() if step.get("mutate") is not None else None
+        buf, code = io.StringIO(), 0
+        try:
+            with contextlib.redirect_stdout(buf):
+                pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
+                         pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                         pretrain_gpt_moe.forward_step, argv=step["argv"])
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException as exc:   # torch DCP's CheckpointException is a BaseException
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            code = f"raised {type(exc).__name__}: {str(exc)[:500]}"
+        finally:
+            if undo is not None:
+                undo()
+        out.append({"text": buf.getvalue(), "exit": code})
+    return out

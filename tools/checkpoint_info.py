@@ -3,14 +3,17 @@
     python tools/checkpoint_info.py CKPT                  # the --save directory (tracker) ...
     python tools/checkpoint_info.py CKPT/iter_0000100     # ... or one iteration directory
     python tools/checkpoint_info.py CKPT --json           # the same as one JSON object
+    python tools/checkpoint_info.py CKPT --verify         # also read every file against its checksum
 
 Reads only the common state (the small, rank-0 part: args, layout, schedule: ``common.pt``, or,
 written by megatron-core >= 0.19, one object inside the DCP checkpoint; megatron_moe/compat/
 checkpoint.py) and torch DCP's ``.metadata`` (every tensor's global shape and dtype and which shard
-file holds which bytes); shard files are only stat'ed. Complete means: megatron-core's
-``metadata.json``, ``.metadata`` and the common state are there, and every byte range the metadata
-names lies inside an existing shard file. Exit status: 0 complete, 1 incomplete or unreadable, 2
-usage error.
+file holds which bytes); shard files are only stat'ed, unless ``--verify`` reads every file and
+compares it with the checksums the save wrote (``megatron_moe_checksums.json``). Complete means:
+megatron-core's ``metadata.json``, ``.metadata`` and the common state are there, every byte range
+the metadata names lies inside an existing shard file, every file has the size the save wrote
+(and, with ``--verify``, its checksum). Exit status: 0 complete, 1 incomplete, damaged or
+unreadable, 2 usage error.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="Print one JSON object.")
     p.add_argument("--no-tensors", action="store_true", help="Leave out the tensor list.")
     p.add_argument("--no-args", action="store_true", help="Leave out the stored args.")
+    p.add_argument("--verify", action="store_true",
+                   help="Read every file and compare it with the checksums the save wrote "
+                        "(megatron_moe_checksums.json); without it only sizes are compared.")
     return p.parse_args(argv)
 
 
@@ -54,7 +60,7 @@ def resolve(path: str, iteration: int | None) -> tuple[str, int | None, list]:
     return path, None, problems
 
 
-def inspect(ckpt: str) -> dict:
+def inspect(ckpt: str, verify: bool = False) -> dict:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -133,8 +139,36 @@ def inspect(ckpt: str) -> dict:
             info["bytes"] = sum(s for s in sizes.values() if s and s > 0)
     info["tensors"] = sorted(tensors, key=lambda t: t["name"])
     info["objects"] = objects
+    info["checksums"] = _checksums(ckpt, problems, verify)
     info["complete"] = not problems
     return info
+
+
+def _checksums(ckpt: str, problems: list, verify: bool) -> str:
+    """The manifest a save writes (megatron_moe/training/checkpoint_manifest.py): with
+    ``verify`` every file is read and checksummed, else sizes only."""
+    from megatron_moe.training import checkpoint_manifest as manifest
+
+    try:
+        entries = manifest.read_manifest(ckpt)
+    except manifest.ManifestError as exc:
+        problems.append(str(exc))
+        return "unreadable manifest"
+    if entries is None:
+        return f"not verified: no {manifest.MANIFEST} (saved before checkpoints carried checksums)"
+    names = sorted(entries["files"])
+    if verify:
+        found = manifest.check_files(ckpt, entries, names)
+    else:
+        found = [f"{name}: {os.path.getsize(os.path.join(ckpt, name))} bytes, the save wrote "
+                 f"{entries['files'][name]['bytes']}" for name in names
+                 if os.path.isfile(os.path.join(ckpt, name))
+                 and os.path.getsize(os.path.join(ckpt, name)) != entries["files"][name]["bytes"]]
+    problems.extend(found)
+    if found:
+        return f"{len(found)} of {len(names)} files differ from the save"
+    return (f"verified ({len(names)} files, {manifest.ALGORITHM})" if verify else
+            f"sizes match the manifest ({len(names)} files; --verify reads them)")
 
 
 def _print(info, tracked, show_tensors, show_args):
@@ -153,6 +187,7 @@ def _print(info, tracked, show_tensors, show_args):
           f"({info.get('optimizer_count')} chained), rng {info.get('has_rng')}, "
           f"{len(info.get('tensors', []))} tensors, {info.get('objects', 0)} objects, "
           f"{info.get('shard_files', 0)} shard files, {info.get('bytes', 0) / 2**20:.1f} MiB")
+    print(f"checksums:  {info.get('checksums')}")
     print("complete:   " + ("yes" if info["complete"] else "NO: " + "; ".join(info["problems"])))
     if show_args and info.get("args"):
         print("args:")
@@ -168,7 +203,7 @@ def _print(info, tracked, show_tensors, show_args):
 def main(argv=None):
     opts = parse_args(argv)
     ckpt, tracked, problems = resolve(opts.path, opts.iteration)
-    info = inspect(ckpt)
+    info = inspect(ckpt, verify=opts.verify)
     info["problems"][:0] = problems
     info["complete"] = not info["problems"]
     if tracked is not None:

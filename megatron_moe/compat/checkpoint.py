@@ -16,6 +16,8 @@ The writer (issue 13, megatron_moe/training/checkpointing.py):
   at setup instead, with ``__main__``'s file hidden so the child imports nothing heavy, and with
   its server shielded from the scheduler's step-wide SIGTERM (issue 26, docs/checkpoints.md).
 * ``async_save_kwargs`` / ``quiet_mcore_async_notice``: 0.19's async strategy argument.
+* ``align_loaded_param_group_bounds``: 0.19 pairs loaded optimizer param groups with the current
+  ones by their config, ``max_lr``/``min_lr`` included (below).
 """
 
 import os
@@ -153,3 +155,33 @@ def quiet_mcore_async_notice():
 
         drop._megatron_moe = True
         logger.addFilter(drop)
+
+
+def align_loaded_param_group_bounds(optimizer_state, max_lr: float, min_lr: float):
+    """Give the loaded optimizer state's default-schedule param groups this run's bounds.
+
+    megatron-core 0.19 pairs each saved param group with a current one by a tuple of its config
+    (``optimizer.py: param_group_identifier_keys``, ``max_lr`` and ``min_lr`` among them), so a
+    resume with another --lr or --min-lr failed in ``optimizer.load_state_dict`` ("Could not find
+    parameter group with key ...") before the scheduler flags were consulted, even with
+    --override-opt_param-scheduler. 0.16 pairs them by the other keys and copies the saved
+    bounds in.
+    Either way load_checkpoint then sets the groups' bounds from the scheduler (the command
+    line's or the checkpoint's, by the flags). Groups with their own LR (--decoupled-lr, MuP)
+    keep theirs."""
+    def walk(node):
+        if isinstance(node, dict):
+            for group in node.get("param_groups") or ():
+                if isinstance(group, dict) and "max_lr" in group and \
+                        group.get("default_config", True) and not group.get("is_decoupled_lr"):
+                    group["max_lr"], group["min_lr"] = max_lr, min_lr
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            return
+        for child in children:
+            walk(child)
+
+    walk(optimizer_state)
+

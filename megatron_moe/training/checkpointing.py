@@ -4,11 +4,15 @@ Layout (what Megatron-LM tools expect)::
 
     <save>/latest_checkpointed_iteration.txt     "100"
     <save>/iter_0000100/                         dist_checkpointing output (metadata.json, .metadata,
-                                                 __<rank>_<i>.distcp, common.pt)
+                                                 __<rank>_<i>.distcp, common.pt) and our
+                                                 megatron_moe_checksums.json (checkpoint_manifest.py)
 
 A save goes to ``<save>/iter_0000100.tmp`` and is renamed into place only after every rank
-finished writing; the tracker file is then replaced atomically. A crash or kill during a save
-leaves the previous checkpoint and the tracker pointing at it untouched.
+finished writing and the files' checksums are in the manifest; the tracker file is then replaced
+atomically. A crash or kill during a save leaves the previous checkpoint and the tracker pointing
+at it untouched; so does a full disk (checked before writing; a failed write removes the
+``.tmp``). A load verifies every file against the manifest first and compares the model's shapes
+with the checkpoint's, so damage names the file and another configuration names its flags.
 
 Model and optimizer state are sharded tensors, so a checkpoint saved with one TP/EP/PP layout
 loads into another (megatron-core resharding). Per-rank RNG state is restored only when the
@@ -35,6 +39,7 @@ from megatron.core.dist_checkpointing.serialization import (
 )
 
 from megatron_moe.models.builder import unwrap
+from megatron_moe.training import checkpoint_manifest as manifest
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -109,6 +114,7 @@ def _sharded_state(model, optimizer, args, *, include_optimizer: bool, include_r
 
 
 _async_queue = None      # megatron-core's AsyncCallsQueue, created by the first --async-save
+_async_pending = []      # (save root, .tmp dir, bytes needed) of each scheduled async save, in order
 
 
 def _fsync_dir(path: str):
@@ -146,17 +152,12 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     root = args.save
     final_dir = checkpoint_dir(root, iteration)
     tmp_dir = final_dir + ".tmp"
-    rank = dist.get_rank()
     finalize_async_save(blocking=True)
     wait_writer_ready()
     quiet_mcore_async_notice()
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftover of a killed save
-        os.makedirs(tmp_dir)
-    dist.barrier()
     state = _sharded_state(model, optimizer, args, include_optimizer=not args.no_save_optim,
                            include_rng=not args.no_save_rng, is_loading=False)
+    needed = _prepare_save_dir(root, tmp_dir, state)
     state.update(
         iteration=iteration,
         checkpoint_version=3.0,
@@ -178,33 +179,215 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
 
         from megatron_moe.compat.checkpoint import async_save_kwargs
 
-        request = dist_checkpointing.save(state, tmp_dir, strategy, async_sharded_save=True,
-                                          **async_save_kwargs())
+        try:
+            request = dist_checkpointing.save(state, tmp_dir, strategy, async_sharded_save=True,
+                                              **async_save_kwargs())
+        except (Exception, CheckpointException) as exc:
+            _save_failed(exc, root, tmp_dir, needed)
         request.finalize_fns.append(commit)
         if _async_queue is None:
             _async_queue = AsyncCallsQueue()
+        _async_pending.append((root, tmp_dir, needed))
         _async_queue.schedule_async_request(request)
         return
-    dist_checkpointing.save(state, tmp_dir, strategy)
-    commit()
+    try:
+        dist_checkpointing.save(state, tmp_dir, strategy)
+        commit()
+    except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
+        _save_failed(exc, root, tmp_dir, needed)
 
 
 def finalize_async_save(blocking: bool = False) -> list:
     """Finish the async saves whose writes are done (all of them when ``blocking``); a
     collective: every rank calls it at the same points (each iteration, before a save, at exit).
-    Returns the finalised call ids."""
+    Returns the finalised call ids. A write that failed (a full disk) raises CheckpointError
+    here, on every rank, after its partial ``.tmp`` is removed."""
+    global _async_queue
     if _async_queue is None:
         return []
-    return _async_queue.maybe_finalize_async_calls(blocking=blocking)
+    try:
+        done = _async_queue.maybe_finalize_async_calls(blocking=blocking)
+    except (Exception, CheckpointException) as exc:
+        root, tmp_dir, needed = _async_pending[0]
+        _async_queue = None   # its failed call is not retried; the run stops on this error
+        _async_pending.clear()
+        _save_failed(exc, root, tmp_dir, needed)
+    del _async_pending[:len(done)]   # the queue finalises its calls in order
+    return done
 
 
 def async_save_pending() -> bool:
     return _async_queue is not None and _async_queue.get_num_unfinalized_calls() > 0
 
 
+# --- disk space ------------------------------------------------------------------------------------
+def _free_bytes(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _size(n: int) -> str:
+    """Bytes, exact for scripts and scaled for people: '1364643 bytes (1.30 MiB)'."""
+    scaled, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if scaled < 1024 or unit == "TiB":
+            break
+        scaled /= 1024
+    return f"{n} bytes" if unit == "B" else f"{n} bytes ({scaled:.2f} {unit})"
+
+
+def _state_bytes(state) -> int:
+    """The tensor bytes this rank writes: its main replicas (each shard is written once)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    return sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
+               if isinstance(v, ShardedTensor) and isinstance(v.data, torch.Tensor)
+               and is_main_replica(v.replica_id))
+
+
+def _last_checkpoint(root: str) -> str:
+    """Names the checkpoint a failed save leaves in place (the tracker's)."""
+    try:
+        last = read_tracker(root)
+    except CheckpointError:
+        last = None
+    if last is None or not os.path.isdir(checkpoint_dir(root, last)):
+        return f"no earlier checkpoint under {root}"
+    return f"the last checkpoint, {checkpoint_dir(root, last)} (iteration {last}), is kept"
+
+
+def _prepare_save_dir(root: str, tmp_dir: str, state) -> int:
+    """A fresh ``.tmp`` (rank 0), after checking the file system has room for the save: about the
+    tracker's previous checkpoint's size, or, for a run's first save, the state's tensor bytes
+    (every rank's main replicas). A collective; the same verdict on every rank. Returns the
+    bytes needed."""
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, _state_bytes(state))
+    verdict = None
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # leftover of a killed save
+            last = read_tracker(root)
+            previous = manifest.total_bytes(checkpoint_dir(root, last)) if last is not None \
+                else None
+            needed = previous or sum(sizes)
+            free = _free_bytes(root)
+            if needed > free:
+                verdict = ("full", needed, free)
+            else:
+                os.makedirs(tmp_dir)
+                verdict = ("ok", needed, free)
+        except (OSError, CheckpointError) as exc:   # every rank must hear of it, not wait
+            verdict = ("error", f"{type(exc).__name__}: {exc}", 0)
+    kind, needed, free = _from_rank0(verdict)
+    if kind == "error":
+        raise CheckpointError(f"{tmp_dir}: cannot start the save ({needed})")
+    if kind == "full":
+        raise CheckpointError(
+            f"{tmp_dir}: not enough disk space for this checkpoint: it needs about "
+            f"{_size(needed)}, {_size(free)} are free; nothing was written, "
+            f"{_last_checkpoint(root)}")
+    return needed
+
+
+def _is_disk_full(exc) -> bool:
+    """ENOSPC anywhere in the error: its causes, or torch DCP's per-rank failures."""
+    import errno
+
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, tuple):   # megatron-core's WRAPPED_EXCEPTION: (exception, traceback)
+            todo.extend(x for x in e if isinstance(x, BaseException))
+            continue
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or \
+                "No space left on device" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__, getattr(e, "exc", None)]
+        todo += list((getattr(e, "failures", None) or {}).values())
+    return False
+
+
+def _save_failed(exc, root: str, tmp_dir: str, needed: int):
+    """Remove the partial ``.tmp`` and raise one CheckpointError naming the path, the space it
+    needed and what is free, and the checkpoint kept. Every rank raises; rank 0 removes."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    free = _free_bytes(root) if os.path.isdir(root) else 0
+    # megatron-core 0.16 keeps the writer's OSError (ENOSPC) in the chain; 0.19 passes on only
+    # "error: <class 'OSError'>", so there a disk still short of the save's size says it
+    space = f"it needs about {_size(needed)}, {_size(free)} are free once the partial save is removed"
+    what = (f"no space left on device: {space}" if _is_disk_full(exc) or needed > free else
+            f"the save failed ({_describe_load_error(exc)}); {space}")
+    raise CheckpointError(f"{tmp_dir}: {what}; removed {os.path.basename(tmp_dir)}, "
+                          f"{_last_checkpoint(root)}") from None
+
+
+def _from_rank0(value):
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# --- checksums --------------------------------------------------------------------------------------
+def _write_checksums(tmp_dir: str, iteration: int):
+    """A collective: every rank checksums its share of the saved files (striped over the ranks,
+    so a large checkpoint is read in parallel), rank 0 writes the manifest into ``.tmp``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = _from_rank0(manifest.listed_files(tmp_dir) if rank == 0 else None)
+    parts = [None] * world
+    dist.all_gather_object(parts, manifest.checksum_files(tmp_dir, names[rank::world]))
+    if rank == 0:
+        manifest.write_manifest(tmp_dir, {k: v for part in parts for k, v in part.items()},
+                                iteration)
+
+
+def verify_checkpoint(ckpt: str) -> list | None:
+    """A collective: every file of ``ckpt`` against its manifest, striped over the ranks. Returns
+    the problems (one line each, naming the file; empty: verified), or None when the checkpoint
+    has no manifest (saved before checksums)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found = None
+    if rank == 0:
+        try:
+            found = ("manifest", manifest.read_manifest(ckpt))
+        except manifest.ManifestError as exc:
+            found = ("problem", str(exc))
+    kind, value = _from_rank0(found)
+    if kind == "problem":
+        return [value]
+    if value is None:
+        return None
+    names = sorted(value["files"])
+    parts = [None] * world
+    dist.all_gather_object(parts, manifest.check_files(ckpt, value, names[rank::world]))
+    return sorted(p for part in parts for p in part)
+
+
+def _previous_good(root: str, iteration: int) -> str:
+    """Offers the newest earlier checkpoint under ``root`` that verifies (a collective)."""
+    earlier = [it for it in _from_rank0(manifest.iterations_in(root) if dist.get_rank() == 0
+                                        else None) if it < iteration]
+    for it in reversed(earlier):
+        problems = verify_checkpoint(checkpoint_dir(root, it))
+        if problems is None:
+            return (f"the previous checkpoint {checkpoint_dir(root, it)} was saved before "
+                    f"checksums (cannot be verified): --ckpt-step {it} loads it")
+        if not problems:
+            return (f"the previous checkpoint {checkpoint_dir(root, it)} verifies: resume from "
+                    f"it with --ckpt-step {it}")
+    return f"no earlier checkpoint under {root} verifies"
+
+
 def _commit(root, iteration, tmp_dir, final_dir):
-    """Every rank's shards are on disk: rename into place, then move the tracker (rank 0)."""
+    """Every rank's shards are on disk: checksum them, rename into place, then move the tracker
+    (rank 0)."""
     dist.barrier()
+    _write_checksums(tmp_dir, iteration)
     if dist.get_rank() == 0:
         # shard files are fsynced by megatron-core's writer; the common files are not
         _fsync_tree_files(tmp_dir, [n for n in os.listdir(tmp_dir) if not n.endswith(".distcp")])
@@ -249,6 +432,150 @@ def _describe_load_error(exc) -> str:
             inner = inner[0]
         return f"rank {rank}: {type(inner).__name__}: {str(inner)[:200]}".rstrip(": ")
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+def _short_shards(ckpt: str) -> str:
+    """For a checkpoint without checksums: the shard files shorter than the byte ranges torch
+    DCP's .metadata gives them ("" when none is, or the metadata is unreadable)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(ckpt).read_metadata().storage_data
+    except Exception:
+        return ""
+    needs = {}
+    for where in storage.values():
+        needs[where.relative_path] = max(needs.get(where.relative_path, 0),
+                                         where.offset + where.length)
+    short = []
+    for name, need in sorted(needs.items()):
+        path = os.path.join(ckpt, name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size is None or size < need:
+            short.append(f"{path}: " + ("missing" if size is None else
+                                        f"truncated: {size} bytes, its tensors need {need}"))
+    more = f" (and {len(short) - 1} more file(s))" if len(short) > 1 else ""
+    return f"{short[0]}{more}:" if short else ""
+
+
+def _unreadable(verified: bool) -> str:
+    # a checkpoint whose files match their checksums is intact: what fails is this run's reading
+    return ("its files match their checksums, yet it does not load into this model" if verified
+            else "checkpoint is corrupt or incomplete")
+
+
+# dest, flag: the arguments that decide a parameter's shape or presence (values as saved, after
+# validate_args filled the derived ones such as --ffn-hidden-size)
+_SHAPE_FLAGS = (
+    ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+    ("ffn_hidden_size", "--ffn-hidden-size"), ("num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "--num-query-groups"), ("kv_channels", "--kv-channels"),
+    ("padded_vocab_size", "--vocab-size (padded)"),
+    ("max_position_embeddings", "--max-position-embeddings"),
+    ("position_embedding_type", "--position-embedding-type"),
+    ("normalization", "--normalization"), ("swiglu", "--swiglu"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("add_bias_linear", "--add-bias-linear"), ("add_qkv_bias", "--add-qkv-bias"),
+    ("qk_layernorm", "--qk-layernorm"), ("num_experts", "--num-experts"),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+    ("moe_shared_expert_gate", "--moe-shared-expert-gate"), ("moe_layer_freq", "--moe-layer-freq"),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
+    ("multi_latent_attention", "--multi-latent-attention"), ("q_lora_rank", "--q-lora-rank"),
+    ("kv_lora_rank", "--kv-lora-rank"), ("qk_head_dim", "--qk-head-dim"),
+    ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"), ("v_head_dim", "--v-head-dim"),
+    ("mtp_num_layers", "--mtp-num-layers"),
+)
+
+
+def _model_mismatch(model_sd, ckpt: str, stored_args, args) -> str | None:
+    """Before megatron-core's load: do this model's tensors have the checkpoint's global shapes?
+    A collective (ranks hold different tensors; all raise or none). Names the flags whose saved
+    and current values differ, and one tensor's two shapes."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    shapes, missing = [], []
+    try:
+        stored = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    except Exception:
+        stored = None   # the load itself reports an unreadable checkpoint
+    for sh in nested_values(model_sd) if stored is not None else ():
+        # the vocabulary rows may differ by design (keep_checkpoint_vocab_padding)
+        if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch:
+            continue
+        meta = stored.get(sh.key)
+        if meta is None:
+            missing.append(sh.key)
+        elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(sh.global_shape):
+            shapes.append((sh.key, list(meta.size), list(sh.global_shape)))
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (shapes, missing))
+    shapes = sorted({(k, tuple(a), tuple(b)) for part in parts for k, a, b in part[0]})
+    missing = sorted({k for part in parts for k in part[1]})
+    if not shapes and not missing:
+        return None
+    flags = []
+    for dest, flag in _SHAPE_FLAGS:
+        if stored_args is not None and hasattr(stored_args, dest) and hasattr(args, dest):
+            saved, now = getattr(stored_args, dest), getattr(args, dest)
+            if saved != now:
+                flags.append(f"{flag} {saved} in the checkpoint, {now} on this command line")
+    details = []
+    if shapes:
+        key, saved, now = shapes[0]
+        details.append(f"{len(shapes)} tensor(s) differ in shape, e.g. {key}: {list(saved)} in the "
+                       f"checkpoint, {list(now)} in this model")
+    if missing:
+        details.append(f"{len(missing)} tensor(s) of this model are not in the checkpoint, e.g. "
+                       f"{missing[0]}")
+    what = "; ".join(flags) if flags else "; ".join(details)
+    also = f" ({'; '.join(details)})" if flags else ""
+    return (f"{ckpt} holds a model of another configuration: {what}{also}; run with the "
+            f"checkpoint's values (tools/checkpoint_info.py {ckpt} lists its args)")
+
+
+# megatron-core's OptimizerParamScheduler._check_and_set names -> the flags they come from
+_SCHEDULE_FLAGS = {
+    "learning rate": "--lr", "minimum learning rate": "--min-lr",
+    "warmup iterations": "--lr-warmup-iters (in samples: x --global-batch-size)",
+    "total number of iterations": "--lr-decay-iters (in samples: x --global-batch-size)",
+    "learning rate decay style": "--lr-decay-style",
+    "start weight decay": "--start-weight-decay", "end weight decay": "--end-weight-decay",
+    "total number of weight decay iterations": "--train-iters (in samples: x --global-batch-size)",
+    "weight decay incr style": "--weight-decay-incr-style",
+}
+
+
+def _schedule_mismatch(exc) -> str:
+    """Megatron's rule without either flag: the command line's schedule must equal the
+    checkpoint's. Its assertion, said with the flag."""
+    import re
+
+    found = re.search(r"class input value (.*) and checkpoint ?value (.*) for (.*) do not match",
+                      str(exc))
+    what = (f"{_SCHEDULE_FLAGS.get(found[3], found[3])} is {found[1]} on this command line, "
+            f"{found[2]} in the checkpoint's schedule" if found else str(exc))
+    return (f"{what}; pass --override-opt_param-scheduler to train with this command line's "
+            f"schedule or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+def _schedule_bounds_to_param_groups(optimizer, scheduler):
+    """The loaded optimizer state restored each param group's ``max_lr``/``min_lr`` from the
+    checkpoint, and megatron-core's scheduler reads a group's bounds before its own: with
+    --override-opt_param-scheduler the run trained at the checkpoint's LR (Megatron-LM's
+    issue #1138; its load_checkpoint now re-applies the command line's bounds). The groups take
+    the scheduler's bounds: the command line's with --override-opt_param-scheduler, the
+    checkpoint's with --use-checkpoint-opt_param-scheduler (also when the optimizer state was
+    not loaded). Only the groups on the default schedule (megatron-core's ``default_config``:
+    max_lr = --lr); a group with its own LR (--decoupled-lr, refused here; 0.19's MuP scaling)
+    keeps it."""
+    for group in optimizer.param_groups:
+        if group.get("default_config", True) and not group.get("is_decoupled_lr", False):
+            group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+    scheduler.step(0)
 
 
 def _optimizer_count(optimizer) -> int:
@@ -314,11 +641,19 @@ def load_checkpoint(model, optimizer, scheduler, args):
     if not os.path.isdir(ckpt):
         raise CheckpointError(f"{os.path.join(root, TRACKER)} points at iteration {iteration}, "
                               f"but {ckpt} does not exist")
+    problems = verify_checkpoint(ckpt)
+    if problems:
+        more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+        raise CheckpointError(f"{problems[0]}{more}; {_previous_good(root, iteration)}")
+    if problems is None and dist.get_rank() == 0:
+        print(f" note: {ckpt} has no {manifest.MANIFEST} (saved before checkpoints carried "
+              f"checksums): loading it without verifying its files", flush=True)
+    verified = problems is not None
     try:
         common = dist_checkpointing.load_common_state_dict(ckpt)
     except (Exception, CheckpointException) as exc:  # 0.19 reads it through torch DCP
-        raise CheckpointError(f"{ckpt}: checkpoint is corrupt or incomplete: cannot read its "
-                              f"common state ({_describe_load_error(exc)})") from None
+        raise CheckpointError(f"{ckpt}: {_unreadable(verified)}: cannot read its common state "
+                              f"({_describe_load_error(exc)})") from None
     same_layout = common.get("parallel_layout") == parallel_layout(args)
     load_rng = not args.no_load_rng and not args.finetune and common.get("has_rng", False)
     if load_rng and not same_layout:
@@ -339,24 +674,35 @@ def load_checkpoint(model, optimizer, scheduler, args):
                   flush=True)
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
                              include_rng=load_rng, is_loading=True)
+    mismatch = _model_mismatch(sharded["model"], ckpt, common.get("args"), args)
+    if mismatch:
+        raise CheckpointError(mismatch)
     try:
         with warnings.catch_warnings():  # torch DCP deprecation notices on every rank
             warnings.simplefilter("ignore")
             state = dist_checkpointing.load(sharded, ckpt, get_default_load_sharded_strategy(ckpt))
     except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
-        raise CheckpointError(f"{ckpt}: checkpoint is corrupt or incomplete "
+        short = "" if verified else _short_shards(ckpt)
+        if short:   # torch DCP raised on every rank: the search for an older one is collective
+            raise CheckpointError(f"{short} {_unreadable(verified)}; "
+                                  f"{_previous_good(root, iteration)}") from None
+        raise CheckpointError(f"{ckpt}: {_unreadable(verified)} "
                               f"({_describe_load_error(exc)})") from None
     unwrap(model[0]).load_state_dict(state["model"], strict=True)
     if load_optim:
+        from megatron_moe.compat import checkpoint as compat_checkpoint
+
+        compat_checkpoint.align_loaded_param_group_bounds(state["optimizer"], args.lr, args.min_lr)
         optimizer.load_state_dict(state["optimizer"])
     if (scheduler is not None and state.get("opt_param_scheduler") and not args.no_load_optim
             and not args.finetune):
         try:
             scheduler.load_state_dict(state["opt_param_scheduler"])
         except AssertionError as exc:  # megatron-core's check that the schedule flags match
-            raise CheckpointError(
-                f"{ckpt}: {exc}; pass --override-opt_param-scheduler to use this run's flags or "
-                f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule") from None
+            raise CheckpointError(f"{ckpt}: {_schedule_mismatch(exc)}") from None
+        if optimizer is not None and (args.override_opt_param_scheduler
+                                      or args.use_checkpoint_opt_param_scheduler):
+            _schedule_bounds_to_param_groups(optimizer, scheduler)
     if load_rng:
         _set_rng_state(state["rng_state"])
     if args.finetune:

@@ -162,13 +162,15 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
                  f"(setup {time.time() - start:.1f}s)")
     trainer = Trainer(args, model, optimizer, scheduler, forward_step_func, hooks, exit_conditions)
-    try:
-        result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
-    finally:
-        exit_conditions.close()
     from megatron_moe.training.checkpointing import finalize_async_save
 
-    finalize_async_save(blocking=True)  # --async-save: the last checkpoint is complete on exit
+    try:
+        result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
+        finalize_async_save(blocking=True)  # --async-save: the last checkpoint is complete on exit
+    except CheckpointError as exc:   # a save that failed (a full disk): one line, --save's path
+        raise TrainingError(f"--save: {exc}") from None
+    finally:
+        exit_conditions.close()
     hooks.close()
     return result
 
