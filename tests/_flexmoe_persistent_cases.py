@@ -41,7 +41,7 @@ def run(rank, world, argv, strength=4.0, period=2):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training.loop import loop as T
+    from megatron_moe.training import loop as T
 
     _patch_router(strength, period)
     logs = []

@@ -12,7 +12,7 @@ def run(rank, world, argv):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
-    from megatron_moe.training.loop import loop as T
+    from megatron_moe.training import loop as T
 
     lines, stats, iter_ms = [], {}, []
 

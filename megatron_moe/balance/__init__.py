@@ -110,8 +110,11 @@ def validate_args(args):
         if value != 1:
             raise ValueError(f"{what}: needs {flag} 1 (got {value}); the balanced layer "
                              "exchanges whole tokens over the expert-parallel group")
-    for flag, attr in (("--moe-grouped-gemm", "moe_grouped_gemm"),
-                       ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity"),
+    if getattr(args, "moe_grouped_gemm", False) and getattr(args, "transformer_impl", None) == "transformer_engine":
+        raise ValueError(f"{what}: cannot be combined with --moe-grouped-gemm on Transformer Engine "
+                         "(TEGroupedMLP); on --transformer-impl local the grouped experts run the "
+                         "replicas as extra groups")
+    for flag, attr in (("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity"),
                        ("--moe-shared-expert-overlap", "moe_shared_expert_overlap"),
                        ("--moe-latent-size", "moe_latent_size")):
         if getattr(args, attr, None):
@@ -126,8 +129,6 @@ def install(args, layer_spec, force: bool = False):
     _check_args(args)
     if not force and args.moe_balance_policy == "none" and not args.moe_routing_trace_dir:
         return layer_spec
-    if args.moe_balance_policy != "none" and getattr(args, "moe_grouped_gemm", False):
-        raise ValueError("--moe-balance-policy needs SequentialMLP experts: drop --moe-grouped-gemm")
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_moe.balance.layer import BalancedMoELayer

@@ -17,7 +17,9 @@ rank holds a replica of its expert must be computed there and never sent:
    ``--moe-a2a-compression`` (tokens compressed both ways; probs, one float per row, exact);
 3. each computed expert runs once on [its local pairs ; pairs received from each source rank]:
    owned experts with their own parameters, replicas with ``torch.func.functional_call`` on the
-   Trans'd tensors; the probs are passed as the expert's per-token scale exactly as SequentialMLP;
+   Trans'd tensors; the probs are passed as the expert's per-token scale exactly as SequentialMLP.
+   With grouped experts (``--moe-grouped-gemm`` on the local path) all of them are one grouped
+   call per linear, the replicas extra groups of it;
 4. the outputs go back (reverse all_to_all, same algorithm and compressor) and are summed per token
    with the dispatcher's ``unpermute``.
 
@@ -38,6 +40,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_moe import comm
 from megatron_moe.balance.cost_model import a2a_crosses
 from megatron_moe.balance.placement import LayerBalance
+from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
 
 __all__ = ["BalancedMoELayer"]
 
@@ -172,16 +175,9 @@ class BalancedMoELayer(MoELayer):
         if self.config.moe_apply_probs_on_input:       # as SequentialMLP
             comp_x = (comp_p.unsqueeze(-1) * comp_x).to(comp_x.dtype)
             comp_p = torch.ones_like(comp_p)
-        outs, start = [], 0
-        for e, k in segments:
-            xe, pe_ = comp_x[start:start + k], comp_p[start:start + k]
-            start += k
-            if owner[e] == r:
-                y, _ = self.experts.local_experts[e - r * L](xe, pe_)
-            else:
-                y, _ = torch.func.functional_call(st.template, st.replica_params(e), (xe, pe_))
-            outs.append(y)
-        comp_y = torch.cat(outs) if outs else x.new_zeros(0, shape[-1])
+        comp_y = self._compute(segments, comp_x, comp_p, owner)
+        if comp_y is None:
+            comp_y = x.new_zeros(0, shape[-1])
         # back to [local pairs ; received rows] order, then return the received rows to their source
         all_y = torch.zeros(all_x.shape[0], comp_y.shape[-1], dtype=comp_y.dtype, device=comp_y.device)
         all_y = all_y.index_copy(0, index, comp_y)
@@ -196,6 +192,32 @@ class BalancedMoELayer(MoELayer):
         perm_y = perm_y.index_copy(0, torch.cat([lsel, rsel]), torch.cat([loc_y, got_y]).to(probs.dtype))
         out = unpermute(perm_y, sorted_idx, torch.Size((x.shape[0], perm_y.shape[-1])))
         return out.to(hidden_states.dtype).view(shape)
+
+
+    def _compute(self, segments, comp_x, comp_p, owner):
+        """Each computed expert on its rows (``segments``: (expert, rows) in row order): owned
+        experts with their own parameters, replicas with the Trans'd tensors. With grouped experts
+        (--moe-grouped-gemm on the local path) one grouped call, the replicas as extra groups
+        stacked with the owned weights (their grads flow back to the Trans'd leaves, so Agg sees
+        them as in the loop); else megatron-core's loop, replicas through functional_call."""
+        st, r, L = self.balance, self.balance.rank, self.balance.num_local
+        if not segments:
+            return None
+        experts = [self.experts.local_experts[e - r * L] if owner[e] == r else st.replica_params(e)
+                   for e, _ in segments]
+        if isinstance(self.experts, GroupedSequentialMLP):
+            counts = torch.tensor([k for _, k in segments], dtype=torch.int64)
+            return self.experts.run_groups(experts, comp_x, comp_p, counts)
+        outs, start = [], 0
+        for expert, (e, k) in zip(experts, segments):
+            xe, pe_ = comp_x[start:start + k], comp_p[start:start + k]
+            start += k
+            if owner[e] == r:
+                y, _ = expert(xe, pe_)
+            else:
+                y, _ = torch.func.functional_call(st.template, expert, (xe, pe_))
+            outs.append(y)
+        return torch.cat(outs)
 
 
 def crosses_ranks(send: np.ndarray) -> bool:

@@ -202,7 +202,7 @@ def train(argv, probe=None):
 
     import pretrain_gpt_moe
     from megatron_moe import offload as offload_mod
-    from megatron_moe.training.loop import loop as T
+    from megatron_moe.training import loop as T
 
     got = {}
     orig_install = offload_mod.install

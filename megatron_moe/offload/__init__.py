@@ -84,9 +84,10 @@ def validate_args(args):
     if getattr(args, "use_distributed_optimizer", False):
         raise ValueError("--moe-expert-offload: --use-distributed-optimizer is not supported (its "
                          "parameter buffer owns param.data, which offload moves)")
-    if getattr(args, "moe_grouped_gemm", False):
-        raise ValueError("--moe-expert-offload: --moe-grouped-gemm is not supported (grouped "
-                         "experts fuse gradient accumulation into the device main_grad)")
+    if getattr(args, "moe_grouped_gemm", False) and getattr(args, "transformer_impl", None) == "transformer_engine":
+        raise ValueError("--moe-expert-offload: --moe-grouped-gemm on Transformer Engine is not "
+                         "supported (TEGroupedMLP fuses gradient accumulation into the device "
+                         "main_grad); --transformer-impl local runs grouped experts")
     if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
         raise ValueError("--moe-expert-offload: --moe-balance-policy must be none (replicas "
                          "would need their own tiering)")
