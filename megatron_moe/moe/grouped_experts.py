@@ -83,9 +83,6 @@ def validate_args(args):
             raise ValueError(f"{flag} on the local path cannot be combined with {other}")
     if (getattr(args, "expert_tensor_parallel_size", 1) or 1) != 1:
         raise ValueError(f"{flag} on the local path needs --expert-tensor-parallel-size 1")
-    for other, attr in (("--moe-expert-offload", "moe_expert_offload"),):
-        if getattr(args, attr, "none") not in (None, "none"):
-            raise ValueError(f"{flag} on the local path cannot be combined with {other} yet")
     if torch.cuda.is_available() and not getattr(args, "bf16", False):
         raise ValueError(f"{flag} on CUDA without Transformer Engine needs --bf16 (torch's "
                          "grouped_mm kernel)")
@@ -120,29 +117,56 @@ def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None):
     (a device tensor: offsets from a device cumsum, no host sync): fc1 and fc2 as one
     ``grouped_mm`` each, megatron-core's activation in between (:func:`activation_of`).
 
-    ``w1``: [G, fc1 out, H], ``w2``: [G, H, F] (the linear weights stacked, any mix of owned
-    parameters and balance replicas); ``b1`` / ``b2``: [G, ...] biases or None. The biases are added
+    ``w1``: G tensors [fc1 out, H], ``w2``: G tensors [H, F] (the linear weights, any mix of owned
+    parameters and balance replicas); ``b1`` / ``b2``: G biases each, or None. The biases are added
     per row by gathering each row's group bias (ids by ``repeat_interleave`` with the known output
     size: no sync), exactly where megatron-core's MLP adds them: fc1's before the activation, fc2's
     scaled by the row's prob after it (mlp.py, ``output += output_bias * per_token_scale``)."""
     offs = torch.cumsum(counts.to(x.device), 0).to(torch.int32)
     ids = None
     if b1 is not None or b2 is not None:
+        b1 = None if b1 is None else torch.stack(b1)
+        b2 = None if b2 is None else torch.stack(b2)
         ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device),
                                       counts.to(x.device), output_size=x.shape[0])
-    h = torch.nn.functional.grouped_mm(_aligned(x), w1.transpose(1, 2), offs=offs)
+    h = _GroupedLinear.apply(x, offs, *w1)
     h, _ = MLP.forward(activation, (h, None if b1 is None else b1.index_select(0, ids)), probs)
-    out = torch.nn.functional.grouped_mm(_aligned(h), w2.transpose(1, 2), offs=offs)
+    out = _GroupedLinear.apply(h, offs, *w2)
     if b2 is not None:
         out += b2.index_select(0, ids) * probs.unsqueeze(-1)
     return out
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """``x @ W_g^T`` per row group g: one grouped_mm forward, two backward (torch's own formulas
+    for grouped_mm). Written as a Function because autograd of ``grouped_mm(x, torch.stack(W))``
+    would save the stacked copy until backward: a second copy of every layer's expert weights held
+    from forward to backward, and (--moe-expert-offload) a copy of weights the offload moves off the
+    device. This saves the weight tensors themselves, as megatron-core's linear layers do (so the
+    offload's re-bind before backward is what backward reads), and stacks them again there."""
+
+    @staticmethod
+    def forward(ctx, x, offs, *weights):
+        x = _aligned(x)
+        ctx.save_for_backward(x, offs, *weights)
+        return torch.nn.functional.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offs, *weights = ctx.saved_tensors
+        grad = _aligned(grad)
+        w = torch.stack(weights)                                             # [G, out, in]
+        dx = torch.nn.functional.grouped_mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
+        dw = torch.nn.functional.grouped_mm(x.t(), grad, offs=offs).transpose(1, 2)
+        return (dx, None, *dw.unbind(0))
+
+
 def stacked(experts, name: str):
-    """One parameter (``linear_fc1.weight``, ...) of each expert MLP, stacked; None when absent."""
+    """One parameter (``linear_fc1.weight``, ...) of each expert MLP (a module, or a balance
+    replica's name -> tensor dict); None when the experts have none (no bias)."""
     params = [dict(e.named_parameters()).get(name) if isinstance(e, torch.nn.Module) else e.get(name)
               for e in experts]
-    return None if params[0] is None else torch.stack(params)
+    return None if params[0] is None else params
 
 
 class GroupedSequentialMLP(SequentialMLP):
