@@ -5,7 +5,8 @@ planted faults in the grouped path that the equality must catch:
 * ``shift``: each expert's token group shifted by one row (the first group one row short);
 * ``detach_replicas``: the balance replicas' weights stacked detached, so their gradients never
   reach the Trans'd tensors (and Agg sums zeros into the owners);
-* ``skip_rebind``: the expert offload's backward re-bind of a layer's parameters left out.
+* ``skip_rebind``: the expert offload's backward re-bind of a layer's parameters left out;
+* ``one_bias``: every group adds the first expert's biases.
 
 A run with a planted fault may stop (a NaN loss exits 1): its exit code or error is returned.
 """
@@ -57,6 +58,20 @@ def _planted(name):
             yield
         finally:
             manager.ExpertOffload._bind = orig_bind
+        return
+    if name == "one_bias":
+        # every group gets the first expert's biases. (Not a permutation of the experts' biases:
+        # from their zero init that is only a relabelling of parameters, and trains identically.)
+        orig_stacked = G.stacked
+
+        def stacked(experts, pname):
+            out = orig_stacked(experts, pname)
+            return [out[0]] * len(out) if out is not None and pname.endswith("bias") else out
+        G.stacked = stacked
+        try:
+            yield
+        finally:
+            G.stacked = orig_stacked
         return
     assert name == "detach_replicas", name
     orig_stacked = G.stacked

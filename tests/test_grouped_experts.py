@@ -77,10 +77,9 @@ def test_local_grouped_gemm_keeps_megatron_cores_config_flag_off():
 
 @pytest.mark.parametrize("flag", ["--moe-grouped-gemm", "--moe-torch-grouped-gemm"])
 @pytest.mark.parametrize("extra, message", [
-    ("--add-bias-linear", "--add-bias-linear"),
-    ("--expert-tensor-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
-     "--expert-tensor-parallel-size 1"),
-    ("--moe-expert-offload host", "--moe-expert-offload"),
+    ("--moe-ffn-hidden-size 24 --expert-tensor-parallel-size 2 --tensor-model-parallel-size 2 "
+     "--sequence-parallel", "--moe-ffn-hidden-size (per expert-tensor-parallel rank) a multiple of 8"),
+    ("--hidden-size 36 --num-attention-heads 4", "--hidden-size (per expert-tensor-parallel rank) a multiple of 8"),
 ])
 def test_refusals(flag, extra, message, capsys):
     from megatron_moe import arguments

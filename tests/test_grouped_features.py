@@ -6,6 +6,10 @@ skewed on purpose (a hot expert) so that the balance policies replicate at this 
   the one grouped call; losses and grad norms equal the expert loop under the same policy, bit for
   bit; the grouped path ran (call counter) with replica groups in it; planted faults (a token group
   shifted by a row; replica weights stacked detached so their grads never reach Agg) break it;
+* expert biases with gpt-oss's MLP (--add-bias-linear, clamped quick-GEGLU with the +1 offset) and
+  expert tensor parallelism (ETP=2, TP=2, sequence parallel, bf16): ETP equal to the loop bit for
+  bit; biases (fp32) within 1e-6 relative (the bias gradient's summation order, see the test);
+  every group given the first expert's biases breaks it;
 * host and ssd expert offload (NaN fill between uses, K=2 of 4 layers, fp32): losses and grad norms
   equal resident training with megatron-core's expert loop, bit for bit; leaving out the backward
   re-bind breaks it (the grouped experts read the parameters at backward time, no saved copy).
@@ -125,3 +129,42 @@ def test_grouped_experts_under_ring_memory_inference(tmp_path):
     assert grouped["ring_stats"]["copies"] > grouped["ring_stats"]["layers"]
     assert grouped["active_stats"]["bytes_copied"] <= grouped["ring_stats"]["bytes_copied"]
     assert grouped["ring_shifted"].tobytes() != ref.tobytes()
+
+
+BIAS_TOL = 1e-6
+
+
+def test_grouped_experts_with_biases_and_expert_tensor_parallelism():
+    g = "--moe-grouped-gemm"
+    oss = ["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "0.5",
+           "--add-bias-linear"]
+    etp = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
+           "--sequence-parallel", "--expert-model-parallel-size", "1"]
+    base = [a for a in _argv(3) if a != "--disable-bias-linear"]
+    swiglu = [a for a in _argv(3)]
+    # fp32: bf16 rounds the tiny biases of the first updates away (the biases start at zero)
+    nosw = [a for a in base if a not in ("--swiglu", "--bf16")]
+    runs = [nosw + oss,                  # 0 gpt-oss MLP with biases, fp32, loop (EP=2)
+            nosw + oss + [g],            # 1 grouped
+            nosw + oss + [g],            # 2 grouped, every group given expert 0's biases
+            swiglu + etp,                # 3 ETP=2, loop
+            swiglu + etp + [g]]          # 4 ETP=2, grouped
+    out = run_distributed(G.run_counted, 2, runs, mutations={2: "one_bias"}, timeout_s=600)
+    r = out[0]
+    h = lambda k, key="lm_loss": r[k]["history"][key]   # noqa: E731
+    for loop, grouped in ((0, 1), (3, 4)):
+        assert len(h(loop)) == 3 and all(x == x for x in h(loop))
+        for rank_out in out:
+            assert rank_out[loop]["grouped_calls"] == 0
+            assert rank_out[grouped]["grouped_calls"] >= 2 * 3
+    # ETP: bit for bit
+    assert h(4) == h(3) and h(4, "grad_norm") == h(3, "grad_norm"), (h(4), h(3))
+    # biases: the bias gradient is summed per group by index_add over the rows (the gather's
+    # backward) where the loop sums each expert's rows with a column sum; in fp32 that order moves
+    # the last bits: losses and grad norms within BIAS_TOL (relative), the step before the biases
+    # have moved (iterations 1-2: they start at zero, the first step has warm-up LR 0) exactly
+    assert h(1)[:2] == h(0)[:2] and h(1, "grad_norm")[:2] == h(0, "grad_norm")[:2]
+    for key in ("lm_loss", "grad_norm"):
+        assert h(1, key) == pytest.approx(h(0, key), rel=BIAS_TOL, abs=0), (key, h(1, key), h(0, key))
+    # every group with the first expert's biases: off by far more than the tolerance
+    assert abs(h(2)[-1] - h(0)[-1]) > 100 * BIAS_TOL * abs(h(0)[-1]), (h(2), h(0))

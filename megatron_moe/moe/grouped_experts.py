@@ -75,14 +75,6 @@ def validate_args(args):
     if not grouped_mm_available():
         raise ValueError(f"{flag} without Transformer Engine needs torch.nn.functional.grouped_mm "
                          f"(torch >= 2.9; this is torch {torch.__version__})")
-    for other, attr in (("--fp8-format", "fp8"), ("--fp4-format", "fp4"),
-                        ("--delay-wgrad-compute", "delay_wgrad_compute"),
-                        ("--moe-latent-size", "moe_latent_size"),
-                        ("--add-bias-linear", "add_bias_linear")):
-        if getattr(args, attr, None):
-            raise ValueError(f"{flag} on the local path cannot be combined with {other}")
-    if (getattr(args, "expert_tensor_parallel_size", 1) or 1) != 1:
-        raise ValueError(f"{flag} on the local path needs --expert-tensor-parallel-size 1")
     if torch.cuda.is_available() and not getattr(args, "bf16", False):
         raise ValueError(f"{flag} on CUDA without Transformer Engine needs --bf16 (torch's "
                          "grouped_mm kernel)")
@@ -164,8 +156,9 @@ class _GroupedLinear(torch.autograd.Function):
 def stacked(experts, name: str):
     """One parameter (``linear_fc1.weight``, ...) of each expert MLP (a module, or a balance
     replica's name -> tensor dict); None when the experts have none (no bias)."""
-    params = [dict(e.named_parameters()).get(name) if isinstance(e, torch.nn.Module) else e.get(name)
-              for e in experts]
+    linear, attr = name.split(".")
+    params = [getattr(getattr(e, linear), attr, None) if isinstance(e, torch.nn.Module)
+              else e.get(name) for e in experts]
     return None if params[0] is None else params
 
 
