@@ -114,13 +114,16 @@ def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None):
     per row by gathering each row's group bias (ids by ``repeat_interleave`` with the known output
     size: no sync), exactly where megatron-core's MLP adds them: fc1's before the activation, fc2's
     scaled by the row's prob after it (mlp.py, ``output += output_bias * per_token_scale``)."""
-    offs = torch.cumsum(counts.to(x.device), 0).to(torch.int32)
+    # megatron-core's dispatcher hands the counts over on the host (its own D2H copy, made for
+    # SequentialMLP's split): copied back without blocking the host where the source is pinned
+    counts = counts.to(x.device, non_blocking=True)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     ids = None
     if b1 is not None or b2 is not None:
         b1 = None if b1 is None else torch.stack(b1)
         b2 = None if b2 is None else torch.stack(b2)
-        ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device),
-                                      counts.to(x.device), output_size=x.shape[0])
+        ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
+                                      output_size=x.shape[0])
     h = _GroupedLinear.apply(x, offs, *w1)
     h, _ = MLP.forward(activation, (h, None if b1 is None else b1.index_select(0, ids)), probs)
     out = _GroupedLinear.apply(h, offs, *w2)
