@@ -111,3 +111,81 @@ def test_a_misaligned_chunk_is_copied_for_grouped_mm():
     assert torch.equal(out, torch.cat([x[:5] @ w[0], x[5:] @ w[1]]))
     y = torch.randn(16, 8, dtype=torch.bfloat16)
     assert _aligned(y) is y                     # aligned and contiguous: no copy
+
+
+# ops that only make a new tensor header (no kernel): autograd hands each parameter its grad through
+# a detach, one per parameter in the loop and the grouped path alike
+_NO_KERNEL = {"detach", "alias", "view", "_unsafe_view", "t", "transpose", "select", "slice",
+              "unbind", "expand", "as_strided", "unsqueeze", "squeeze", "permute"}
+
+
+class _CountOps:
+    """Counts the aten ops dispatched that launch a kernel on a device, while active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket.__name__ not in _NO_KERNEL:
+                    ops.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _grouped_ops(num_experts):
+    """aten ops of grouped_mlp forward + backward (SwiGLU, biases) over ``num_experts`` groups."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_moe.moe.grouped_experts import _Given, grouped_mlp
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True)
+    act = MLP.__new__(MLP)                     # the activation part only (no process group needed)
+    torch.nn.Module.__init__(act)
+    act.config, act.activation_func = cfg, F.silu
+    act.linear_fc1, act.linear_fc2 = _Given(), _Given()
+    h, f = 16, 8
+    counts = torch.randint(0, 6, (num_experts,))
+    n = int(counts.sum())
+    x = torch.randn(n, h, requires_grad=True)
+    probs = torch.rand(n)
+    w1 = [torch.randn(2 * f, h, requires_grad=True) for _ in range(num_experts)]
+    w2 = [torch.randn(h, f, requires_grad=True) for _ in range(num_experts)]
+    b1 = [torch.randn(2 * f, requires_grad=True) for _ in range(num_experts)]
+    b2 = [torch.randn(h, requires_grad=True) for _ in range(num_experts)]
+    with _CountOps() as c:
+        grouped_mlp(act, x, probs, counts, w1, w2, b1, b2).sum().backward()
+    assert all(w.grad is not None for w in w1 + w2 + b1 + b2)
+    return sorted(c.ops)
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_grouped_launches_do_not_grow_with_experts(monkeypatch, mutate):
+    """The same aten ops (kernel launches) for 4 and 16 experts, forward and backward; the expert
+    loop (one linear per group, as megatron-core's SequentialMLP) grows with them."""
+    import torch
+
+    from megatron_moe.moe import grouped_experts as G
+
+    if mutate:
+        class Loop:
+            @staticmethod
+            def apply(x, offs, *weights):
+                starts = [0] + offs.tolist()[:-1]
+                return torch.cat([x[s:e] @ w.t() for s, e, w in zip(starts, offs.tolist(), weights)])
+        monkeypatch.setattr(G, "_GroupedLinear", Loop)
+    few, many = _grouped_ops(4), _grouped_ops(16)
+    assert (few == many) != mutate, (len(few), len(many))

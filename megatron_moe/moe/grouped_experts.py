@@ -120,8 +120,8 @@ def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None):
     offs = torch.cumsum(counts, 0).to(torch.int32)
     ids = None
     if b1 is not None or b2 is not None:
-        b1 = None if b1 is None else torch.stack(b1)
-        b2 = None if b2 is None else torch.stack(b2)
+        b1 = None if b1 is None else _Stack.apply(*b1)
+        b2 = None if b2 is None else _Stack.apply(*b2)
         ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
                                       output_size=x.shape[0])
     h = _GroupedLinear.apply(x, offs, *w1)
@@ -152,8 +152,23 @@ class _GroupedLinear(torch.autograd.Function):
         grad = _aligned(grad)
         w = torch.stack(weights)                                             # [G, out, in]
         dx = torch.nn.functional.grouped_mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
-        dw = torch.nn.functional.grouped_mm(x.t(), grad, offs=offs).transpose(1, 2)
+        # [G, out, in] directly (not the transpose of [G, in, out]): each expert's gradient is then
+        # a contiguous slice, which autograd takes as the parameter's grad without a copy
+        dw = torch.nn.functional.grouped_mm(grad.t(), x, offs=offs)
         return (dx, None, *dw.unbind(0))
+
+
+class _Stack(torch.autograd.Function):
+    """``torch.stack`` whose backward is one ``unbind`` (torch's own selects once per tensor: a
+    launch per expert in the backward of the biases)."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return torch.stack(tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
 
 
 def stacked(experts, name: str):
