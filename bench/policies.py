@@ -9,7 +9,7 @@ the papers' headline numbers.  The simulator's absolute times are modelled, not 
 ratios, and calibrate with ``--profile`` (the balance calibration JSON) for a real machine.
 
 (a) trains a small GPT-MoE (2 layers, hidden 128, 4 experts, top-2) on 2 gloo ranks with the balance
-engineer's BalancedMoELayer for every policy, skewed (frozen zero router: every input to rank 0's
+engineer's balanced MoE layer for every policy, skewed (frozen zero router: every input to rank 0's
 experts) and learned routing, and prints tokens/s and the ratio to policy none from the same run.
 
     python bench/policies.py                       # (a) if available + (b) with defaults
@@ -59,9 +59,9 @@ POLICIES_A = ["none", "fastermoe", "flexmoe", "proprophet"]
 
 
 def part_a(args, profile=None):
-    print("== (a) real 2-rank training throughput per policy (gloo, CPU, BalancedMoELayer, skewed router)")
+    print("== (a) real 2-rank training throughput per policy (gloo, CPU, the balanced MoE layer, skewed router)")
     try:
-        from megatron_moe.balance.layer import BalancedMoELayer  # noqa: F401
+        from megatron_moe.balance.layer import ReplicaPlacement  # noqa: F401
         from megatron_moe.runtime.local_ranks import run_distributed
         from tests import _policy_bench
     except Exception as exc:   # the balance layer is the balance engineer's

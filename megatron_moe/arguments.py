@@ -407,8 +407,6 @@ def validate_args(args, check_data_paths=True, training=True):
         if args.moe_shared_expert_intermediate_size is not None and args.add_bias_linear:
             raise ValueError("--moe-shared-expert-intermediate-size needs --disable-bias-linear "
                              "(megatron-core's shared experts have no biases)")
-        if args.moe_grouped_gemm and not _cuda_available():
-            raise ValueError("--moe-grouped-gemm needs CUDA (grouped_gemm or Transformer Engine)")
         if args.moe_token_dispatcher_type == "flex" and not _cuda_available():
             raise ValueError("--moe-token-dispatcher-type flex needs CUDA and DeepEP/HybridEP")
     if tp == 1 and args.sequence_parallel:

@@ -37,7 +37,7 @@ FEATURES = (
     dispatcher,           # --moe-permute-fusion, chunked overlapped exchange
     topo_router,          # --moe-router-topology (its flags are comm's)
     balance,              # --moe-balance-policy: expert replication (Pro-Prophet, FasterMoE, FlexMoE)
-    grouped_experts,      # --moe-torch-grouped-gemm
+    grouped_experts,      # --moe-grouped-gemm on the local path: torch grouped_mm experts
     offload,              # --moe-expert-offload host|ssd
     dist_signal_handler,  # --exit-signal, --exit-duration-in-mins
     wandb_writer,         # --wandb-project, --wandb-exp-name, ...

@@ -1,4 +1,4 @@
-"""Spawned-rank bodies for tests/test_balance*.py (BalancedMoELayer vs stock megatron-core EP)."""
+"""Spawned-rank bodies for tests/test_balance*.py (the balanced MoE layer vs stock megatron-core EP)."""
 
 from __future__ import annotations
 

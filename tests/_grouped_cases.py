@@ -1,30 +1,151 @@
-"""Spawned-rank body for tests/test_grouped_experts.py: pretrain() runs (tests/_offload_cases.run)
-with the grouped experts' call counter read after each, and an optional planted fault in the grouped
-path (each expert's token group shifted by one row) that the equality must catch."""
+"""Spawned-rank body for tests/test_grouped_experts.py and tests/test_grouped_features.py: pretrain()
+runs (tests/_offload_cases.run) with the grouped experts' counters read after each, and optional
+planted faults in the grouped path that the equality must catch:
+
+* ``shift``: each expert's token group shifted by one row (the first group one row short);
+* ``detach_replicas``: the balance replicas' weights stacked detached, so their gradients never
+  reach the Trans'd tensors (and Agg sums zeros into the owners);
+* ``skip_rebind``: the expert offload's backward re-bind of a layer's parameters left out;
+* ``one_bias``: every group adds the first expert's biases.
+
+A run with a planted fault may stop (a NaN loss exits 1): its exit code or error is returned.
+"""
 
 from __future__ import annotations
 
+import contextlib
 
-def run_counted(rank, world, argvs, plant_shift=None):
+
+@contextlib.contextmanager
+def _planted(name):
     import torch
 
+    from megatron_moe.moe import grouped_experts as G
+
+    if name is None:
+        yield
+        return
+    if name == "shift":
+        orig = torch.nn.functional.grouped_mm
+
+        def shifted(a, b, *, offs=None, **kw):
+            offs = offs.clone()
+            offs[0] -= 1
+            return orig(a, b, offs=offs, **kw)
+        torch.nn.functional.grouped_mm = shifted
+        try:
+            yield
+        finally:
+            torch.nn.functional.grouped_mm = orig
+        return
+    if name == "skip_rebind":
+        # the expert offload's backward re-bind left out: backward must then read the NaN-filled
+        # placeholders (grouped experts save the parameters, not a copy of them)
+        from megatron_moe.offload import manager
+
+        orig_bind = manager.ExpertOffload._bind
+
+        def _bind(self, layer, upcoming, phase="forward"):
+            if phase != "backward":
+                return orig_bind(self, layer, upcoming, phase)
+            layer.bind = lambda tensors: None
+            try:
+                return orig_bind(self, layer, upcoming, phase)
+            finally:
+                del layer.bind
+        manager.ExpertOffload._bind = _bind
+        try:
+            yield
+        finally:
+            manager.ExpertOffload._bind = orig_bind
+        return
+    if name == "one_bias":
+        # every group gets the first expert's biases. (Not a permutation of the experts' biases:
+        # from their zero init that is only a relabelling of parameters, and trains identically.)
+        orig_stacked = G.stacked
+
+        def stacked(experts, pname):
+            out = orig_stacked(experts, pname)
+            return [out[0]] * len(out) if out is not None and pname.endswith("bias") else out
+        G.stacked = stacked
+        try:
+            yield
+        finally:
+            G.stacked = orig_stacked
+        return
+    assert name == "detach_replicas", name
+    orig_stacked = G.stacked
+
+    def stacked(experts, pname):
+        return orig_stacked([e if isinstance(e, torch.nn.Module) else
+                             {k: v.detach() for k, v in e.items()} for e in experts], pname)
+    G.stacked = stacked
+    try:
+        yield
+    finally:
+        G.stacked = orig_stacked
+
+
+def run_counted(rank, world, argvs, plant_shift=None, mutations=None, skew=None):
+    """``mutations[k]``: the fault planted in run k (``plant_shift=k`` is ``{k: "shift"}``);
+    ``skew=(strength, period)``: a hot expert that moves (tests/_flexmoe_persistent_cases), so the
+    balance policies replicate at this tiny size."""
     from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
     from tests._offload_cases import run
 
+    mutations = dict(mutations or {})
+    if plant_shift is not None:
+        mutations[plant_shift] = "shift"
+    if skew is not None:
+        from tests._flexmoe_persistent_cases import _patch_router
+
+        _patch_router(*skew)
     out = []
-    orig = torch.nn.functional.grouped_mm
     for k, argv in enumerate(argvs):
-        before = GroupedSequentialMLP.grouped_calls
-        if k == plant_shift:  # the first group one row short, the second one row long
-            def shifted(a, b, *, offs=None, **kw):
-                offs = offs.clone()
-                offs[0] -= 1
-                return orig(a, b, offs=offs, **kw)
-            torch.nn.functional.grouped_mm = shifted
-        try:
-            res = run(rank, world, argv)
-        finally:
-            torch.nn.functional.grouped_mm = orig
-        res["grouped_calls"] = GroupedSequentialMLP.grouped_calls - before
+        calls, replicas = GroupedSequentialMLP.grouped_calls, GroupedSequentialMLP.replica_groups
+        with _planted(mutations.get(k)):
+            try:
+                res = run(rank, world, argv)
+            except SystemExit as exc:
+                if mutations.get(k) is None:
+                    raise
+                res = {"exit": exc.code}
+            except Exception as exc:    # e.g. a NaN placeholder reached a check
+                if mutations.get(k) is None:
+                    raise
+                res = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        res["grouped_calls"] = GroupedSequentialMLP.grouped_calls - calls
+        res["replica_groups"] = GroupedSequentialMLP.replica_groups - replicas
         out.append({k2: v for k2, v in res.items() if k2 != "lines"})
+    return out
+
+
+def ring_logits(rank, world, argv, probe, slots):
+    """Inference from a checkpoint (tools/generate.py's setup): fp32 logits of ``probe`` resident,
+    through the ring memory (K slots, NaN fill: every layer streamed), through the ring with only
+    the active experts copied, and (grouped experts) the ring with a token group shifted."""
+    from megatron_moe.inference.engine import setup_model
+    from megatron_moe.inference.ring_memory import RingMemory
+    from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
+    from tests._inference_cases import _args, _logits
+    from tools.generate import add_text_generate_args
+
+    args = _args(argv, add_text_generate_args)
+    model, _, _ = setup_model(args)
+    calls = GroupedSequentialMLP.grouped_calls
+    out = {"resident": _logits(model, probe)}
+    ring = RingMemory(model, slots=slots, debug=True)
+    out["ring"] = _logits(model, probe)
+    out["ring_stats"] = ring.stats()
+    ring.close()
+    ring = RingMemory(model, slots=slots, debug=True, experts="active")
+    out["active"] = _logits(model, probe)
+    out["active_stats"] = ring.stats()
+    ring.close()
+    out["grouped_calls"] = GroupedSequentialMLP.grouped_calls - calls
+    if out["grouped_calls"]:
+        ring = RingMemory(model, slots=slots, debug=True)
+        with _planted("shift"):
+            out["ring_shifted"] = _logits(model, probe)
+        ring.close()
     return out

@@ -1,5 +1,5 @@
 """Spawned-rank bodies for tests/test_fastermoe_equivalence.py and test_flexmoe_equivalence.py:
-the FasterMoE / FlexMoE policies drive the balance engineer's BalancedMoELayer in training, and one
+the FasterMoE / FlexMoE policies drive the balanced MoE layer in training, and one
 iteration per placement must match plain megatron-core EP (loss, grads, updated params)."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ register_policy(RandomFlex)
 
 def policy_equivalence_rank(rank, world, cases):
     """For each case (policy, topk, iters): the reference is stock megatron-core EP; ours runs
-    BalancedMoELayer with the policy planning every iteration's placement from the previous counts.
+    The balanced MoE layer with the policy planning every iteration's placement from the previous counts.
     Returns per-case worst |loss|, grad and updated-param differences and the replicas used."""
     import torch
     from megatron.core import parallel_state as ps

@@ -1,4 +1,4 @@
-"""BalancedMoELayer == plain megatron-core EP for any placement (design note 5.3, items 14-18),
+"""The balanced MoE layer == plain megatron-core EP for any placement (design note 5.3, items 14-18),
 and the scheduler's ordering invariants read from the event log (5.4, item 21)."""
 
 from megatron_moe.runtime.local_ranks import run_distributed

@@ -104,20 +104,25 @@ def test_customize_spec_swaps_moe_layers_in_block_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_moe.balance import customize_spec
-    from megatron_moe.balance.layer import BalancedMoELayer
-    from megatron_moe.compat import replace_spec, spec_module  # ModuleSpec or partial (mcore >= 0.18)
+    from megatron_moe.balance import customize_spec, validate_args
+    from megatron_moe.balance.layer import ReplicaPlacement
+    from megatron_moe.compat import replace_spec, spec_module, spec_params  # ModuleSpec or partial
+    from megatron_moe.moe.layer import MoELayer as OurMoELayer
 
     a = add_arguments(argparse.ArgumentParser()).parse_args(["--moe-balance-policy", "proprophet"])
     a.num_experts = 4
     block = SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4), get_gpt_layer_local_spec()])
     dense_mlp = spec_module(block.layer_specs[1].submodules.mlp)
     customize_spec(a, block)
-    assert spec_module(block.layer_specs[0].submodules.mlp) is BalancedMoELayer
+    assert spec_module(block.layer_specs[0].submodules.mlp) is OurMoELayer
+    assert isinstance(spec_params(block.layer_specs[0].submodules.mlp)["placement"], ReplicaPlacement)
     assert spec_module(block.layer_specs[1].submodules.mlp) is dense_mlp
-    a.moe_grouped_gemm = True
+    a.moe_grouped_gemm = True    # TE's grouped experts are refused; the local ones run replicas
+    a.transformer_impl = "transformer_engine"
     with pytest.raises(ValueError, match="--moe-grouped-gemm"):
-        customize_spec(a, SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4)]))
+        validate_args(a)
+    a.transformer_impl = "local"
+    validate_args(a)
     class Other(MoELayer):
         pass
     a.moe_grouped_gemm = False

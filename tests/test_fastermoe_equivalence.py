@@ -1,4 +1,4 @@
-"""FasterMoE shadowing in training: BalancedMoELayer with the policy's placements == plain EP."""
+"""FasterMoE shadowing in training: the balanced MoE layer (megatron_moe/moe/layer.py with the replica placement) with the policy's placements == plain EP."""
 
 from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _policy_cases

@@ -1,4 +1,4 @@
-"""FlexMoE in training == plain EP: BalancedMoELayer executes the policy's vExpert placement with the
+"""FlexMoE in training == plain EP: the balanced MoE layer executes the policy's vExpert placement with the
 flexible token router (local vExperts first, overflow spread over the other replicas by spare
 capacity, design note 2.7 with the sign fix), replicas transient (Trans/Agg every iteration)."""
 

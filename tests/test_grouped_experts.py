@@ -1,8 +1,9 @@
-"""--moe-torch-grouped-gemm (megatron_moe/moe/grouped_experts.py): the experts of the local path as
-two torch grouped GEMMs per layer. In the real pretrain() loop on 2 gloo ranks with EP=2 (2 local
-experts each), SwiGLU, bf16: losses and grad norms equal megatron-core's SequentialMLP loop bit for
-bit, the grouped path ran (its call counter), a checkpoint written by the grouped run resumes under
-the loop with the straight run's numbers (same parameters and layout), the same holds inside the
+"""--moe-grouped-gemm on the local path (megatron_moe/moe/grouped_experts.py; alias
+--moe-torch-grouped-gemm): the experts as two torch grouped GEMMs per layer. In the real pretrain()
+loop on 2 gloo ranks with EP=2 (2 local experts each), SwiGLU, bf16: losses and grad norms equal
+megatron-core's SequentialMLP loop bit for bit, the grouped path ran (its call counter), a
+checkpoint written by the grouped run resumes under the loop with the straight run's numbers and one
+written by the loop resumes under the grouped experts (same parameters and layout), the same holds inside the
 chunked MoE layer (--moe-a2a-overlap-degree 2), and a planted fault (each expert's token group
 shifted by one row) breaks the equality. Plus the parse-time refusals."""
 
@@ -23,45 +24,71 @@ def _argv(iters, *extra):
 
 
 def test_grouped_experts_equal_the_loop_and_share_its_checkpoints(tmp_path):
-    g = "--moe-torch-grouped-gemm"
-    ck = str(tmp_path / "ck")
+    g = "--moe-grouped-gemm"
+    ck, ck2 = str(tmp_path / "ck"), str(tmp_path / "ck2")
     runs = [_argv(4),                                                  # 0 loop
             _argv(4, g),                                               # 1 grouped
             _argv(4, g, "--save", ck, "--exit-interval", "2"),         # 2 grouped 1-2, saved
             _argv(4, "--load", ck),                                    # 3 loop 3-4 from it
             _argv(2, g),                                               # 4 planted fault
             _argv(2, "--moe-a2a-overlap-degree", "2"),                 # 5 chunked layer, loop
-            _argv(2, g, "--moe-a2a-overlap-degree", "2")]              # 6 chunked layer, grouped
-    out = run_distributed(G.run_counted, 2, runs, 4, timeout_s=400)
+            _argv(2, g, "--moe-a2a-overlap-degree", "2"),              # 6 chunked layer, grouped
+            _argv(4, "--save", ck2, "--exit-interval", "2"),           # 7 loop 1-2, saved
+            _argv(4, "--moe-torch-grouped-gemm", "--load", ck2)]       # 8 grouped (alias) 3-4 from it
+    out = run_distributed(G.run_counted, 2, runs, 4, timeout_s=500)
     r = out[-1]
     h = lambda k, key="lm_loss": r[k]["history"][key]
     assert len(h(0)) == 4 and all(x == x for x in h(0))
     assert h(1) == h(0) and h(1, "grad_norm") == h(0, "grad_norm")
     assert h(2) == h(0)[:2] and h(3) == h(0)[2:] and h(3, "grad_norm") == h(0, "grad_norm")[2:]
+    assert h(7) == h(0)[:2] and h(8) == h(0)[2:] and h(8, "grad_norm") == h(0, "grad_norm")[2:]
     # 2 layers x 2 micro-batches (global 8 / micro 2 / DP 2) per step
     for rank_out in out:
         assert rank_out[0]["grouped_calls"] == 0 and rank_out[3]["grouped_calls"] == 0
+        assert rank_out[7]["grouped_calls"] == 0
         assert rank_out[1]["grouped_calls"] == 2 * 2 * 4
         assert rank_out[2]["grouped_calls"] == 2 * 2 * 2 and rank_out[4]["grouped_calls"] > 0
+        assert rank_out[8]["grouped_calls"] == 2 * 2 * 2
     assert h(4) != h(0)[:2]
     assert h(6) == h(5) and h(6, "grad_norm") == h(5, "grad_norm") and r[6]["grouped_calls"] > 0
 
 
+def test_local_grouped_gemm_keeps_megatron_cores_config_flag_off():
+    """On the local path --moe-grouped-gemm must not reach megatron-core's TransformerConfig (its
+    0.16 local spec would build the legacy GroupedMLP, which needs the grouped_gemm package): the
+    spec keeps SequentialMLP and our hook swaps in GroupedSequentialMLP."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_moe import arguments
+    from megatron_moe.compat import spec_module, spec_submodules
+    from megatron_moe.models.builder import transformer_config_from_args
+    from megatron_moe.moe.grouped_experts import GroupedSequentialMLP, customize_spec
+
+    for flag in ("--moe-grouped-gemm", "--moe-torch-grouped-gemm"):
+        args = arguments.parse_args(_argv(2, flag), world_size=2)
+        assert args.moe_grouped_gemm and args.transformer_impl == "local"
+        config = transformer_config_from_args(args)
+        assert config.moe_grouped_gemm is False
+        spec = customize_spec(args, get_gpt_layer_local_spec(
+            num_experts=4, moe_grouped_gemm=config.moe_grouped_gemm))
+        experts = spec_submodules(spec.submodules.mlp).experts
+        assert spec_module(experts) is GroupedSequentialMLP
+
+
+@pytest.mark.parametrize("flag", ["--moe-grouped-gemm", "--moe-torch-grouped-gemm"])
 @pytest.mark.parametrize("extra, message", [
-    ("--add-bias-linear", "--add-bias-linear"),
-    ("--expert-tensor-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
-     "--expert-tensor-parallel-size 1"),
-    ("--moe-balance-policy proprophet", "--moe-balance-policy"),
-    ("--moe-expert-offload host", "--moe-expert-offload"),
+    ("--moe-ffn-hidden-size 24 --expert-tensor-parallel-size 2 --tensor-model-parallel-size 2 "
+     "--sequence-parallel", "--moe-ffn-hidden-size (per expert-tensor-parallel rank) a multiple of 8"),
+    ("--hidden-size 36 --num-attention-heads 4", "--hidden-size (per expert-tensor-parallel rank) a multiple of 8"),
 ])
-def test_refusals(extra, message, capsys):
+def test_refusals(flag, extra, message, capsys):
     from megatron_moe import arguments
 
-    argv = _argv(2, "--moe-torch-grouped-gemm", *extra.split())
+    argv = _argv(2, flag, *extra.split())
     with pytest.raises(SystemExit):
         arguments.parse_args(argv, world_size=4)
     err = capsys.readouterr().err
-    assert "--moe-torch-grouped-gemm" in err and message in err, err
+    assert flag in err and message in err, err
 
 
 def test_a_misaligned_chunk_is_copied_for_grouped_mm():
@@ -84,3 +111,81 @@ def test_a_misaligned_chunk_is_copied_for_grouped_mm():
     assert torch.equal(out, torch.cat([x[:5] @ w[0], x[5:] @ w[1]]))
     y = torch.randn(16, 8, dtype=torch.bfloat16)
     assert _aligned(y) is y                     # aligned and contiguous: no copy
+
+
+# ops that only make a new tensor header (no kernel): autograd hands each parameter its grad through
+# a detach, one per parameter in the loop and the grouped path alike
+_NO_KERNEL = {"detach", "alias", "view", "_unsafe_view", "t", "transpose", "select", "slice",
+              "unbind", "expand", "as_strided", "unsqueeze", "squeeze", "permute"}
+
+
+class _CountOps:
+    """Counts the aten ops dispatched that launch a kernel on a device, while active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket.__name__ not in _NO_KERNEL:
+                    ops.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _grouped_ops(num_experts):
+    """aten ops of grouped_mlp forward + backward (SwiGLU, biases) over ``num_experts`` groups."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_moe.moe.grouped_experts import _Given, grouped_mlp
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True)
+    act = MLP.__new__(MLP)                     # the activation part only (no process group needed)
+    torch.nn.Module.__init__(act)
+    act.config, act.activation_func = cfg, F.silu
+    act.linear_fc1, act.linear_fc2 = _Given(), _Given()
+    h, f = 16, 8
+    counts = torch.randint(0, 6, (num_experts,))
+    n = int(counts.sum())
+    x = torch.randn(n, h, requires_grad=True)
+    probs = torch.rand(n)
+    w1 = [torch.randn(2 * f, h, requires_grad=True) for _ in range(num_experts)]
+    w2 = [torch.randn(h, f, requires_grad=True) for _ in range(num_experts)]
+    b1 = [torch.randn(2 * f, requires_grad=True) for _ in range(num_experts)]
+    b2 = [torch.randn(h, requires_grad=True) for _ in range(num_experts)]
+    with _CountOps() as c:
+        grouped_mlp(act, x, probs, counts, w1, w2, b1, b2).sum().backward()
+    assert all(w.grad is not None for w in w1 + w2 + b1 + b2)
+    return sorted(c.ops)
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_grouped_launches_do_not_grow_with_experts(monkeypatch, mutate):
+    """The same aten ops (kernel launches) for 4 and 16 experts, forward and backward; the expert
+    loop (one linear per group, as megatron-core's SequentialMLP) grows with them."""
+    import torch
+
+    from megatron_moe.moe import grouped_experts as G
+
+    if mutate:
+        class Loop:
+            @staticmethod
+            def apply(x, offs, *weights):
+                starts = [0] + offs.tolist()[:-1]
+                return torch.cat([x[s:e] @ w.t() for s, e, w in zip(starts, offs.tolist(), weights)])
+        monkeypatch.setattr(G, "_GroupedLinear", Loop)
+    few, many = _grouped_ops(4), _grouped_ops(16)
+    assert (few == many) != mutate, (len(few), len(many))

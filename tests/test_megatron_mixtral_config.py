@@ -1,7 +1,8 @@
 """Megatron-LM's own Mixtral launch configuration (examples/mixtral/train_mixtral_8x7b_distributed.sh
-at core_v0.16.1, its flag arrays below) with only the sizes overridden and --moe-grouped-gemm (a GPU
-kernel) dropped, on 2 CPU ranks with pretrain_gpt_moe.py: trains, saves, resumes exactly and
-generates with tools/generate.py.
+at core_v0.16.1, its flag arrays below) with only the sizes overridden, on 2 CPU ranks with
+pretrain_gpt_moe.py: trains, saves, resumes exactly and generates with tools/generate.py. Its
+--moe-grouped-gemm runs without Transformer Engine as torch grouped_mm experts
+(megatron_moe/moe/grouped_experts.py).
 
 Substitutions, each stated: --split 99990,8,2 becomes 98,2,0 for the 120-document corpus (a data
 size: Megatron's split leaves it no validation document). The exact resume runs without the
@@ -54,7 +55,7 @@ SIZES = {  # the only values changed: a 2-layer model on 2 CPU ranks for ITERS i
     # validation split would hold no document (megatron-core's index builder then never ends)
     "--split": "98,2,0",
 }
-DROPPED = {"--moe-grouped-gemm"}          # GPU-only kernel (refused on CPU at parse time)
+DROPPED = set()                           # no flag dropped (--moe-grouped-gemm: torch grouped_mm)
 
 
 def mixtral_argv(paths, drop=()):
@@ -93,11 +94,13 @@ def test_the_configuration_is_megatrons_with_only_sizes_changed(data):
     flags_in = [w for w in original if w.startswith("--")]
     flags_out = [w for w in argv if w.startswith("--")]
     assert flags_out == [f for f in flags_in if f not in DROPPED]
-    # with --moe-grouped-gemm the CPU run is refused at parse time, naming the flag
+    # --moe-grouped-gemm on the local path: torch grouped_mm experts, megatron-core's flag off
     from megatron_moe.arguments import parse_args
+    from megatron_moe.moe.grouped_experts import local_grouped
 
-    with pytest.raises(SystemExit):
-        parse_args(argv + ["--moe-grouped-gemm"], world_size=2)
+    assert "--moe-grouped-gemm" in argv
+    args = parse_args(argv, world_size=2, check_data_paths=False)
+    assert args.transformer_impl == "local" and local_grouped(args)
 
 
 EXACT_DROP = ("--no-load-optim", "--no-load-rng")

@@ -2,7 +2,7 @@
 
 A feature (megatron_moe/features.py): its flags, checks, spec edit and run hooks; the run calls
 
-    spec = balance.customize_spec(args, spec)          # MoELayer -> BalancedMoELayer in the layer spec
+    spec = balance.customize_spec(args, spec)          # the replica placement into the MoE layer spec
     mgr = balance.run_hooks(args, model_chunks, optimizer)  # a BalanceManager, after the model is built
     ... forward/backward of all micro-batches ...
     mgr.set_optimizer(optimizer)                       # FlexMoE persistent replicas (else transient)
@@ -111,14 +111,21 @@ def setting(args):
     return f"--moe-balance-policy {policy}" if policy != "none" else "--moe-routing-trace-dir"
 
 
+def _te_grouped_gemm(args) -> bool:
+    return bool(getattr(args, "moe_grouped_gemm", False)) and \
+        getattr(args, "transformer_impl", None) == "transformer_engine"
+
+
 _WHOLE_TOKENS = "the balanced layer exchanges whole tokens over the expert-parallel group"
-_OWN_EXCHANGE = "the balanced layer needs SequentialMLP experts and its own token exchange"
+_OWN_EXCHANGE = "the balanced layer needs its own token exchange over whole expert inputs"
 # the configurations the balanced layer cannot run, which it would otherwise hand silently to the
 # stock layer
 EXCLUDES = (
     Exclusion("--tensor-model-parallel-size", _WHOLE_TOKENS, needs_one=True),
     Exclusion("--expert-tensor-parallel-size", _WHOLE_TOKENS, needs_one=True),
-    Exclusion("--moe-grouped-gemm", _OWN_EXCHANGE),
+    # on the local path the grouped experts run the replicas as extra groups; TE's TEGroupedMLP cannot
+    Exclusion("--moe-grouped-gemm", "on Transformer Engine (TEGroupedMLP); --transformer-impl local "
+              "runs the replicas as extra groups", is_set=_te_grouped_gemm),
     Exclusion("--moe-pad-expert-input-to-capacity", _OWN_EXCHANGE),
     Exclusion("--moe-shared-expert-overlap", _OWN_EXCHANGE),
     Exclusion("--moe-latent-size", _OWN_EXCHANGE),
@@ -128,29 +135,19 @@ EXCLUDES = (
 
 
 def install(args, layer_spec, force: bool = False):
-    """Swap megatron-core's MoELayer for BalancedMoELayer in a GPT layer spec (0.16.x ModuleSpec
-    or a TransformerBlockSubmodules with ``layer_specs``). A no-op with policy none and no trace dir
-    unless ``force``."""
+    """Inject the replica placement into every MoE layer of a GPT layer spec (0.16.x ModuleSpec or a
+    TransformerBlockSubmodules with ``layer_specs``): megatron_moe.moe.layer.MoELayer with
+    ``placement=ReplicaPlacement()`` and the process's exchange choice. A no-op with policy none and
+    no trace dir unless ``force``."""
     _check_args(args)
     if not force and args.moe_balance_policy == "none" and not args.moe_routing_trace_dir:
         return layer_spec
-    if args.moe_balance_policy != "none" and getattr(args, "moe_grouped_gemm", False):
-        raise ValueError("--moe-balance-policy needs SequentialMLP experts: drop --moe-grouped-gemm")
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron_moe.balance.layer import ReplicaPlacement
+    from megatron_moe.moe.dispatcher import exchange_config
+    from megatron_moe.moe.layer import use_layer
 
-    from megatron_moe.balance.layer import BalancedMoELayer
-    from megatron_moe.compat import replace_spec, spec_module
-
-    specs = getattr(layer_spec, "layer_specs", None) or [layer_spec]
-    for spec in specs:
-        mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
-        cls = spec_module(mlp)  # a ModuleSpec or (megatron-core >= 0.18) a partial
-        if cls is MoELayer:
-            spec.submodules.mlp = replace_spec(mlp, module=BalancedMoELayer)
-        elif isinstance(cls, type) and issubclass(cls, MoELayer) and not issubclass(cls, BalancedMoELayer):
-            raise ValueError(f"--moe-balance-policy {args.moe_balance_policy}: the MoE layer class is "
-                             f"already customised ({cls.__module__}.{cls.__name__}); cannot combine")
-    return layer_spec
+    return use_layer(layer_spec, f"--moe-balance-policy {args.moe_balance_policy}",
+                     exchange=exchange_config(), placement=ReplicaPlacement())
 
 
 def customize_spec(args, spec):
@@ -172,7 +169,7 @@ def run_hooks(args, model, optimizer=None, tracker=None):
 
 
 class BalanceManager:
-    """Owns the stats, the policy, the scheduler and the trace writer for every BalancedMoELayer."""
+    """Owns the stats, the policy, the scheduler and the trace writer for every balanced MoE layer."""
 
     def __init__(self, args, model_chunks, num_microbatches: Optional[int] = None, log=None, tracker=None):
         # ``tracker`` (the lead's ExpertLoadTracker) is accepted but not needed: the layer all-gathers
@@ -180,7 +177,6 @@ class BalanceManager:
         import torch.distributed as dist
 
         from megatron_moe.balance.cost_model import CostModel
-        from megatron_moe.balance.layer import BalancedMoELayer
         from megatron_moe.balance.policies.base import make_policy
         from megatron_moe.balance.scheduler import BalanceScheduler, EventLog
         from megatron_moe.balance.stats import RoutingStats
@@ -188,7 +184,10 @@ class BalanceManager:
         _check_args(args)
         self.args = args
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        layers = [m for c in chunks for m in c.modules() if isinstance(m, BalancedMoELayer)]
+        from megatron_moe.moe.layer import MoELayer
+
+        layers = [m for c in chunks for m in c.modules()
+                  if isinstance(m, MoELayer) and m.placement is not None]
         if args.moe_balance_policy != "none":
             bad = [m.layer_number for m in layers if m.balance is None]
             if bad:

@@ -1,7 +1,8 @@
-"""``BalancedMoELayer``: megatron-core 0.16.1's ``MoELayer`` with lightweight expert replication.
+"""``ReplicaPlacement``: the MoE layer (megatron_moe/moe/layer.py) with lightweight expert replication.
 
-The router, the experts (``SequentialMLP``) and the shared experts are megatron-core's; only the
-token dispatch is ours (all-to-all over the EP group with autograd), because a token whose source
+Injected into the one MoE layer as its ``placement`` by ``balance.install``. The router, the
+experts (``SequentialMLP``) and the shared experts are megatron-core's; only the token dispatch is
+ours (all-to-all over the EP group with autograd), because a token whose source
 rank holds a replica of its expert must be computed there and never sent:
 
 1. route (megatron-core router, aux losses unchanged); all-gather the local per-expert counts over
@@ -17,7 +18,9 @@ rank holds a replica of its expert must be computed there and never sent:
    ``--moe-a2a-compression`` (tokens compressed both ways; probs, one float per row, exact);
 3. each computed expert runs once on [its local pairs ; pairs received from each source rank]:
    owned experts with their own parameters, replicas with ``torch.func.functional_call`` on the
-   Trans'd tensors; the probs are passed as the expert's per-token scale exactly as SequentialMLP;
+   Trans'd tensors; the probs are passed as the expert's per-token scale exactly as SequentialMLP.
+   With grouped experts (``--moe-grouped-gemm`` on the local path) all of them are one grouped
+   call per linear, the replicas extra groups of it;
 4. the outputs go back (reverse all_to_all, same algorithm and compressor) and are summed per token
    with the dispatcher's ``unpermute``.
 
@@ -32,172 +35,200 @@ from typing import Optional
 
 import numpy as np
 import torch
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megatron_moe import comm
 from megatron_moe.balance.cost_model import a2a_crosses
 from megatron_moe.balance.placement import LayerBalance
+from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
 
-__all__ = ["BalancedMoELayer"]
+__all__ = ["ReplicaPlacement"]
 
 
-class BalancedMoELayer(MoELayer):
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kw):
-        # TransformerLayer passes no pg_collection to MoELayer subclasses (identity check in 0.16.1).
-        pg_collection = pg_collection or get_default_pg_collection()
-        super().__init__(config, submodules, layer_number, pg_collection, **kw)
-        self.ep_group = pg_collection.ep
-        self.balance_supported = (
-            pg_collection.tp.size() == 1 and getattr(pg_collection, "expt_tp", pg_collection.tp).size() == 1
-            and not config.moe_latent_size and hasattr(self.experts, "local_experts")
-            and not getattr(self, "shared_expert_overlap", False)
-            and not config.moe_pad_expert_input_to_capacity)
-        self.balance: Optional[LayerBalance] = None
-        if self.balance_supported:
-            self.balance = LayerBalance(self.experts, layer_number, config.num_moe_experts, self.ep_group)
+class ReplicaPlacement:
+    """The placement injected into megatron_moe.moe.layer.MoELayer (``placement=``) under
+    ``--moe-balance-policy`` / ``--moe-routing-trace-dir``: attaches the layer's ``LayerBalance``
+    (the replicas, Trans / Agg, the counts) and runs the layer's dispatch -> experts -> combine
+    middle by the placement's dispatch matrix. Stateless: one instance serves every layer."""
 
-    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+    @staticmethod
+    def supported(layer, pg_collection) -> bool:
+        config = layer.config
+        return (pg_collection.tp.size() == 1
+                and getattr(pg_collection, "expt_tp", pg_collection.tp).size() == 1
+                and not config.moe_latent_size and hasattr(layer.experts, "local_experts")
+                and not getattr(layer, "shared_expert_overlap", False)
+                and not config.moe_pad_expert_input_to_capacity)
+
+    def attach(self, layer, pg_collection) -> Optional[LayerBalance]:
+        """The layer's balance runtime, or None where the replica dispatch cannot run (the layer is
+        then megatron-core's; BalanceManager refuses it under a policy)."""
+        if not self.supported(layer, pg_collection):
+            return None
+        return LayerBalance(layer.experts, layer.layer_number, layer.config.num_moe_experts,
+                            layer.ep_group)
+
+    def forward(self, layer, hidden_states, intermediate_tensors=None, padding_mask=None):
         with comm.strict.hot_path():
-            return self._forward(hidden_states, intermediate_tensors, padding_mask)
+            return _balanced_forward(layer, hidden_states, intermediate_tensors, padding_mask)
 
-    def _forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        st = self.balance
-        if st is None:
-            return super().forward(hidden_states, intermediate_tensors, padding_mask)
-        if st.layer_number is None:
-            st.layer_number = self.layer_number
-        sched = st.scheduler
-        if sched is not None:
-            sched.on_layer_forward(st, self.training)
-        else:
-            st.begin_forward(None, self.training)
-        if padding_mask is not None:
-            padding_mask = padding_mask.transpose(0, 1).bool()
-        probs, routing_map = self.route(hidden_states, padding_mask)
-        shared = self.shared_experts_compute(hidden_states) if self.use_shared_expert else None
-        out = self._experts(hidden_states, probs, routing_map)
-        if shared is not None:
-            out = out + shared
-        if sched is not None:
-            sched.after_layer_forward(st)
-        return out, None
 
-    def _experts(self, hidden_states, probs, routing_map):
-        from megatron_moe.moe.dispatcher import exchange_config, permute_fns
+def _balanced_forward(layer, hidden_states, intermediate_tensors=None, padding_mask=None):
+    st = layer.balance
+    if st is None:
+        return layer.stock_forward(hidden_states, intermediate_tensors, padding_mask)
+    if st.layer_number is None:
+        st.layer_number = layer.layer_number
+    sched = st.scheduler
+    if sched is not None:
+        sched.on_layer_forward(st, layer.training)
+    else:
+        st.begin_forward(None, layer.training)
+    if padding_mask is not None:
+        padding_mask = padding_mask.transpose(0, 1).bool()
+    probs, routing_map = layer.route(hidden_states, padding_mask)
+    shared = layer.shared_experts_compute(hidden_states) if layer.use_shared_expert else None
+    out = _experts(layer, hidden_states, probs, routing_map)
+    if shared is not None:
+        out = out + shared
+    if sched is not None:
+        sched.after_layer_forward(st)
+    return out, None
 
-        st = self.balance
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        D, r, E, L = st.D, st.rank, st.num_experts, st.num_local
-        xc = exchange_config()
-        local_counts = routing_map.sum(dim=0).to(torch.int64).reshape(1, E)
-        # counts gathered on the data's device; the planner and the split sizes need them on the host
-        C = (comm.all_gather_rows(local_counts, self.ep_group) if D > 1 else local_counts).cpu()
-        if self.training:
-            st.counts += C.to(torch.float64)
-        send = st._active_placement.dispatch(C.numpy())     # [E, src, dst] inputs computed on dst
-        owner = np.arange(E) // L
 
-        # (token, expert) pairs in expert-major order (the dispatcher's permute); of expert e's
-        # pairs the first send[e, r, r] stay here, the rest go to the other ranks in ascending order
-        permute, unpermute = permute_fns()
-        # num_out_tokens from the host counts: megatron-core >= 0.17's permute would read it back
-        perm_x, pprobs, sorted_idx = permute(x, routing_map, probs=probs,
-                                             num_out_tokens=int(C.numpy()[r].sum()))[:3]
-        row = send[:, r, :]                                  # [E, D]
-        order = [r] + [d for d in range(D) if d != r]
-        dst = np.repeat(np.tile(order, E), row[:, order].reshape(-1))
-        is_local = dst == r
-        lsel_np = np.nonzero(is_local)[0]
-        rem = np.nonzero(~is_local)[0]
-        rsel_np = rem[np.argsort(dst[rem], kind="stable")]   # by dst, then expert
-        dev = x.device
-        lsel = torch.from_numpy(lsel_np).to(dev)
-        rsel = torch.from_numpy(rsel_np).to(dev)
-        in_splits = [0 if d == r else int(row[:, d].sum()) for d in range(D)]
-        out_splits = [0 if d == r else int(send[:, d, r].sum()) for d in range(D)]
-        send_x = perm_x.index_select(0, rsel)   # index_select: its backward is a fast index_add
-        send_p = pprobs.index_select(0, rsel)
-        # every rank holds the same all-gathered C, hence the same send matrix: when no pair crosses
-        # ranks anywhere (every hot expert replicated where its inputs are) all ranks skip the
-        # dispatch and combine exchanges and their backward together; the rows exchanged are empty
-        # either way, so the result is identical, minus 3 collectives (6 with their backward) each a
-        # synchronisation of every rank
-        exchange = D > 1 and crosses_ranks(send)
-        if exchange:
-            # issued asynchronously: the scheduler plans the next iteration while it is in flight
-            recv_x, recv_p = _dispatch(self.ep_group, send_x, send_p, out_splits, in_splits, st, xc)
-        else:
-            if D > 1:
-                st.a2a_skipped += 1
-                _dispatch_skipped(st)
-            recv_x, recv_p = send_x, send_p
-        st.a2a_rows_recv += int(sum(out_splits))
-        st.a2a_rows_recv_replica += int(sum(send[e, d, r] for e in range(E) if owner[e] != r
-                                            for d in range(D) if d != r))
+def _experts(layer, hidden_states, probs, routing_map):
+    from megatron_moe.moe.dispatcher import permute_fns
 
-        # compute order: for each computed expert, [local pairs ; received rows by source rank]
-        nloc = int(lsel_np.size)
-        loc_counts = send[np.arange(E), r, r]
-        loc_start = np.concatenate([[0], np.cumsum(loc_counts)])
-        recv_start = np.zeros((D, E), dtype=np.int64)        # offset of (source d, expert e) rows
-        off = 0
-        for d in range(D):
-            if d == r:
-                continue
-            for e in range(E):
-                recv_start[d, e] = off
-                off += int(send[e, d, r])
-        segments, index = [], []
+    st = layer.balance
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    D, r, E, L = st.D, st.rank, st.num_experts, st.num_local
+    xc = layer.exchange
+    local_counts = routing_map.sum(dim=0).to(torch.int64).reshape(1, E)
+    # counts gathered on the data's device; the planner and the split sizes need them on the host
+    C = (comm.all_gather_rows(local_counts, layer.ep_group) if D > 1 else local_counts).cpu()
+    if layer.training:
+        st.counts += C.to(torch.float64)
+    send = st._active_placement.dispatch(C.numpy())     # [E, src, dst] inputs computed on dst
+    owner = np.arange(E) // L
+
+    # (token, expert) pairs in expert-major order (the dispatcher's permute); of expert e's
+    # pairs the first send[e, r, r] stay here, the rest go to the other ranks in ascending order
+    permute, unpermute = permute_fns()
+    # num_out_tokens from the host counts: megatron-core >= 0.17's permute would read it back
+    perm_x, pprobs, sorted_idx = permute(x, routing_map, probs=probs,
+                                         num_out_tokens=int(C.numpy()[r].sum()))[:3]
+    row = send[:, r, :]                                  # [E, D]
+    order = [r] + [d for d in range(D) if d != r]
+    dst = np.repeat(np.tile(order, E), row[:, order].reshape(-1))
+    is_local = dst == r
+    lsel_np = np.nonzero(is_local)[0]
+    rem = np.nonzero(~is_local)[0]
+    rsel_np = rem[np.argsort(dst[rem], kind="stable")]   # by dst, then expert
+    dev = x.device
+    lsel = torch.from_numpy(lsel_np).to(dev)
+    rsel = torch.from_numpy(rsel_np).to(dev)
+    in_splits = [0 if d == r else int(row[:, d].sum()) for d in range(D)]
+    out_splits = [0 if d == r else int(send[:, d, r].sum()) for d in range(D)]
+    send_x = perm_x.index_select(0, rsel)   # index_select: its backward is a fast index_add
+    send_p = pprobs.index_select(0, rsel)
+    # every rank holds the same all-gathered C, hence the same send matrix: when no pair crosses
+    # ranks anywhere (every hot expert replicated where its inputs are) all ranks skip the
+    # dispatch and combine exchanges and their backward together; the rows exchanged are empty
+    # either way, so the result is identical, minus 3 collectives (6 with their backward) each a
+    # synchronisation of every rank
+    exchange = D > 1 and crosses_ranks(send)
+    if exchange:
+        # issued asynchronously: the scheduler plans the next iteration while it is in flight
+        recv_x, recv_p = _dispatch(layer.ep_group, send_x, send_p, out_splits, in_splits, st, xc)
+    else:
+        if D > 1:
+            st.a2a_skipped += 1
+            _dispatch_skipped(st)
+        recv_x, recv_p = send_x, send_p
+    st.a2a_rows_recv += int(sum(out_splits))
+    st.a2a_rows_recv_replica += int(sum(send[e, d, r] for e in range(E) if owner[e] != r
+                                        for d in range(D) if d != r))
+
+    # compute order: for each computed expert, [local pairs ; received rows by source rank]
+    nloc = int(lsel_np.size)
+    loc_counts = send[np.arange(E), r, r]
+    loc_start = np.concatenate([[0], np.cumsum(loc_counts)])
+    recv_start = np.zeros((D, E), dtype=np.int64)        # offset of (source d, expert e) rows
+    off = 0
+    for d in range(D):
+        if d == r:
+            continue
         for e in range(E):
-            mine = owner[e] == r
-            if not (mine or r in st._active_placement.replica_sets[e]):
-                continue
-            idx = [np.arange(loc_start[e], loc_start[e + 1])]
-            for d in range(D):
-                k = int(send[e, d, r]) if d != r else 0
-                if k:
-                    idx.append(nloc + np.arange(recv_start[d, e], recv_start[d, e] + k))
-            idx = np.concatenate(idx).astype(np.int64)
-            segments.append((e, int(idx.size)))
-            index.append(idx)
-        index = torch.from_numpy(np.concatenate(index) if index else np.zeros(0, np.int64)).to(dev)
-        all_x = torch.cat([perm_x.index_select(0, lsel), recv_x])
-        all_p = torch.cat([pprobs.index_select(0, lsel), recv_p])
-        comp_x, comp_p = all_x.index_select(0, index), all_p.index_select(0, index)
+            recv_start[d, e] = off
+            off += int(send[e, d, r])
+    segments, index = [], []
+    for e in range(E):
+        mine = owner[e] == r
+        if not (mine or r in st._active_placement.replica_sets[e]):
+            continue
+        idx = [np.arange(loc_start[e], loc_start[e + 1])]
+        for d in range(D):
+            k = int(send[e, d, r]) if d != r else 0
+            if k:
+                idx.append(nloc + np.arange(recv_start[d, e], recv_start[d, e] + k))
+        idx = np.concatenate(idx).astype(np.int64)
+        segments.append((e, int(idx.size)))
+        index.append(idx)
+    index = torch.from_numpy(np.concatenate(index) if index else np.zeros(0, np.int64)).to(dev)
+    all_x = torch.cat([perm_x.index_select(0, lsel), recv_x])
+    all_p = torch.cat([pprobs.index_select(0, lsel), recv_p])
+    comp_x, comp_p = all_x.index_select(0, index), all_p.index_select(0, index)
 
-        if st.scheduler is not None:
-            st.scheduler.before_expert_compute(st)
+    if st.scheduler is not None:
+        st.scheduler.before_expert_compute(st)
+    else:
+        st.wait_trans(None)
+    if layer.config.moe_apply_probs_on_input:       # as SequentialMLP
+        comp_x = (comp_p.unsqueeze(-1) * comp_x).to(comp_x.dtype)
+        comp_p = torch.ones_like(comp_p)
+    comp_y = _compute(layer, segments, comp_x, comp_p, owner)
+    if comp_y is None:
+        comp_y = x.new_zeros(0, shape[-1])
+    # back to [local pairs ; received rows] order, then return the received rows to their source
+    all_y = torch.zeros(all_x.shape[0], comp_y.shape[-1], dtype=comp_y.dtype, device=comp_y.device)
+    all_y = all_y.index_copy(0, index, comp_y)
+    loc_y, back_y = all_y[:nloc], all_y[nloc:]
+    if exchange:
+        got_y = comm.all_to_all(back_y, in_splits, out_splits, layer.ep_group, algorithm=xc.algorithm,
+                                compression=xc.compression)
+    else:
+        got_y = back_y
+    # back to the permuted (expert-major) order, then the dispatcher's unpermute sums per token
+    perm_y = torch.zeros(perm_x.shape[0], comp_y.shape[-1], dtype=probs.dtype, device=dev)
+    perm_y = perm_y.index_copy(0, torch.cat([lsel, rsel]), torch.cat([loc_y, got_y]).to(probs.dtype))
+    out = unpermute(perm_y, sorted_idx, torch.Size((x.shape[0], perm_y.shape[-1])))
+    return out.to(hidden_states.dtype).view(shape)
+
+
+def _compute(layer, segments, comp_x, comp_p, owner):
+    """Each computed expert on its rows (``segments``: (expert, rows) in row order): owned
+    experts with their own parameters, replicas with the Trans'd tensors. With grouped experts
+    (--moe-grouped-gemm on the local path) one grouped call, the replicas as extra groups
+    stacked with the owned weights (their grads flow back to the Trans'd leaves, so Agg sees
+    them as in the loop); else megatron-core's loop, replicas through functional_call."""
+    st, r, L = layer.balance, layer.balance.rank, layer.balance.num_local
+    if not segments:
+        return None
+    experts = [layer.experts.local_experts[e - r * L] if owner[e] == r else st.replica_params(e)
+               for e, _ in segments]
+    if isinstance(layer.experts, GroupedSequentialMLP):
+        counts = torch.tensor([k for _, k in segments], dtype=torch.int64)
+        return layer.experts.run_groups(experts, comp_x, comp_p, counts)
+    outs, start = [], 0
+    for expert, (e, k) in zip(experts, segments):
+        xe, pe_ = comp_x[start:start + k], comp_p[start:start + k]
+        start += k
+        if owner[e] == r:
+            y, _ = expert(xe, pe_)
         else:
-            st.wait_trans(None)
-        if self.config.moe_apply_probs_on_input:       # as SequentialMLP
-            comp_x = (comp_p.unsqueeze(-1) * comp_x).to(comp_x.dtype)
-            comp_p = torch.ones_like(comp_p)
-        outs, start = [], 0
-        for e, k in segments:
-            xe, pe_ = comp_x[start:start + k], comp_p[start:start + k]
-            start += k
-            if owner[e] == r:
-                y, _ = self.experts.local_experts[e - r * L](xe, pe_)
-            else:
-                y, _ = torch.func.functional_call(st.template, st.replica_params(e), (xe, pe_))
-            outs.append(y)
-        comp_y = torch.cat(outs) if outs else x.new_zeros(0, shape[-1])
-        # back to [local pairs ; received rows] order, then return the received rows to their source
-        all_y = torch.zeros(all_x.shape[0], comp_y.shape[-1], dtype=comp_y.dtype, device=comp_y.device)
-        all_y = all_y.index_copy(0, index, comp_y)
-        loc_y, back_y = all_y[:nloc], all_y[nloc:]
-        if exchange:
-            got_y = comm.all_to_all(back_y, in_splits, out_splits, self.ep_group, algorithm=xc.algorithm,
-                                    compression=xc.compression)
-        else:
-            got_y = back_y
-        # back to the permuted (expert-major) order, then the dispatcher's unpermute sums per token
-        perm_y = torch.zeros(perm_x.shape[0], comp_y.shape[-1], dtype=probs.dtype, device=dev)
-        perm_y = perm_y.index_copy(0, torch.cat([lsel, rsel]), torch.cat([loc_y, got_y]).to(probs.dtype))
-        out = unpermute(perm_y, sorted_idx, torch.Size((x.shape[0], perm_y.shape[-1])))
-        return out.to(hidden_states.dtype).view(shape)
+            y, _ = torch.func.functional_call(st.template, expert, (xe, pe_))
+        outs.append(y)
+    return torch.cat(outs)
 
 
 def crosses_ranks(send: np.ndarray) -> bool:

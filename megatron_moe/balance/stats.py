@@ -2,7 +2,7 @@
 imbalance figures for the training log.
 
 Counts are the [D source ranks x E experts] matrices all-gathered over the EP group inside
-``BalancedMoELayer`` (needed for its all-to-all splits anyway), summed over the micro-batches of an
+the balanced MoE layer (needed for its all-to-all splits anyway), summed over the micro-batches of an
 iteration. The predictor for iteration j+1 is iteration j's matrix ("last", the paper's locality
 rule) or an exponential moving average (``ema``, weight ``beta`` on the newest matrix).
 """

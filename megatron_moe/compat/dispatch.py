@@ -1,5 +1,5 @@
-"""Call contracts of the megatron-core functions the dispatchers call by name (moe/dispatcher.py
-rebinds them inside ``megatron.core.transformer.moe.token_dispatcher``).
+"""Call contracts of the megatron-core functions the dispatchers call by name, and their rebinding
+inside ``megatron.core.transformer.moe.token_dispatcher`` (chosen by moe/dispatcher.py).
 
 permute / unpermute (``moe_utils``):
     <= 0.16: ``permute(...) -> (tokens, probs, sorted_indices)``.
@@ -84,3 +84,34 @@ def mcore_permute(*args, **kwargs):
     from megatron.core.transformer.moe import moe_utils
 
     return permute_v016(moe_utils.permute)(*args, **kwargs)
+
+
+# --- the rebinding itself ---------------------------------------------------------------------------
+# megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher call permute, unpermute
+# (moe_utils) and all_to_all (tensor_parallel) by module-level name inside ``token_dispatcher``:
+# the one seam through which another implementation can run under megatron-core's own call sites
+# (splits bookkeeping, capacity, TP/EP grouping) without copying them. The rebinding is a version
+# concern (those names and contracts move between releases), so it lives here and only here.
+_ORIGINAL = {}
+
+
+def token_dispatcher_module():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return token_dispatcher
+
+
+def rebind_token_dispatcher(name: str, fn) -> None:
+    """Bind ``fn`` (already adapted with adapt_permute / adapt_unpermute / adapt_all_to_all) to
+    ``name`` inside megatron-core's token_dispatcher module, remembering the original."""
+    td = token_dispatcher_module()
+    _ORIGINAL.setdefault(name, getattr(td, name))
+    setattr(td, name, fn)
+
+
+def restore_token_dispatcher() -> None:
+    """Undo every rebinding (tests build several models in one process)."""
+    td = token_dispatcher_module()
+    for name, value in _ORIGINAL.items():
+        setattr(td, name, value)
+    _ORIGINAL.clear()

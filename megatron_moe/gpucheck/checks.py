@@ -85,7 +85,7 @@ ITERS = {"gpu": dict(big=30, fusion=10, loop=8, resume=8, fp16=12, offload=6, in
          "cpu": dict(big=6, fusion=4, loop=4, resume=4, fp16=4, offload=3, infer=4, syncs=4)}
 # the experts as two grouped GEMMs (megatron_moe/moe/grouped_experts.py): without Transformer
 # Engine megatron-core's expert loop left the first H100 run host-bound at 0.9% MFU
-GROUPED = "--moe-torch-grouped-gemm"
+GROUPED = "--moe-grouped-gemm"   # on the local path (no TE): torch grouped_mm experts
 KERNEL_SHAPES = {"gpu": [(16384, 4096, 64, 8), (16384, 4096, 8, 2)],
                  "cpu": [(256, 64, 16, 4), (256, 64, 8, 2)]}
 WARMUP_ITERS = {"gpu": 5, "cpu": 1}  # iterations left out of tokens/s

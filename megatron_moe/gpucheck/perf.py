@@ -72,9 +72,9 @@ ROW_CAP_S = {"ours": (60, 300), "stock": (100, 300), "torchtitan": (70, 300),
              "transformers": (70, 300)}
 SECTION_BUDGET_S = {"gpu": 540.0, "cpu": 1500.0}
 # the speed options of "ours", in order; in each group the first set the parser accepts is used
-# (the local path's flags are changing: --moe-grouped-gemm is to select torch grouped_mm, and
-# --attention-backend flash SDPA; where the parser refuses one, it is left out and reported)
-SPEED_CANDIDATES = ((("--moe-torch-grouped-gemm",), ("--moe-grouped-gemm",)),
+# (on the local path --moe-grouped-gemm selects torch grouped_mm experts and --attention-backend
+# flash SDPA; an older build refuses them: then the option is left out and reported)
+SPEED_CANDIDATES = ((("--moe-grouped-gemm",), ("--moe-torch-grouped-gemm",)),
                     (("--attention-backend", "flash"),),
                     (("--moe-permute-fusion",),))
 TARGETS = {"mixtral": dict(mfu=0.40), "finegrained": dict(mfu=0.25),

@@ -33,9 +33,11 @@ def validate_ring_memory_args(args):
                          "need --ring-memory-slots > 0")
     if args.ring_memory_experts == "active" and not args.num_experts:
         raise ValueError("--ring-memory-experts active needs an MoE model (--num-experts)")
-    if args.ring_memory_experts == "active" and args.moe_grouped_gemm:
-        raise ValueError("--ring-memory-experts active needs per-expert weights (SequentialMLP); "
-                         "--moe-grouped-gemm packs all experts into one tensor")
+    if args.ring_memory_experts == "active" and args.moe_grouped_gemm and \
+            getattr(args, "transformer_impl", None) == "transformer_engine":
+        raise ValueError("--ring-memory-experts active needs per-expert weights; --moe-grouped-gemm "
+                         "on Transformer Engine (TEGroupedMLP) packs all experts into one tensor "
+                         "(the local path's grouped experts keep SequentialMLP's)")
     if args.ring_memory_link_gbps is not None and args.ring_memory_link_gbps <= 0:
         raise ValueError(f"--ring-memory-link-gbps must be > 0 (got {args.ring_memory_link_gbps})")
     if k > 0:

@@ -63,6 +63,9 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         moe_router_dtype=getattr(args, "moe_router_dtype", None),
+        # megatron-core's --moe-grouped-gemm is Transformer Engine's; on the local path the spec
+        # keeps SequentialMLP and megatron_moe.moe.grouped_experts swaps in the grouped_mm experts
+        moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)) and te,
         activation_func=F.silu if args.swiglu else F.gelu,
         num_moe_experts=args.num_experts,
         moe_layer_freq=args.moe_layer_freq,

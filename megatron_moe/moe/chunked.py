@@ -1,12 +1,13 @@
-"""MoE layer whose dispatch -> experts -> combine runs in overlapped chunks (``--moe-a2a-overlap-degree``).
+"""The chunked middle of the MoE layer (``--moe-a2a-overlap-degree`` > 1, ``--moe-a2a-schedule fastermoe``).
 
 megatron-core's ``MoELayer`` runs one dispatch all-to-all, the local experts, and one combine
-all-to-all back to back. ``ChunkedMoELayer`` keeps megatron-core's router, permutation
-(``dispatch_preprocess`` / ``combine_postprocess``) and expert modules, and replaces the middle
-with :func:`megatron_moe.comm.chunked_moe_exchange`: ScheMoE's OptSche order (or FasterMoE's
-group-wise ring with ``--moe-a2a-schedule fastermoe``), so chunk i's all-to-all overlaps the expert
-compute of chunk i-1. Every token still meets the same expert with the same weights, so output and
-gradients equal the plain layer (tested in tests/test_comm_layer.py).
+all-to-all back to back. With a chunked exchange (megatron_moe/moe/layer.py ``ExchangeConfig``)
+the layer keeps megatron-core's router, permutation (``dispatch_preprocess`` /
+``combine_postprocess``) and expert modules, and replaces the middle with
+:func:`megatron_moe.comm.chunked_moe_exchange`: ScheMoE's OptSche order (or FasterMoE's group-wise
+ring with ``--moe-a2a-schedule fastermoe``), so chunk i's all-to-all overlaps the expert compute of
+chunk i-1. Every token still meets the same expert with the same weights, so output and gradients
+equal the plain layer (tested in tests/test_comm_layer.py).
 
 Limits (checked in :func:`validate_args`): tensor parallel 1 and expert tensor parallel 1, no
 pad-to-capacity, no shared-expert overlap, not combined with ``--moe-balance-policy``.
@@ -17,68 +18,62 @@ they are needed by every chunk's expert compute (megatron-core applies them insi
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
 from megatron_moe import comm
 
 
-class ChunkedMoELayer(MoELayer):
-    """megatron-core ``MoELayer`` with the chunked, overlapped all-to-all / expert pipeline."""
+def _chunkable(layer) -> bool:
+    td = layer.token_dispatcher
+    return (getattr(td, "ep_size", 1) > 1 and getattr(td, "tp_size", 1) == 1
+            and not getattr(td, "drop_and_pad", False) and hasattr(td, "input_splits"))
 
-    # set once per process from the parsed args by megatron_moe.moe.dispatcher.customize_spec
-    overlap_degree = 1
-    schedule = "schemoe"
-    algorithm = "flat"
-    compression = "none"
 
-    def _chunkable(self) -> bool:
-        td = self.token_dispatcher
-        return (getattr(td, "ep_size", 1) > 1 and getattr(td, "tp_size", 1) == 1
-                and not getattr(td, "drop_and_pad", False) and hasattr(td, "input_splits"))
+def chunked_forward(layer, hidden_states, intermediate_tensors=None, padding_mask=None):
+    """The layer's forward with the chunked, overlapped dispatch -> experts -> combine (megatron-core's
+    own forward where the chunked pipeline does not apply)."""
+    if intermediate_tensors is not None or layer.moe_layer_recompute or not _chunkable(layer):
+        return layer.stock_forward(hidden_states, intermediate_tensors, padding_mask)
+    if padding_mask is not None:
+        padding_mask = padding_mask.transpose(0, 1).bool()
+    shared_out = layer.shared_experts_compute(hidden_states)
+    probs, routing_map = layer.route(hidden_states, padding_mask)
+    tokens, probs = layer.preprocess(hidden_states, probs, routing_map)
+    output = _chunked_experts(layer, tokens, probs, routing_map)
+    return layer.postprocess(output, shared_out), None
 
-    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if intermediate_tensors is not None or self.moe_layer_recompute or not self._chunkable():
-            return super().forward(hidden_states, intermediate_tensors, padding_mask)
-        if padding_mask is not None:
-            padding_mask = padding_mask.transpose(0, 1).bool()
-        shared_out = self.shared_experts_compute(hidden_states)
-        probs, routing_map = self.route(hidden_states, padding_mask)
-        tokens, probs = self.preprocess(hidden_states, probs, routing_map)
-        output = self._chunked_experts(tokens, probs, routing_map)
-        return self.postprocess(output, shared_out), None
 
-    def _chunked_experts(self, tokens, probs, routing_map):
-        td = self.token_dispatcher
-        ep, local = td.ep_size, td.num_local_experts
-        # rows this rank sends: [ep rank][local expert]; permute sorted rows by global expert id
-        send = routing_map.sum(dim=0).reshape(ep, local).tolist()
+def _chunked_experts(layer, tokens, probs, routing_map):
+    td, xc = layer.token_dispatcher, layer.exchange
+    ep, local = td.ep_size, td.num_local_experts
+    # rows this rank sends: [ep rank][local expert]; permute sorted rows by global expert id
+    send = routing_map.sum(dim=0).reshape(ep, local).tolist()
+    if local > 1:
+        recv = td.num_global_tokens_per_local_expert.reshape(ep, local).tolist()
+    else:
+        recv = [[int(v)] for v in torch.as_tensor(td.output_splits).tolist()]
+    send_rows, recv_rows = [sum(r) for r in send], [sum(r) for r in recv]
+    group = td.ep_group
+    recv_probs = comm.all_to_all(probs, recv_rows, send_rows, group, algorithm=xc.algorithm)
+    sort_idx = td.sort_input_by_local_experts
+    restore_idx = td.restore_output_by_local_experts
+
+    def expert_fn(rows, splits, recv_index):
+        # rows: (source rank, local expert) blocks of this chunk; the experts want expert-major
+        chunk_probs = recv_probs.index_select(0, recv_index)
+        sizes = torch.tensor([s for row in splits for s in row])
         if local > 1:
-            recv = td.num_global_tokens_per_local_expert.reshape(ep, local).tolist()
-        else:
-            recv = [[int(v)] for v in torch.as_tensor(td.output_splits).tolist()]
-        send_rows, recv_rows = [sum(r) for r in send], [sum(r) for r in recv]
-        group = td.ep_group
-        recv_probs = comm.all_to_all(probs, recv_rows, send_rows, group, algorithm=self.algorithm)
-        sort_idx = td.sort_input_by_local_experts
-        restore_idx = td.restore_output_by_local_experts
+            rows, chunk_probs = sort_chunks_by_idxs(rows, sizes, sort_idx, probs=chunk_probs)
+        per_expert = sizes.reshape(ep, local).sum(dim=0)
+        out, bias = layer.experts(rows, per_expert, chunk_probs)
+        assert bias is None, "mlp bias is not supported by the chunked MoE layer"
+        if local > 1:
+            out, _ = sort_chunks_by_idxs(out, sizes.reshape(ep, local).t().ravel(), restore_idx)
+        return out
 
-        def expert_fn(rows, splits, recv_index):
-            # rows: (source rank, local expert) blocks of this chunk; the experts want expert-major
-            chunk_probs = recv_probs.index_select(0, recv_index)
-            sizes = torch.tensor([s for row in splits for s in row])
-            if local > 1:
-                rows, chunk_probs = sort_chunks_by_idxs(rows, sizes, sort_idx, probs=chunk_probs)
-            per_expert = sizes.reshape(ep, local).sum(dim=0)
-            out, bias = self.experts(rows, per_expert, chunk_probs)
-            assert bias is None, "mlp bias is not supported by the chunked MoE layer"
-            if local > 1:
-                out, _ = sort_chunks_by_idxs(out, sizes.reshape(ep, local).t().ravel(), restore_idx)
-            return out
-
-        return comm.chunked_moe_exchange(
-            tokens, send, recv, expert_fn, group, degree=self.overlap_degree, order=self.schedule,
-            algorithm=self.algorithm, compression=self.compression, pass_recv_index=True)
+    return comm.chunked_moe_exchange(
+        tokens, send, recv, expert_fn, group, degree=xc.overlap_degree, order=xc.schedule,
+        algorithm=xc.algorithm, compression=xc.compression, pass_recv_index=True)
 
 
 def validate_args(args):

@@ -1,19 +1,27 @@
-"""--moe-torch-grouped-gemm: the experts of megatron-core's local path as two grouped GEMMs.
+"""``--moe-grouped-gemm`` on the local path: the experts as two torch grouped GEMMs.
 
 Without Transformer Engine megatron-core runs an MoE layer's experts as ``SequentialMLP``: a Python
 loop that calls two linear autograd functions per expert. The first GPU run (docs/gpu.md) found the
 training-bf16 model host-bound on it: 32 experts x 16 layers x 4 micro-batches = 4228 linear calls
 per iteration at 120-230 us of host time each, the device busy 21% of the time, MFU 0.9%.
-``--moe-grouped-gemm`` is no way out there: on megatron-core 0.19 it needs Transformer Engine.
+megatron-core's own ``--moe-grouped-gemm`` needs Transformer Engine (TEGroupedMLP; 0.16's legacy
+GroupedMLP needs the ``grouped_gemm`` package, 0.19's local spec ignores the flag).
 
-``GroupedSequentialMLP`` keeps everything of ``SequentialMLP`` (its ``local_experts``, parameters,
-state dict and sharded checkpoint layout, so checkpoints move freely between the two) and replaces
-only the loop: the experts' weights stacked, ``torch.nn.functional.grouped_mm`` for fc1 and for fc2
-over the tokens grouped by expert, and in between megatron-core's own MLP activation code (every
-variant: GLU, clamps, fused bias-activation, the per-token prob scale), run once on the whole batch
-instead of once per expert. It also needs no ``tokens_per_expert.tolist()`` (a host sync).
+So on the local path (``--transformer-impl local``, or no Transformer Engine) ``--moe-grouped-gemm``
+means ``GroupedSequentialMLP``: it keeps everything of ``SequentialMLP`` (its ``local_experts``,
+parameters, state dict and sharded checkpoint layout, so checkpoints move freely between the two)
+and replaces only the loop: the experts' weights stacked, ``torch.nn.functional.grouped_mm`` for
+fc1 and for fc2 over the tokens grouped by expert, and in between megatron-core's own MLP
+activation code (every variant: GLU, clamps, fused bias-activation, the per-token prob scale), run
+once on the whole batch instead of once per expert. Group offsets come from a device cumsum (no
+``tokens_per_expert.tolist()``, a host sync). With Transformer Engine ``--moe-grouped-gemm`` stays
+megatron-core's TEGroupedMLP. ``--moe-torch-grouped-gemm`` is kept as an alias of
+``--moe-grouped-gemm`` for the local path (scripts and the GPU kit written before name it).
 Written here because megatron-core offers grouped experts only through Transformer Engine (its
 torch ``grouped_mm`` path is inference-only, megatron/core/inference/moe/fused_moe.py).
+
+The same grouped call runs extra groups when a caller stacks more weights than the local experts
+(the balanced layer's replicas, :func:`grouped_mlp`).
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-FLAG = "--moe-torch-grouped-gemm"
+FLAG = "--moe-grouped-gemm"
+ALIAS = "--moe-torch-grouped-gemm"
 
 
 def grouped_mm_available() -> bool:
@@ -33,67 +42,151 @@ def grouped_mm_available() -> bool:
 
 def add_arguments(parser):
     g = parser.add_argument_group("MoE experts")
-    g.add_argument(FLAG, action="store_true",
-                   help="Run the experts of the local (non-Transformer-Engine) path as two torch "
-                        "grouped GEMMs per layer (torch.nn.functional.grouped_mm) instead of "
-                        "megatron-core's Python loop over experts (SequentialMLP); same parameters "
-                        "and checkpoints. On CUDA it needs --bf16 (docs/gpu.md).")
+    g.add_argument(ALIAS, action="store_true",
+                   help="Alias of --moe-grouped-gemm on the local (non-Transformer-Engine) path: "
+                        "the experts as two torch grouped GEMMs per layer "
+                        "(torch.nn.functional.grouped_mm) instead of megatron-core's Python loop "
+                        "over experts (SequentialMLP); same parameters and checkpoints. On CUDA it "
+                        "needs --bf16 (docs/gpu.md).")
     return parser
+
+
+def local_grouped(args) -> bool:
+    """Whether the experts run as GroupedSequentialMLP: --moe-grouped-gemm (or its alias) without
+    Transformer Engine. With Transformer Engine --moe-grouped-gemm is megatron-core's TEGroupedMLP."""
+    if not (getattr(args, "moe_grouped_gemm", False) or getattr(args, "moe_torch_grouped_gemm", False)):
+        return False
+    return getattr(args, "transformer_impl", None) != "transformer_engine"
 
 
 def validate_args(args):
     """Refuse what the grouped path cannot run (ValueError names the flag)."""
-    if not getattr(args, "moe_torch_grouped_gemm", False):
+    if getattr(args, "moe_torch_grouped_gemm", False):
+        if getattr(args, "transformer_impl", None) == "transformer_engine":
+            raise ValueError(f"{ALIAS} replaces the local path's expert loop; with Transformer "
+                             "Engine use --moe-grouped-gemm (--transformer-impl transformer_engine "
+                             "was given)")
+        args.moe_grouped_gemm = True          # the alias: one flag from here on
+    if not local_grouped(args):
         return
+    flag = ALIAS if getattr(args, "moe_torch_grouped_gemm", False) else FLAG
     if not getattr(args, "num_experts", None):
-        raise ValueError(f"{FLAG} needs an MoE model (--num-experts)")
+        raise ValueError(f"{flag} needs an MoE model (--num-experts)")
     if not grouped_mm_available():
-        raise ValueError(f"{FLAG} needs torch.nn.functional.grouped_mm (torch >= 2.9; this is "
-                         f"torch {torch.__version__})")
-    for flag, attr in (("--moe-grouped-gemm", "moe_grouped_gemm"),
-                       ("--add-bias-linear", "add_bias_linear"),
-                       ("--fp8-format", "fp8"), ("--fp4-format", "fp4"),
-                       ("--delay-wgrad-compute", "delay_wgrad_compute"),
-                       ("--moe-latent-size", "moe_latent_size")):
-        if getattr(args, attr, None):
-            raise ValueError(f"{FLAG} cannot be combined with {flag}")
-    if getattr(args, "transformer_impl", None) == "transformer_engine":
-        raise ValueError(f"{FLAG} replaces the local path's expert loop; with Transformer Engine "
-                         "use --moe-grouped-gemm (--transformer-impl transformer_engine was given)")
-    etp = getattr(args, "expert_tensor_parallel_size", 1) or 1
-    if etp != 1:
-        raise ValueError(f"{FLAG} needs --expert-tensor-parallel-size 1 (got {etp})")
-    if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
-        raise ValueError(f"{FLAG}: --moe-balance-policy runs its own expert calls; drop one")
-    if getattr(args, "moe_expert_offload", "none") not in (None, "none"):
-        raise ValueError(f"{FLAG}: --moe-expert-offload is tested with the expert loop only")
+        raise ValueError(f"{flag} without Transformer Engine needs torch.nn.functional.grouped_mm "
+                         f"(torch >= 2.9; this is torch {torch.__version__})")
     if torch.cuda.is_available() and not getattr(args, "bf16", False):
-        raise ValueError(f"{FLAG} on CUDA needs --bf16 (torch's grouped_mm kernel)")
+        raise ValueError(f"{flag} on CUDA without Transformer Engine needs --bf16 (torch's "
+                         "grouped_mm kernel)")
     ffn = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "ffn_hidden_size", None)
+    etp = getattr(args, "expert_tensor_parallel_size", 1) or 1
     for name, size in (("--hidden-size", args.hidden_size), ("--moe-ffn-hidden-size", ffn)):
-        if size is not None and size % 8:
-            raise ValueError(f"{FLAG} needs {name} a multiple of 8 (grouped_mm's 16-byte row "
-                             f"alignment), got {size}")
+        if size is not None and (size // (etp if name != "--hidden-size" else 1)) % 8:
+            raise ValueError(f"{flag} needs {name} (per expert-tensor-parallel rank) a multiple "
+                             f"of 8 (grouped_mm's 16-byte row alignment), got {size}")
 
 
 class _Given(torch.nn.Module):
-    """Stands in for a linear layer: returns its input (and no bias)."""
+    """Stands in for a linear layer: returns its input, which is the linear's output already
+    computed by grouped_mm, with the per-row bias when the caller passes ``(output, bias)``."""
 
     def forward(self, x):
-        return x, None
+        return x if isinstance(x, tuple) else (x, None)
+
+
+def activation_of(expert: MLP) -> MLP:
+    """``expert`` (a megatron-core MLP) with both linears replaced by :class:`_Given`: its forward is
+    then exactly the activation part of megatron-core's ``MLP.forward`` (GLU, clamps, bias add, the
+    per-token prob scale). A shallow copy sharing the config: never registered as a submodule (no
+    second copy of the expert in a state dict or an optimizer)."""
+    act = copy.copy(expert)
+    act._modules = dict(act._modules, linear_fc1=_Given(), linear_fc2=_Given())
+    return act
+
+
+def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None):
+    """G experts' MLPs on ``x`` whose rows are grouped by expert, ``counts[g]`` rows for group g
+    (a device tensor: offsets from a device cumsum, no host sync): fc1 and fc2 as one
+    ``grouped_mm`` each, megatron-core's activation in between (:func:`activation_of`).
+
+    ``w1``: G tensors [fc1 out, H], ``w2``: G tensors [H, F] (the linear weights, any mix of owned
+    parameters and balance replicas); ``b1`` / ``b2``: G biases each, or None. The biases are added
+    per row by gathering each row's group bias (ids by ``repeat_interleave`` with the known output
+    size: no sync), exactly where megatron-core's MLP adds them: fc1's before the activation, fc2's
+    scaled by the row's prob after it (mlp.py, ``output += output_bias * per_token_scale``)."""
+    # megatron-core's dispatcher hands the counts over on the host (its own D2H copy, made for
+    # SequentialMLP's split): copied back without blocking the host where the source is pinned
+    counts = counts.to(x.device, non_blocking=True)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    ids = None
+    if b1 is not None or b2 is not None:
+        b1 = None if b1 is None else _Stack.apply(*b1)
+        b2 = None if b2 is None else _Stack.apply(*b2)
+        ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
+                                      output_size=x.shape[0])
+    h = _GroupedLinear.apply(x, offs, *w1)
+    h, _ = MLP.forward(activation, (h, None if b1 is None else b1.index_select(0, ids)), probs)
+    out = _GroupedLinear.apply(h, offs, *w2)
+    if b2 is not None:
+        out += b2.index_select(0, ids) * probs.unsqueeze(-1)
+    return out
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``x @ W_g^T`` per row group g: one grouped_mm forward, two backward (torch's own formulas
+    for grouped_mm). Written as a Function because autograd of ``grouped_mm(x, torch.stack(W))``
+    would save the stacked copy until backward: a second copy of every layer's expert weights held
+    from forward to backward, and (--moe-expert-offload) a copy of weights the offload moves off the
+    device. This saves the weight tensors themselves, as megatron-core's linear layers do (so the
+    offload's re-bind before backward is what backward reads), and stacks them again there."""
+
+    @staticmethod
+    def forward(ctx, x, offs, *weights):
+        x = _aligned(x)
+        ctx.save_for_backward(x, offs, *weights)
+        return torch.nn.functional.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offs, *weights = ctx.saved_tensors
+        grad = _aligned(grad)
+        w = torch.stack(weights)                                             # [G, out, in]
+        dx = torch.nn.functional.grouped_mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
+        # [G, out, in] directly (not the transpose of [G, in, out]): each expert's gradient is then
+        # a contiguous slice, which autograd takes as the parameter's grad without a copy
+        dw = torch.nn.functional.grouped_mm(grad.t(), x, offs=offs)
+        return (dx, None, *dw.unbind(0))
+
+
+class _Stack(torch.autograd.Function):
+    """``torch.stack`` whose backward is one ``unbind`` (torch's own selects once per tensor: a
+    launch per expert in the backward of the biases)."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return torch.stack(tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
+
+
+def stacked(experts, name: str):
+    """One parameter (``linear_fc1.weight``, ...) of each expert MLP (a module, or a balance
+    replica's name -> tensor dict); None when the experts have none (no bias)."""
+    linear, attr = name.split(".")
+    params = [getattr(getattr(e, linear), attr, None) if isinstance(e, torch.nn.Module)
+              else e.get(name) for e in experts]
+    return None if params[0] is None else params
 
 
 class GroupedSequentialMLP(SequentialMLP):
-    grouped_calls = 0  # forward calls that took the grouped path (tests: proof it ran)
+    grouped_calls = 0   # grouped calls made (tests: proof the grouped path ran)
+    replica_groups = 0  # groups of those calls that ran a balance replica (not a local expert)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # expert 0's MLP with both linears replaced by _Given: its forward is then exactly the
-        # activation part of megatron-core's MLP.forward. Kept off the module tree (not a
-        # submodule: no second copy of expert 0 in the state dict or the optimizer)
-        act = copy.copy(self.local_experts[0])
-        act._modules = dict(act._modules, linear_fc1=_Given(), linear_fc2=_Given())
-        object.__setattr__(self, "_activation", act)
+        object.__setattr__(self, "_activation", activation_of(self.local_experts[0]))
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if self.num_local_experts == 1:
@@ -102,28 +195,16 @@ class GroupedSequentialMLP(SequentialMLP):
         if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward
             x = (permuted_probs.unsqueeze(-1) * x).to(x.dtype)
             permuted_probs = torch.ones_like(permuted_probs)
+        return self.run_groups(list(self.local_experts), x, permuted_probs, tokens_per_expert), None
+
+    def run_groups(self, experts, x, probs, counts):
+        """``experts`` (MLP modules or name -> tensor dicts of the same shapes: balance replicas)
+        on ``x`` grouped by ``counts``, in one grouped call per linear."""
         GroupedSequentialMLP.grouped_calls += 1
-        offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
-        w1 = _StackedWeights.apply(*[e.linear_fc1.weight for e in self.local_experts])  # [E, 2F|F, H]
-        w2 = _StackedWeights.apply(*[e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
-        h = torch.nn.functional.grouped_mm(_aligned(x), w1.transpose(1, 2), offs=offs)
-        h, _ = MLP.forward(self._activation, h, permuted_probs)
-        out = torch.nn.functional.grouped_mm(_aligned(h), w2.transpose(1, 2), offs=offs)
-        return out, None
-
-
-class _StackedWeights(torch.autograd.Function):
-    """``torch.stack`` of the experts' weights whose backward is one ``unbind`` (views of the
-    stacked gradient) instead of torch.stack's one ``select`` per expert: the layer's op count does
-    not grow with the number of experts (tests/test_launch_counts.py)."""
-
-    @staticmethod
-    def forward(ctx, *weights):
-        return torch.stack(weights)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.unbind(0)
+        GroupedSequentialMLP.replica_groups += sum(not isinstance(e, torch.nn.Module) for e in experts)
+        return grouped_mlp(self._activation, x, probs, counts,
+                           stacked(experts, "linear_fc1.weight"), stacked(experts, "linear_fc2.weight"),
+                           stacked(experts, "linear_fc1.bias"), stacked(experts, "linear_fc2.bias"))
 
 
 def _aligned(t):
@@ -135,8 +216,8 @@ def _aligned(t):
 
 def customize_spec(args, spec):
     """The feature's spec edit (megatron_moe/features.py): SequentialMLP experts ->
-    GroupedSequentialMLP under --moe-torch-grouped-gemm."""
-    if not getattr(args, "moe_torch_grouped_gemm", False):
+    GroupedSequentialMLP under --moe-grouped-gemm on the local path."""
+    if not local_grouped(args):
         return spec
     import dataclasses
 

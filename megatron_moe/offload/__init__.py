@@ -105,8 +105,10 @@ EXCLUDES = (
               "assumes forward then backward", needs_one=True),
     Exclusion("--use-distributed-optimizer", "its parameter buffer owns param.data, which "
               "offload moves"),
-    Exclusion("--moe-grouped-gemm", "grouped experts fuse gradient accumulation into the device "
-              "main_grad"),
+    Exclusion("--moe-grouped-gemm", "on Transformer Engine, TEGroupedMLP fuses gradient "
+              "accumulation into the device main_grad; --transformer-impl local runs grouped experts",
+              is_set=lambda a: bool(getattr(a, "moe_grouped_gemm", False))
+              and getattr(a, "transformer_impl", None) == "transformer_engine"),
     Exclusion("--moe-balance-policy", "replicas would need their own tiering"),
 )
 
