@@ -23,7 +23,9 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
     from tests._sync_counter import _caller
 
     if mutate == "stack":   # the experts' weights stacked by torch.stack: a select per expert back
-        grouped_experts._StackedWeights.apply = staticmethod(lambda *w: torch.stack(w))
+        grouped_experts._GroupedLinear.apply = staticmethod(
+            lambda x, offs, *w: torch.nn.functional.grouped_mm(x, torch.stack(w).transpose(1, 2),
+                                                               offs=offs))
     ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
     cfg = TransformerConfig(
         num_layers=1, hidden_size=16, ffn_hidden_size=16, moe_ffn_hidden_size=16,

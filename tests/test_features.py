@@ -21,9 +21,15 @@ def _parsed(feature):
     return arguments.parse_args(BASE + ON[feature], world_size=1, check_data_paths=False)
 
 
+# settings that violate an exclusion beyond "the flag is set"
+VIOLATIONS = {"--moe-grouped-gemm": dict(moe_grouped_gemm=True, transformer_impl="transformer_engine"),
+              "--moe-balance-policy": dict(moe_balance_policy="proprophet")}
+
+
 def _violate(args, ex: Exclusion):
     dest = ex.flag.lstrip("-").replace("-", "_")
-    setattr(args, dest, 2 if ex.needs_one else ("proprophet" if dest == "moe_balance_policy" else 8))
+    for key, value in VIOLATIONS.get(ex.flag, {dest: 2 if ex.needs_one else 8}).items():
+        setattr(args, key, value)
 
 
 @pytest.mark.parametrize("feature,ex", DECLARED, ids=[f"{features.name(f)}{e.flag}" for f, e in DECLARED])
