@@ -21,6 +21,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_moe.models.mla import yarn_config_fields
+
 # Modules offering ``customize_spec(args, spec) -> spec``; applied in this order.
 SPEC_HOOKS = (
     "megatron_moe.models.attention",          # MLA: core attention with unequal q/k and v head dims
@@ -90,6 +92,7 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         kwargs["attention_backend"] = AttnBackend[args.attention_backend]
     if getattr(args, "rope_type", None) is None:
         kwargs.pop("rope_type", None)  # the config's default: yarn for MLA, rope otherwise
+    kwargs.update(yarn_config_fields(args))  # MLA's YaRN fields named by --yarn-* flags
     if args.moe_router_load_balancing_type == "none":
         kwargs["moe_aux_loss_coeff"] = 0.0
     if args.num_experts is None:
