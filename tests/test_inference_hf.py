@@ -306,3 +306,37 @@ def test_yarn_refusals_name_the_field():
                         ({"type": "longrope", "factor": 2}, "rope_type 'longrope'")):
         with pytest.raises(ConversionError, match=match):
             ds.spec_from_config(dict(base, rope_scaling=rope))
+
+
+MLA_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--max-position-embeddings 64 --micro-batch-size 1 --train-iters 1 --lr 1e-3 "
+            "--mock-data --tokenizer-type NullTokenizer --vocab-size 100 --swiglu "
+            "--normalization RMSNorm --position-embedding-type rope --multi-latent-attention "
+            "--kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 8 "
+            "--rope-type yarn --rotary-scaling-factor 4").split()
+
+
+@pytest.mark.parametrize("mutate", [False, True], ids=["flags-reach-mla", "mutation-dropped"])
+def test_yarn_flags_reach_mla_config(monkeypatch, mutate):
+    """--yarn-original-max-position-embeddings / --yarn-beta-fast / --yarn-beta-slow set
+    MLATransformerConfig's fields (Megatron-LM leaves MLA at 4096 / 32 / 1)."""
+    from megatron_moe.arguments import parse_args
+    from megatron_moe.models import builder
+
+    if mutate:
+        monkeypatch.setattr(builder, "yarn_config_fields", lambda args: {})
+    args = parse_args(MLA_ARGS + ["--yarn-original-max-position-embeddings", "16",
+                                  "--yarn-beta-fast", "8", "--yarn-beta-slow", "2"], world_size=1)
+    config = builder.transformer_config_from_args(args)
+    fields = (config.original_max_position_embeddings, config.beta_fast, config.beta_slow)
+    assert fields == ((4096, 32, 1) if mutate else (16, 8.0, 2.0))
+    assert (config.rope_type, config.rotary_scaling_factor) == ("yarn", 4.0)
+
+
+def test_mla_yarn_refuses_unrounded_correction_range(capsys):
+    from megatron_moe.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(MLA_ARGS + ["--no-yarn-correction-range-round-to-int"], world_size=1)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "always rounds the correction range" in err
