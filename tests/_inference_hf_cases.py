@@ -1,21 +1,19 @@
 """Rank function for tests/test_inference_hf.py (spawned by run_distributed): generation from a
-checkpoint imported from Hugging Face whose vocabulary Megatron padded, then the logits of the
-imported DeepSeek-V3 (YaRN) checkpoints."""
+checkpoint imported from Hugging Face whose vocabulary Megatron padded."""
 
 from __future__ import annotations
 
 
-def padded_vocab_case(rank, world_size, load, prompt, n_tokens, samples, logit_jobs):
+def padded_vocab_case(rank, world_size, load, prompt, n_tokens, samples):
     """tools/generate.py's path (parse_inference_args --use-checkpoint-args, setup_model,
     TextGenerator) on ``load``: temperature-1 sampling, log probs of prompt and samples, the
     server's /completions echo answer, a generation stopped at EOD; then the same sampling with
-    the padded-row mask switched off (mutation). ``logit_jobs`` go to tests._hf_cases.logits_rank."""
+    the padded-row mask switched off (mutation)."""
     import copy
 
     from megatron_moe.inference import engine
     from megatron_moe.inference.arguments import parse_inference_args
     from megatron_moe.inference.server import completion_choices
-    from tests._hf_cases import logits_rank
     from tools.generate import add_text_generate_args
 
     args = parse_inference_args(["--load", load, "--use-checkpoint-args"], add_text_generate_args,
@@ -57,5 +55,4 @@ def padded_vocab_case(rank, world_size, load, prompt, n_tokens, samples, logit_j
     # mutation: no mask over the padded rows (the engine as it was)
     engine.mask_padded_vocabulary = lambda *a, **k: None
     out["unmasked"] = sample(engine.TextGenerator(model, tokenizer, args))
-    out["logits"] = [logits_rank(rank, world_size, *job) for job in logit_jobs]
     return out
