@@ -39,6 +39,7 @@ def generate_and_recompute(rank, world_size, argv, prompt, tokens):
     pos = torch.arange(seq.shape[1]).unsqueeze(0)
     with torch.no_grad():
         logits = gpt(seq, pos, None, runtime_gather_output=True).float()   # [1, s, V]
+    logits[..., tokenizer.vocab_size:] = float("-inf")  # Megatron's padding rows are no tokens
     logp = torch.log_softmax(logits[0], dim=-1)
     n = len(res.prompt_tokens)
     steps = range(n - 1, seq.shape[1] - 1)

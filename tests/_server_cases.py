@@ -23,6 +23,7 @@ def reference_case(rank, world_size, argv, pairs, prompts, max_new):
         whole = list(tokenizer.tokenize(context + continuation))
         n_ctx = len(tokenizer.tokenize(context))
         logits = torch.from_numpy(_logits(model, whole))[0].double()
+        logits[:, tokenizer.vocab_size:] = float("-inf")  # Megatron's padding rows are no tokens
         logp = torch.log_softmax(logits, dim=-1)
         total = sum(float(logp[i - 1, whole[i]]) for i in range(n_ctx, len(whole)))
         loglik.append(total)

@@ -292,6 +292,12 @@ def test_ep2_trained_checkpoint_to_hf_and_back_then_resume(converted):
     assert "WARNING" not in converted["log"]
     cfg = json.load(open(os.path.join(t["hf"], "config.json")))
     assert cfg["num_local_experts"] == 4 and cfg["vocab_size"] == 256
+    # the training tokenizer's special ids travel (NullTokenizer --vocab-size 255: eod 255, no
+    # bos); before, a config generated from the args had none
+    assert cfg["eos_token_id"] == 255 and "bos_token_id" not in cfg
+    generation = json.load(open(os.path.join(t["hf"], "generation_config.json")))
+    assert generation["eos_token_id"] == 255
+    assert transformers.GenerationConfig.from_pretrained(t["hf"]).eos_token_id == 255
     experts = [k for k in hf_state(t["hf"]) if ".block_sparse_moe.experts." in k]
     assert len(experts) == 2 * 4 * 3  # every expert of both EP ranks, w1/w2/w3, both layers
     # a later export can start from the original config.json (token ids, ...) if it agrees

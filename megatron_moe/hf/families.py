@@ -142,6 +142,16 @@ def _rope_theta(cfg, default):
     return int(theta)
 
 
+def _rope_parameters(cfg, default_theta) -> dict:
+    """One dict of the rope fields whichever way config.json spells them: transformers >= 5
+    writes ``rope_parameters`` (with rope_theta), the released checkpoints ``rope_scaling``
+    (``type`` or ``rope_type``) + a top-level ``rope_theta``."""
+    rope = dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
 class Family:
     name = ""
     architecture = ""
@@ -478,6 +488,7 @@ class DeepseekV3(Family):
                             "topk_group experts, transformers by its top 2)")
         if not cfg.get("norm_topk_prob", True) and k > 1:
             problems.append("norm_topk_prob=false (megatron-core renormalises sigmoid top-k)")
+        problems += self._rope_problems(cfg)
         if problems:
             raise ConversionError("config.json: " + "; ".join(problems))
         n, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0)
@@ -491,6 +502,54 @@ class DeepseekV3(Family):
                     or None, qk_norm=True, mla=True, q_lora=cfg.get("q_lora_rank"),
                     expert_bias=True, mtp_layers=cfg.get("num_nextn_predict_layers") or 0)
 
+    @staticmethod
+    def _rope_problems(cfg) -> list:
+        """What of the config's rope megatron-core's MLA cannot reproduce (YaRN is fine: its
+        YarnRotaryEmbedding + softmax scale are transformers' DeepSeek-V3 yarn)."""
+        rope = _rope_parameters(cfg, 10000)
+        problems = []
+        if rope["rope_type"] not in ("default", "yarn"):
+            problems.append(f"rope_type {rope['rope_type']!r} (default or yarn)")
+        theta = rope["rope_theta"]
+        if float(theta) != int(theta):
+            problems.append(f"rope_theta {theta} is not an integer (--rotary-base is an int)")
+        if rope["rope_type"] != "yarn":
+            return problems
+        if rope.get("attention_factor") is not None:
+            problems.append("rope attention_factor (megatron-core derives it from factor, "
+                            "mscale and mscale_all_dim)")
+        if not rope.get("truncate", True):
+            problems.append("rope truncate=false (megatron-core's MLA YaRN always rounds)")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            problems.append("partial_rotary_factor != 1")
+        if rope.get("mscale_all_dim") and not rope.get("mscale"):
+            # transformers: cos/sin x get_mscale(factor); megatron-core x get_mscale(factor,
+            # mscale) / get_mscale(factor, mscale_all_dim): no --mscale makes them equal
+            problems.append("rope mscale_all_dim without mscale")
+        return problems
+
+    @staticmethod
+    def _rope_flags(cfg) -> list:
+        """--rotary-base, and --rope-type with YaRN's flags: transformers' DeepSeek-V3 yarn
+        multiplies cos/sin by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        when both are set (else get_mscale(factor)) and the softmax scale by
+        get_mscale(factor, mscale_all_dim)^2, which is megatron-core's MLA YaRN with the same
+        values (mscale 1, mscale_all_dim 0 = its defaults for 'neither set')."""
+        rope = _rope_parameters(cfg, 10000)
+        flags = ["--position-embedding-type", "rope", "--rotary-base", int(rope["rope_theta"])]
+        if rope["rope_type"] != "yarn":
+            return flags + ["--rope-type", "rope"]
+        original = int(rope["original_max_position_embeddings"])
+        factor = rope.get("factor") or cfg["max_position_embeddings"] / original  # transformers'
+        flags += ["--rope-type", "yarn", "--rotary-scaling-factor", float(factor),
+                  "--yarn-original-max-position-embeddings", original,
+                  "--yarn-beta-fast", float(rope.get("beta_fast") or 32.0),
+                  "--yarn-beta-slow", float(rope.get("beta_slow") or 1.0)]
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            flags += ["--mscale", float(rope["mscale"]),
+                      "--mscale-all-dim", float(rope["mscale_all_dim"])]
+        return flags
+
     def flags_from_config(self, cfg):
         s = self.spec_from_config(cfg)
         flags = [
@@ -498,8 +557,7 @@ class DeepseekV3(Family):
             "--num-attention-heads", s.heads, "--ffn-hidden-size", s.ffn,
             "--max-position-embeddings", cfg.get("max_position_embeddings", 4096),
             "--seq-length", min(int(cfg.get("max_position_embeddings", 4096)), 4096),
-            "--position-embedding-type", "rope", "--rotary-base", _rope_theta(cfg, 10000),
-            "--rope-type", "rope",
+            *self._rope_flags(cfg),
             "--normalization", "RMSNorm", "--norm-epsilon", cfg.get("rms_norm_eps", 1e-6),
             "--swiglu", "--disable-bias-linear",
             "--hidden-dropout", 0.0, "--attention-dropout", cfg.get("attention_dropout", 0.0),
@@ -544,6 +602,14 @@ class DeepseekV3(Family):
             topk_group=args.moe_router_group_topk or 1,
             first_k_dense_replace=n - sum(spec.moe_layers), norm_topk_prob=True,
             rope_interleave=True, attention_bias=False, num_nextn_predict_layers=spec.mtp_layers)
+        if (args.rope_type or "yarn") == "yarn":  # MLA's default rope is YaRN (megatron-core)
+            cfg["rope_scaling"] = {
+                "type": "yarn", "factor": float(args.rotary_scaling_factor),
+                "original_max_position_embeddings":
+                    args.yarn_original_max_position_embeddings or 4096,
+                "beta_fast": float(args.yarn_beta_fast or 32.0),
+                "beta_slow": float(args.yarn_beta_slow or 1.0),
+                "mscale": float(args.mscale), "mscale_all_dim": float(args.mscale_all_dim)}
         return cfg
 
     def check_args(self, args):
@@ -552,8 +618,10 @@ class DeepseekV3(Family):
             problems.append("no --multi-latent-attention")
         if not getattr(args, "qk_layernorm", False):
             problems.append("no --qk-layernorm (HF: q_a_layernorm/kv_a_layernorm)")
-        if (getattr(args, "rope_type", None) or "yarn") != "rope":
-            problems.append("--rope-type yarn (only plain RoPE converts so far)")
+        if (getattr(args, "rope_type", None) or "yarn") == "yarn" and not args.mscale_all_dim \
+                and args.mscale != 1.0 and args.rotary_scaling_factor > 1:
+            problems.append("--mscale without --mscale-all-dim (transformers then ignores "
+                            "mscale)")
         if args.moe_router_score_function != "sigmoid":
             problems.append(f"--moe-router-score-function {args.moe_router_score_function} "
                             "(HF: sigmoid)")
@@ -616,12 +684,7 @@ class GptOss(Family):
 
     @staticmethod
     def _rope(cfg) -> dict:
-        """transformers >= 5: rope_parameters (with rope_theta); the released config.json:
-        rope_scaling + top-level rope_theta."""
-        rope = dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
-        rope.setdefault("rope_theta", cfg.get("rope_theta", GptOss.rope_default))
-        rope.setdefault("rope_type", rope.get("type", "default"))
-        return rope
+        return _rope_parameters(cfg, GptOss.rope_default)
 
     def spec_from_config(self, cfg) -> Spec:
         problems = []

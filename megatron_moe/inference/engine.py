@@ -3,6 +3,11 @@
 Every rank runs the same engine on the same prompts (the MoE all-to-alls, TP all-reduces and PP
 sends need all of them); rank 0 reports. Greedy decoding (``top_k=1``) is deterministic; sampling
 draws from the controller's own generator, re-seeded per request, so all ranks draw alike.
+
+Megatron pads the vocabulary rows (a multiple of --make-vocab-size-divisible-by x TP); the padded
+rows are no tokens. ``mask_padded_vocabulary`` sets their logits to -inf where the model hands its
+logits to megatron-core's generation loop, so every softmax after it (sampling, log probs, top-n
+log probs) is over the tokenizer's vocabulary only, as transformers' is over the HF vocabulary.
 """
 
 from __future__ import annotations
@@ -72,13 +77,39 @@ def _keep_checkpoint_vocab_padding(args):
                 f"--tensor-model-parallel-size {args.tensor_model_parallel_size} shards")
 
 
+def mask_padded_vocabulary(wrapped_model, vocab_size: int):
+    """Logits of ids >= ``vocab_size`` (the tokenizer's; Megatron's padding rows above it) are
+    -inf in every forward step's output. megatron-core's static generation loop has no logits
+    processor hook; ``run_one_forward_step`` is where the gathered full-vocabulary logits leave
+    the model (and the last pipeline stage) before the loop samples, takes log-softmax or top-n
+    from them, so this one place covers all of those."""
+    forward = wrapped_model.run_one_forward_step
+
+    def run_one_forward_step(*args, **kwargs):
+        logits = forward(*args, **kwargs)
+        if logits is not None and logits.shape[-1] > vocab_size:
+            logits[..., vocab_size:] = float("-inf")
+        return logits
+
+    wrapped_model.run_one_forward_step = run_one_forward_step
+
+
+def finish_reason(tokens, tokens_to_generate: int) -> str:
+    """OpenAI's finish_reason of one generation: "stop" when it ended at the end-of-document token,
+    "length" when the token budget ran out. megatron-core stops a request at EOD without keeping
+    the EOD among its generated tokens (its generated length stops growing at EOD), so a
+    generation shorter than the budget ended at EOD."""
+    return "stop" if len(tokens) < tokens_to_generate else "length"
+
+
 @dataclasses.dataclass
 class Generation:
     prompt: str
     text: str                    # prompt + completion (Megatron's server answers this)
     completion: str
     prompt_tokens: list
-    tokens: list                 # generated token ids (an EOD that ended generation included)
+    tokens: list                 # generated token ids (megatron-core keeps no EOD among them)
+    finish_reason: str = "length"  # "stop": ended at EOD; "length": the token budget ran out
     log_probs: list | None = None  # of the generated tokens, when asked for
     prompt_log_probs: list | None = None  # of prompt tokens 2..n, when asked for
     top_n: list | None = None    # per generated token {token text: log prob}, when asked for
@@ -99,6 +130,8 @@ class TextGenerator:
             model, tokenizer, hidden_size=args.hidden_size, params_dtype=dtype[args.params_dtype],
             padded_vocab_size=args.padded_vocab_size, max_batch_size=args.inference_max_requests,
             max_sequence_length=self.max_sequence_length, random_seed=args.seed)
+        self.vocab_size = int(tokenizer.vocab_size)  # the true vocabulary, without padding rows
+        mask_padded_vocabulary(self.engine.controller.inference_wrapped_model, self.vocab_size)
 
     def tokenize(self, prompt: str) -> list:
         return list(self.tokenizer.tokenize(prompt))
@@ -149,15 +182,14 @@ class TextGenerator:
                                      prompt_tokens=t, sampling_params=params)
                     for p, t in zip(prompts, prompt_tokens)]
         done = self.engine.generate(inference_requests=requests)
-        eod = getattr(self.tokenizer, "eod", None)
         out = []
         for prompt, req in zip(prompts, done):
             tokens = [int(t) for t in req.generated_tokens.tolist()]
-            text_tokens = tokens[:-1] if tokens and tokens[-1] == eod else tokens
-            completion = self._completion(req.prompt_tokens, text_tokens)
+            completion = self._completion(req.prompt_tokens, tokens)
             out.append(Generation(
                 prompt=prompt, text=prompt + completion, completion=completion,
                 prompt_tokens=list(req.prompt_tokens), tokens=tokens,
+                finish_reason=finish_reason(tokens, tokens_to_generate),
                 log_probs=list(req.generated_log_probs) if return_log_probs else None,
                 prompt_log_probs=list(req.prompt_log_probs) if return_log_probs else None,
                 top_n=list(req.generated_top_n_logprobs or []) if top_n_logprobs else None,

@@ -251,11 +251,9 @@ def completion_choices(tokenizer, spec, results) -> tuple[list, dict]:
     """Generations -> OpenAI's choices (text, logprobs, finish_reason) and usage."""
     choices = []
     prompt_tokens = completion_tokens = 0
-    eod = getattr(tokenizer, "eod", None)
     for index, r in enumerate(results):
         prompt_ids = list(r.prompt_tokens)
-        gen_ids = list(r.tokens)
-        ended = bool(gen_ids) and gen_ids[-1] == eod
+        gen_ids = list(r.tokens)  # an EOD that ended generation is not among them
         prompt_tokens += len(prompt_ids)
         completion_tokens += len(gen_ids)
         ids = prompt_ids + gen_ids
@@ -267,16 +265,14 @@ def completion_choices(tokenizer, spec, results) -> tuple[list, dict]:
         gen_start = len("".join(texts[:len(prompt_ids)]))
         cuts = [full.find(s, gen_start) for s in spec["stop"] if s]
         cuts = [c for c in cuts if c >= 0]
-        finish = "stop" if ended else "length"
+        finish = r.finish_reason  # "stop" at EOD, "length" when max_tokens ran out
         if cuts:
             end, finish = min(cuts), "stop"
-        last = len(ids)  # log probs: every token up to a stop string (an eod included)
+        last = len(ids)  # log probs: every token up to a stop string
         if cuts:
             last = first
             while last < len(ids) and offsets[last] < end:
                 last += 1
-        elif ended:  # the end-of-document token is not part of the text
-            end = offsets[-1]
         choice = {"index": index, "text": full[start:end], "logprobs": None,
                   "finish_reason": finish}
         if spec["logprobs"] is not None:
@@ -351,6 +347,39 @@ class GenerationServer:
     def _vocab_size(self):
         return int(self.generator.tokenizer.vocab_size)
 
+    def _bytes_per_token(self):
+        """The most UTF-8 bytes one token can stand for, an upper bound: the longest vocabulary
+        entry's bytes (a byte-level or sentencepiece entry spells a byte in 1-6 bytes) x 4 (a
+        normaliser such as NFKC maps a character of up to 4 bytes to 1). None when the tokenizer
+        lists no vocabulary (NullTokenizer)."""
+        try:
+            return self._token_bytes
+        except AttributeError:
+            try:
+                vocab = self.generator.tokenizer.vocab
+                self._token_bytes = 4 * max(len(str(piece).encode("utf-8")) for piece in vocab)
+            except (AttributeError, NotImplementedError, TypeError, ValueError):
+                self._token_bytes = None
+            return self._token_bytes
+
+    def _check_prompt_bytes(self, prompts, budget, field, param):
+        """Before tokenization: a text prompt longer in bytes than any prompt that fits the
+        context can be is refused without tokenizing it (a 16 MiB body would hold the tokenizer
+        for seconds to minutes). The token count is checked after tokenization."""
+        per_token = self._bytes_per_token()
+        if per_token is None:
+            return
+        limit = self.generator.max_sequence_length
+        most = max(limit - budget, 1) * per_token
+        for i, prompt in enumerate(prompts):
+            size = len(prompt.encode("utf-8")) if isinstance(prompt, str) else 0
+            if size > most:
+                raise RequestError(
+                    f"prompt {i} has {size} bytes; with {field}={budget} a prompt must fit in "
+                    f"{max(limit - budget, 0)} tokens of the context length {limit}, which is "
+                    f"at most {most} bytes with this tokenizer (--inference-max-seq-length / "
+                    f"--max-position-embeddings)", param)
+
     def _check_lengths(self, prompt_tokens, budget, field):
         limit = self.generator.max_sequence_length
         for i, tokens in enumerate(prompt_tokens):
@@ -402,6 +431,8 @@ class GenerationServer:
         @app.put("/api")
         def api():
             kwargs = parse_request(body())
+            server._check_prompt_bytes(kwargs["prompts"], kwargs["tokens_to_generate"],
+                                       "tokens_to_generate", "prompts")
             try:  # tokenization and length limits here: a bad prompt never reaches other ranks
                 server.generator.tokenize_prompts(kwargs["prompts"], kwargs["tokens_to_generate"],
                                                   kwargs["add_bos"])
@@ -414,6 +445,7 @@ class GenerationServer:
         def completions():
             spec = parse_completions(body(), server._vocab_size())
             gen = server.generator
+            server._check_prompt_bytes(spec["prompts"], spec["max_tokens"], "max_tokens", "prompt")
             prompt_tokens = []
             for i, p in enumerate(spec["prompts"]):
                 ids = gen.tokenize(p) if isinstance(p, str) else p

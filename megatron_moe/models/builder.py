@@ -20,6 +20,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_moe.models.mla import yarn_config_fields
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # args attribute -> TransformerConfig field, where Megatron's flag name differs from the field
@@ -83,6 +85,7 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         kwargs["attention_backend"] = AttnBackend[args.attention_backend]
     if getattr(args, "rope_type", None) is None:
         kwargs.pop("rope_type", None)  # the config's default: yarn for MLA, rope otherwise
+    kwargs.update(yarn_config_fields(args))  # MLA's YaRN fields named by --yarn-* flags
     if args.moe_router_load_balancing_type == "none":
         kwargs["moe_aux_loss_coeff"] = 0.0
     if args.num_experts is None:

@@ -104,7 +104,8 @@ def validate_args(args):
         if mla:
             raise ValueError("--position-embedding-type yarn is for standard attention; "
                              "--multi-latent-attention takes --rope-type yarn")
-    else:
+    elif not (mla and (args.rope_type or "yarn") == "yarn"):  # MLA's YaRN takes them too
         given = [f for f in YARN_FLAGS if getattr(args, f) is not None]
         if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} needs --position-embedding-type yarn")
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --position-embedding-type yarn "
+                             f"(or --multi-latent-attention with --rope-type yarn)")

@@ -6,10 +6,29 @@ by field name (model.transformer_config_from_args). On CPU, MLA's core attention
 ``megatron_moe.models.attention.UnequalHeadDotProductAttention``; MTP is megatron-core's
 ``MultiTokenPredictionBlock`` (model.gpt_model_provider), its loss logged as Megatron prints it.
 
+YaRN with MLA (``--rope-type yarn``, DeepSeek-V3's published configs): ``--rotary-scaling-factor``,
+``--mscale`` and ``--mscale-all-dim`` reach MLATransformerConfig by name, as in Megatron-LM. Its
+other YaRN fields (``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``) have no
+Megatron-LM flag for MLA (the config's defaults 4096 / 32 / 1, DeepSeek-V3's values, apply); here
+Megatron's ``--yarn-original-max-position-embeddings`` / ``--yarn-beta-fast`` / ``--yarn-beta-slow``
+set them when given (``yarn_config_fields``), so any DeepSeek YaRN config can be expressed.
+
 The combinations megatron-core cannot build are refused here, before any process group starts.
 """
 
 from __future__ import annotations
+
+# Megatron's --yarn-* flag -> MLATransformerConfig's field of the same meaning
+_MLA_YARN_FIELDS = {"yarn_original_max_position_embeddings": "original_max_position_embeddings",
+                    "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+
+
+def yarn_config_fields(args) -> dict:
+    """MLATransformerConfig's YaRN fields from the ``--yarn-*`` flags given (none: its defaults)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    return {field: getattr(args, flag) for flag, field in _MLA_YARN_FIELDS.items()
+            if getattr(args, flag, None) is not None}
 
 
 def add_arguments(parser):
@@ -47,6 +66,9 @@ def validate_args(args):
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1 with --multi-latent-attention")
         if args.q_lora_rank is not None and args.q_lora_rank < 1:
             raise ValueError("--q-lora-rank must be >= 1")
+        if getattr(args, "yarn_correction_range_round_to_int", None) is False:
+            raise ValueError("--no-yarn-correction-range-round-to-int: megatron-core's MLA YaRN "
+                             "always rounds the correction range")
         if args.context_parallel_size > 1 and not _have_te():
             raise ValueError("--multi-latent-attention with --context-parallel-size > 1 needs "
                              "Transformer Engine's attention (CUDA)")

@@ -36,6 +36,29 @@ def _true_vocab(stored, hf, args):
                          f"--true-vocab-size") from None
 
 
+def _special_tokens(stored) -> dict:
+    """bos_token_id / eos_token_id of the training tokenizer (its eod is the eos), for the
+    exported config.json and generation_config.json; {} when the tokenizer cannot be built
+    (files moved: the export says so and writes none)."""
+    try:
+        from megatron_moe.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(stored)
+    except Exception as exc:
+        print(f"note: the training tokenizer is not readable ({exc}); the export carries no "
+              f"bos_token_id/eos_token_id")
+        return {}
+    out = {}
+    for key, attr in (("bos_token_id", "bos"), ("eos_token_id", "eod")):
+        try:
+            value = getattr(tokenizer, attr)
+        except (AttributeError, NotImplementedError, ValueError):
+            continue
+        if isinstance(value, int) and value >= 0:
+            out[key] = value
+    return out
+
+
 def load_checkpoint(args):
     from megatron_moe.compat import quiet_known_warnings
 
@@ -70,7 +93,8 @@ def load_checkpoint(args):
                          f"{stored.padded_vocab_size}")
     metadata = dict(family=family, spec=spec, hf_config=(hf or {}).get("config"),
                     megatron_args=stored, megatron_flags=None, iteration=iteration,
-                    dtype="bfloat16" if stored.bf16 else ("float16" if stored.fp16 else "float32"))
+                    dtype="bfloat16" if stored.bf16 else ("float16" if stored.fp16 else "float32"),
+                    special_tokens=_special_tokens(stored))
     rules = rules_for(spec)
     unused = set(params) - {r.meg for r in rules}
     if unused:

@@ -92,7 +92,7 @@ _FREE = {"torch_dtype", "dtype", "initializer_range", "use_cache", "attention_dr
 
 def _from_template(path, generated):
     """The template config with the generated one's values checked against it."""
-    from megatron_moe.hf.families import _rope_theta
+    from megatron_moe.hf.families import _rope_parameters
 
     with open(path) as f:
         template = json.load(f)
@@ -100,7 +100,10 @@ def _from_template(path, generated):
         if key in _FREE:
             continue
         if key == "rope_theta":
-            have = _rope_theta(template, value)
+            have = float(_rope_parameters(template, value)["rope_theta"])
+        elif key == "rope_scaling":  # the template may spell it rope_parameters (transformers 5)
+            rope = _rope_parameters(template, None)
+            have = {k: rope.get("rope_type") if k == "type" else rope.get(k) for k in value}
         elif key == "head_dim":
             have = template.get("head_dim") or template["hidden_size"] // template["num_attention_heads"]
         elif key == "num_experts" and key not in template:  # transformers >= 5 (Qwen3-MoE)
@@ -132,6 +135,8 @@ def save_checkpoint(metadata, tensors, args):
         cfg = family.config_from_args(metadata["megatron_args"], spec, metadata["dtype"])
         if args.hf_config_template:
             cfg = _from_template(args.hf_config_template, cfg)
+        for key, value in (metadata.get("special_tokens") or {}).items():
+            cfg.setdefault(key, value)  # the training tokenizer's (a template's own win)
     dtype_name = _DTYPES[args.save_dtype or cfg.get("torch_dtype") or cfg.get("dtype")
                          or metadata.get("dtype", "float32")]
     dtype = getattr(torch, dtype_name)
@@ -164,5 +169,14 @@ def save_checkpoint(metadata, tensors, args):
     with open(os.path.join(args.save_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
+    generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  if cfg.get(k) is not None}
+    generation_path = os.path.join(args.save_dir, "generation_config.json")
+    if generation:  # what transformers' generate() reads its stop token from
+        with open(generation_path, "w") as f:
+            json.dump(dict(generation, _from_model_config=True), f, indent=2, sort_keys=True)
+            f.write("\n")
+    elif os.path.exists(generation_path):  # an earlier export's
+        os.remove(generation_path)
     print(f"saved {len(writer.weight_map)} tensors in {n} shard(s) + config.json "
           f"({family.architecture}, {dtype_name}) to {args.save_dir}")

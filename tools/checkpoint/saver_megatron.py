@@ -53,9 +53,7 @@ def _stored_args(metadata, args):
     argv += _tokenizer_flags(metadata, spec, args, tp)
     if tp > 1:
         argv.append("--sequence-parallel")
-    # the HF weights' dtype is kept (no rounding, no doubling on disk); training may use another
-    dtype = metadata["hf_config"].get("torch_dtype") or metadata["hf_config"].get("dtype")
-    argv += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(dtype, [])
+    argv += dtype_flags(metadata["hf_config"])
     try:
         stored = parse_args(argv, world_size=target_world_size(tp, pp, ep, etp))
     except SystemExit as exc:
@@ -65,6 +63,19 @@ def _stored_args(metadata, args):
     stored.save = args.save_dir
     stored.no_save_optim = stored.no_save_rng = True  # weights only, like Megatron's converter
     return stored
+
+
+def dtype_flags(hf_config) -> list:
+    """--bf16 / --fp16 for the HF weights' dtype: they are stored in it (no rounding, no doubling
+    on disk), and the printed flags carry it so that a run copying them trains as stored."""
+    dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(dtype, [])
+
+
+def model_flags_line(metadata) -> str:
+    """The line that tells the user which pretrain_gpt_moe.py flags build the imported model."""
+    return "model flags for pretrain_gpt_moe.py: " + shlex.join(
+        list(metadata["megatron_flags"]) + dtype_flags(metadata["hf_config"]))
 
 
 def _tokenizer_flags(metadata, spec, args, tp):
@@ -125,7 +136,7 @@ def save_checkpoint(metadata, tensors, args):
     def produce(name):
         """One parameter from the HF shards, in the model's dtype and padded vocabulary."""
         param = params[name]
-        tensor = tensors.read(name)
+        tensor = tensors.read(name, tuple(param.shape))
         if name in ("embedding.word_embeddings.weight", "output_layer.weight") \
                 and tensor.shape[0] < param.shape[0]:
             # Megatron's padding (saver_mcore): repeat the last row up to the padded size
@@ -147,7 +158,7 @@ def save_checkpoint(metadata, tensors, args):
     megatron_side.finish()
     if producer.chunks != len(producer.index):
         raise SystemExit(f"torch_dist save wrote {producer.chunks} of {len(producer.index)} chunks")
-    print("model flags for pretrain_gpt_moe.py: " + shlex.join(metadata["megatron_flags"]))
+    print(model_flags_line(metadata))
     print(f"saved {len(params)} tensors ({producer.chunks} chunks streamed from "
           f"{tensors.bytes_read} bytes of HF tensors) to "
           f"{os.path.join(args.save_dir, f'iter_{args.iteration:07d}')} "
