@@ -53,3 +53,11 @@ def generate_counting_sdpa(rank, world_size, argv, prompts, tokens):
     finally:
         F.scaled_dot_product_attention = real
     return [(list(r.tokens), list(r.log_probs)) for r in res], calls[0]
+
+
+def train_fast_path(rank, world_size, argv):
+    """pretrain() with SDPA and the grouped experts counted: (history, SDPA calls, grouped calls)."""
+    from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
+
+    history, calls, _ = train_counting_sdpa(rank, world_size, argv)
+    return history, calls, GroupedSequentialMLP.grouped_calls

@@ -7,7 +7,7 @@ tokens; the memory report drops the score matrix; bench/attention.py runs."""
 import pytest
 
 from megatron_moe.runtime.local_ranks import run_distributed
-from tests._sdpa_cases import train_counting_sdpa
+from tests._sdpa_cases import train_counting_sdpa, train_fast_path
 from tests.test_training import TINY
 
 ITERS = 4
@@ -141,3 +141,25 @@ def test_generation_with_flash_equals_local(tmp_path):
     for (lt, lp), (ft, fp) in zip(local, flash):
         assert ft == lt and len(fp) == len(lp) > 0
         assert max(abs(a - b) for a, b in zip(fp, lp)) < 1e-4, (fp, lp)
+
+
+@pytest.mark.parametrize("policy", ["none", "proprophet"])
+def test_fast_path_trains_like_the_unfused_loop(policy):
+    """Every speed option of the local path together (SDPA attention, grouped experts, fused
+    permute) trains with the losses of megatron-core's local path as it comes (unfused attention,
+    expert loop), fp32, EP 2, with and without a balance policy; both SDPA and the grouped experts
+    ran. The balance policy's replicas are exercised by tests/test_grouped_features.py."""
+    base = TINY + (f"--train-iters {ITERS} --transformer-impl local --attention-dropout 0.0 "
+                   f"--expert-model-parallel-size 2 --moe-balance-policy {policy}").split()
+    stock = run_distributed(train_fast_path, 2, base + ["--attention-backend", "local"],
+                            timeout_s=300)[0]
+    fast = run_distributed(train_fast_path, 2, base + ["--attention-backend", "flash",
+                                                       "--moe-grouped-gemm",
+                                                       "--moe-permute-fusion"], timeout_s=300)[0]
+    (slow_hist, slow_sdpa, slow_grouped), (fast_hist, fast_sdpa, fast_grouped) = stock, fast
+    assert slow_sdpa == 0 and slow_grouped == 0
+    # data parallel 2: two micro-batches of the global 8 per rank per iteration
+    assert fast_sdpa == ITERS * LAYERS * 2 and fast_grouped > 0, (fast_sdpa, fast_grouped)
+    gap = max(abs(a - b) for a, b in zip(fast_hist["lm_loss"], slow_hist["lm_loss"]))
+    print(f"{policy}: fast path vs stock local max |loss gap| {gap:.3g}")
+    assert len(fast_hist["lm_loss"]) == ITERS and gap < 1e-4, (fast_hist, slow_hist)
