@@ -38,12 +38,13 @@ import json
 import math
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import sys
 import time
 import traceback
+
+from megatron_moe.gpucheck.process import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYSTEMS = ("ours", "stock", "torchtitan", "transformers")
@@ -492,24 +493,9 @@ def run_row(system, shape, mode):
 def _row_process(system, shape, cpu, result, log, limit_s):
     cmd = [sys.executable, "-m", "megatron_moe.gpucheck.perf", "row", system, shape,
            "--result", result] + (["--cpu"] if cpu else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1" if cpu else "8")
     log.write(f"\n===== perf row {shape}/{system} (limit {limit_s:.0f}s): {' '.join(cmd)}\n")
     log.flush()
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                            start_new_session=True)
-    try:
-        rc = proc.wait(timeout=max(1.0, limit_s))
-        why = f"exit {rc}" if rc else "ok"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        why = f"timed out after {limit_s:.0f}s"
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    took = time.monotonic() - t0
+    why, took = run_bounded(cmd, log, limit_s, ROOT, cpu)
     log.write(f"===== perf row {shape}/{system}: {why} in {took:.1f}s\n")
     log.flush()
     data = None

@@ -18,13 +18,13 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 from megatron_moe.gpucheck.checks import GROUPED, PLANT_ENV, ROOT, SECTIONS
+from megatron_moe.gpucheck.process import run_bounded
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
 SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 300),
@@ -56,33 +56,17 @@ def run_section(name, cpu, work, log, budget_s):
     result = os.path.join(work, f"{name}.json")
     cmd = [sys.executable, "-m", "megatron_moe.gpucheck.checks", name, "--result", result,
            "--work", os.path.join(work, name)] + (["--cpu"] if cpu else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1" if cpu else "8")
     log.write(f"\n===== section {name} ({datetime.datetime.now():%H:%M:%S}, limit "
               f"{budget_s:.0f}s): {' '.join(cmd)}\n")
     log.flush()
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                            start_new_session=True)
-    try:
-        rc = proc.wait(timeout=max(1.0, budget_s))
-        why = f"exit {rc}" if rc else "ok"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        why = f"timed out after {budget_s:.0f}s"
-    else:
-        try:  # anything the section left behind (a checkpoint writer, a generate.py child)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    log.write(f"===== section {name}: {why} in {time.monotonic() - t0:.1f}s\n")
+    why, took = run_bounded(cmd, log, budget_s, ROOT, cpu)
+    log.write(f"===== section {name}: {why} in {took:.1f}s\n")
     log.flush()
     data = None
     if os.path.exists(result):
         with open(result) as f:
             data = json.load(f)
-    return data, why, time.monotonic() - t0
+    return data, why, took
 
 
 def _tail(path, n=4):
