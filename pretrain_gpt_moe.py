@@ -39,10 +39,18 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask, output_tensor):
-    """Mean next-token loss over unmasked tokens; reported per data-parallel rank."""
+    """Mean next-token loss over unmasked tokens; reported per data-parallel rank.
+
+    --calculate-per-token-loss (Megatron's form): the loss summed over tokens with the token
+    count; megatron-core's schedule and finalize_model_grads divide by the global token count."""
     losses = output_tensor.float().view(-1)
     loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask) / loss_mask.sum().clamp(min=1.0)
+    loss_sum = torch.sum(losses * loss_mask)
+    if get_args().calculate_per_token_loss:
+        num_tokens = loss_mask.sum().detach().to(torch.int)
+        report = torch.cat([loss_sum.detach().view(1), num_tokens.view(1).float()])
+        return loss_sum, num_tokens, {"lm loss": report}
+    loss = loss_sum / loss_mask.sum().clamp(min=1.0)
     return loss, {"lm loss": loss.detach().clone()}
 
 

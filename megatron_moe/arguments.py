@@ -25,6 +25,7 @@ _EXTENSION_MODULES = (
     "megatron_moe.training.wandb_writer",          # --wandb-project, --wandb-exp-name, ...
     "megatron_moe.models.mla",                   # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
     "megatron_moe.models.gpt_oss",               # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
+    "megatron_moe.training.megatron_logging",    # params norm, zeros in grad, timers, memory, ppl
 )
 
 
@@ -51,6 +52,7 @@ def build_parser(extra_args_provider=None, prog="pretrain_gpt_moe.py") -> argpar
     _add_data_args(p)
     _add_checkpoint_args(p)
     _add_logging_args(p)
+    _add_megatron_ci_args(p)
     for module in extension_modules():
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
@@ -179,7 +181,10 @@ def _add_training_args(p):
                    help="Stop (and save) when iteration %% interval == 0.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM, save a checkpoint and exit.")
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    # Megatron's choices: an unsupported optimizer gets the one-line refusal of
+    # _validate_optimizer_choice, never argparse's "invalid choice"
+    g.add_argument("--optimizer", default="adam",
+                   choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"])
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear",
@@ -252,7 +257,9 @@ def _add_checkpoint_args(p):
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only; reset iteration, optimizer and scheduler.")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
+                   help="torch_dist only here; the others are refused with one line.")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Load this iteration from --load instead of the tracker's.")
     g.add_argument("--async-save", action="store_true",
@@ -350,6 +357,7 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
     finally:
         del args.world_size_source
     try:
+        validate_megatron_ci_args(args)
         validate_extension_args(args)
     except ValueError as exc:
         parser.error(str(exc))
@@ -583,3 +591,173 @@ def _cuda_available():
     import torch
 
     return torch.cuda.is_available()
+
+
+# --- Megatron-LM's CI-config flags (its MoE functional tests set them on every run) -----------------
+# Housekeeping, determinism, parallel mapping and model options that megatron-core implements:
+# each is defined with Megatron's shape (flags.add_megatron_argument) and handed to megatron-core
+# where it acts (runtime/initialize.py, models/builder.py, training/checkpointing.py).
+
+def _add_megatron_ci_args(p):
+    from megatron_moe.flags import add_megatron_argument as add
+
+    g = p.add_argument_group("Megatron-LM housekeeping and determinism")
+    add(g, "--deterministic-mode",
+        help="Deterministic algorithms (torch.use_deterministic_algorithms) and Megatron's "
+             "environment (NCCL_ALGO=Ring, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, "
+             "CUBLAS_WORKSPACE_CONFIG=:4096:8); megatron-core's deterministic_mode.")
+    add(g, "--dist-ckpt-strictness",
+        help="megatron-core's StrictHandling of unexpected/missing keys at load.")
+    add(g, "--use-persistent-ckpt-worker",
+        help="--async-save writes through one persistent worker process (megatron-core).")
+    add(g, "--dist-ckpt-optim-fully-reshardable",
+        help="Always the case here: the distributed optimizer is saved fully reshardable.")
+    add(g, "--async-ckpt-use-cpu-shm",
+        help="--async-save stages GPU tensors in CPU shared memory (megatron-core >= 0.19; "
+             "host tensors need no staging).")
+    add(g, "--verify-integrity",
+        help="Write a per-file hash manifest at save and re-hash at load (megatron-core >= 0.19).")
+    g = p.add_argument_group("Megatron-LM parallel mapping")
+    add(g, "--num-distributed-optimizer-instances",
+        help="Distributed-optimizer shards replicated over N instances (megatron-core).")
+    add(g, "--use-tp-pp-dp-mapping",
+        help="Rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp.")
+    add(g, "--check-weight-hash-across-dp-replicas-interval",
+        help="Every N iterations, assert parameters are bit-identical across data-parallel "
+             "replicas (megatron-core's check_param_hashes_across_dp_replicas).")
+    g = p.add_argument_group("Megatron-LM model options (megatron-core TransformerConfig)")
+    add(g, "--calculate-per-token-loss",
+        help="Loss summed over tokens and divided by the global token count, not averaged per "
+             "micro-batch.")
+    add(g, "--apply-query-key-layer-scaling",
+        help="Scale Q.K^T by 1/layer number (fp16); implies --attention-softmax-in-fp32.")
+    add(g, "--recompute-modules",
+        help="Selective recompute of these submodules (core_attn, moe_act, layernorm, "
+             "mla_up_proj, mlp, moe, shared_experts).")
+    add(g, "--moe-layer-recompute",
+        help="Deprecated Megatron form of --recompute-modules moe (selective).")
+    add(g, "--overlap-moe-expert-parallel-comm",
+        help="megatron-core's EP all-to-all overlap (combined 1F1B schedule on CUDA streams).")
+    g = p.add_argument_group("GPU-only Megatron-LM features (megatron-core TransformerConfig; "
+                             "refused on a CPU)")
+    for flag, (_, reason) in GPU_ONLY_FLAGS.items():
+        add(g, flag, help=f"GPU only, handed to megatron-core: {reason}.")
+
+
+# flag -> (TransformerConfig field its dest fills, why it cannot run on a CPU). On a GPU the value
+# reaches megatron-core's TransformerConfig by name (models/builder.py); unverified on a GPU here.
+GPU_ONLY_FLAGS = {
+    "--fp8-format": ("fp8", "FP8 GEMMs are Transformer Engine kernels (Hopper/Blackwell)"),
+    "--fp8-recipe": ("fp8_recipe", "FP8 scaling recipes are Transformer Engine's"),
+    "--first-last-layers-bf16": ("first_last_layers_bf16",
+                                 "an FP8 option (Transformer Engine kernels)"),
+    "--cuda-graph-impl": ("cuda_graph_impl", "CUDA graphs capture CUDA kernels"),
+    "--cuda-graph-modules": ("cuda_graph_modules", "CUDA graphs capture CUDA kernels"),
+    "--cuda-graph-warmup-steps": ("cuda_graph_warmup_steps", "CUDA graphs capture CUDA kernels"),
+    "--delay-wgrad-compute": ("delay_wgrad_compute",
+                              "Transformer Engine's split weight-gradient GEMMs"),
+    "--use-transformer-engine-op-fuser": ("use_transformer_engine_op_fuser",
+                                          "Transformer Engine's operation fuser"),
+    "--fine-grained-activation-offloading": ("fine_grained_activation_offloading",
+                                             "activations offload to host over CUDA streams"),
+    "--offload-modules": ("offload_modules", "activations offload to host over CUDA streams"),
+}
+
+
+def validate_megatron_ci_args(args):
+    """Checks of the flags above, before any process group starts (ValueError names the flag)."""
+    _validate_determinism(args)
+    _validate_checkpoint_housekeeping(args)
+    _validate_parallel_mapping(args)
+    _validate_model_options(args)
+    _validate_optimizer_choice(args)
+    _validate_gpu_only(args)
+    if args.ckpt_format != "torch_dist":
+        raise ValueError(f"--ckpt-format {args.ckpt_format} is refused: checkpoints here are "
+                         f"megatron-core's torch_dist (fsdp_dtensor belongs to Megatron-FSDP, torch/"
+                         f"torch_dcp to Megatron's legacy loaders)")
+
+
+def _validate_determinism(args):
+    if not args.deterministic_mode:
+        return
+    if getattr(args, "cross_entropy_loss_fusion", False):
+        raise ValueError("--deterministic-mode needs --cross-entropy-loss-fusion off (Megatron's rule)")
+    from megatron_moe.runtime.determinism import check_environment
+
+    check_environment(os.environ)
+
+
+def _validate_checkpoint_housekeeping(args):
+    from megatron_moe.compat import checkpoint_options as ckpt_compat
+
+    if args.verify_integrity and not ckpt_compat.HAS_INTEGRITY_MANIFEST:
+        raise ValueError(f"--verify-integrity needs megatron-core >= 0.19 (its checkpoint integrity "
+                         f"manifest); installed {ckpt_compat.MCORE_VERSION}")
+    if args.async_ckpt_use_cpu_shm and not ckpt_compat.HAS_CPU_SHM and _cuda_available():
+        raise ValueError(f"--async-ckpt-use-cpu-shm needs megatron-core >= 0.19 on a GPU; installed "
+                         f"{ckpt_compat.MCORE_VERSION}")
+
+
+def _validate_parallel_mapping(args):
+    n = args.num_distributed_optimizer_instances
+    if n < 1:
+        raise ValueError(f"--num-distributed-optimizer-instances must be >= 1 (got {n})")
+    if n > 1:
+        if not args.use_distributed_optimizer:
+            raise ValueError("--num-distributed-optimizer-instances > 1 needs "
+                             "--use-distributed-optimizer")
+        if args.data_parallel_size % n != 0:
+            raise ValueError(f"--num-distributed-optimizer-instances ({n}) must divide the "
+                             f"data-parallel size ({args.data_parallel_size})")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval < 1:
+        raise ValueError("--check-weight-hash-across-dp-replicas-interval must be >= 1")
+
+
+def _validate_model_options(args):
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True   # Megatron: the scaling needs the fp32 softmax
+    if args.recompute_modules and args.recompute_granularity != "selective" \
+            and not args.recompute_activations:
+        raise ValueError("--recompute-modules needs --recompute-granularity selective")
+    if args.recompute_modules and "moe_act" in args.recompute_modules and not args.moe_grouped_gemm:
+        raise ValueError("--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core "
+                         "recomputes the expert activation only in its grouped-GEMM experts)")
+    if args.overlap_moe_expert_parallel_comm and not _cuda_available():
+        raise ValueError("--overlap-moe-expert-parallel-comm needs CUDA: megatron-core overlaps the "
+                         "EP all-to-all with compute on a second CUDA stream (combined 1F1B schedule)")
+
+
+def _validate_optimizer_choice(args):
+    if args.optimizer in ("adam", "sgd"):
+        return
+    if args.optimizer in ("muon", "dist_muon", "adaptive_muon", "lion", "soap"):
+        try:
+            import emerging_optimizers  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--optimizer {args.optimizer} needs the emerging-optimizers package "
+                             f"(megatron-core's Muon/Lion/SOAP; not installed here)") from None
+        raise ValueError(f"--optimizer {args.optimizer} is refused: megatron-core's emerging "
+                         f"optimizers are not wired into this trainer")
+
+
+def _validate_gpu_only(args):
+    """GPU_ONLY_FLAGS: set to other than Megatron's default, refused on a CPU with the reason;
+    on a GPU, refused only when the installed megatron-core has no such config field."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_moe import flags
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    for flag, (field, reason) in GPU_ONLY_FLAGS.items():
+        record = flags.all_megatron_flags()[flag]
+        if getattr(args, record["dest"]) in (record["default"], None, [], False):
+            continue
+        if not _cuda_available():
+            raise ValueError(f"{flag} needs CUDA: {reason}")
+        if field not in fields:
+            raise ValueError(f"{flag} needs a newer megatron-core (TransformerConfig has no "
+                             f"{field} field in this release)")

@@ -76,8 +76,8 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         activation_func=F.silu if args.swiglu else F.gelu,
         num_moe_experts=args.num_experts,
         moe_layer_freq=args.moe_layer_freq,
-        deterministic_mode=False,
-        calculate_per_token_loss=False,
+        deterministic_mode=getattr(args, "deterministic_mode", False),
+        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
     )
     if getattr(args, "quick_geglu", False):  # gpt-oss: Megatron-LM's choice of quick_gelu
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
@@ -211,6 +211,7 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=False,
         bucket_size=None if args.overlap_grad_reduce else None,
+        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads

@@ -32,7 +32,6 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
-    get_default_save_sharded_strategy,
 )
 
 from megatron_moe.models.builder import unwrap
@@ -181,22 +180,22 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
         optimizer_count=_optimizer_count(optimizer),
         has_rng=not args.no_save_rng,
     )
-    strategy = sharded_strategy or get_default_save_sharded_strategy("torch_dist")
+    from megatron_moe.compat import checkpoint_options   # Megatron's housekeeping flags
+
+    strategy = sharded_strategy or checkpoint_options.save_strategy(args)
     commit = functools.partial(_commit, root, iteration, tmp_dir, final_dir, delay)
     if getattr(args, "async_save", False):
         global _async_queue
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
         from megatron_moe.compat.checkpoint import async_save_kwargs
 
         request = dist_checkpointing.save(state, tmp_dir, strategy, async_sharded_save=True,
-                                          **async_save_kwargs())
+                                          **async_save_kwargs(), **checkpoint_options.save_kwargs(args))
         request.finalize_fns.append(commit)
-        if _async_queue is None:
-            _async_queue = AsyncCallsQueue()
+        if _async_queue is None:   # --use-persistent-ckpt-worker: one long-lived writer process
+            _async_queue = checkpoint_options.async_queue(args)
         _async_queue.schedule_async_request(request)
         return
-    dist_checkpointing.save(state, tmp_dir, strategy)
+    dist_checkpointing.save(state, tmp_dir, strategy, **checkpoint_options.save_kwargs(args))
     commit()
 
 
@@ -347,7 +346,11 @@ def load_checkpoint(model, optimizer, scheduler, args):
     try:
         with warnings.catch_warnings():  # torch DCP deprecation notices on every rank
             warnings.simplefilter("ignore")
-            state = dist_checkpointing.load(sharded, ckpt, get_default_load_sharded_strategy(ckpt))
+            from megatron_moe.compat import checkpoint_options  # --dist-ckpt-strictness, ...
+
+            state = checkpoint_options.loaded_state(dist_checkpointing.load(
+                sharded, ckpt, get_default_load_sharded_strategy(ckpt),
+                **checkpoint_options.load_kwargs(args)))
     except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
         raise CheckpointError(f"{ckpt}: checkpoint is corrupt or incomplete "
                               f"({_describe_load_error(exc)})") from None
