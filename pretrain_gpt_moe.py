@@ -25,9 +25,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     return gpt_model_provider(get_args(), pre_process, post_process, vp_stage)
 
 
-def get_batch(data_iterator):
-    """This rank's micro-batch; middle pipeline stages take their input from the previous stage."""
-    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+def get_batch(data_iterator, vp_stage=None):
+    """This rank's micro-batch; middle pipeline stages take their input from the previous stage
+    (with virtual stages: this model chunk's place in the pipeline)."""
+    stage = {} if vp_stage is None else dict(ignore_virtual=False, vp_stage=vp_stage)
+    first = parallel_state.is_pipeline_first_stage(**stage)
+    last = parallel_state.is_pipeline_last_stage(**stage)
     if not (first or last):
         return None, None, None, None, None
     batch = next(data_iterator)
@@ -55,7 +58,10 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    from megatron_moe.models.builder import unwrap
+
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, getattr(unwrap(model), "vp_stage", None))
     # loss_mask: megatron-core's Multi-Token Prediction masks its own losses with it
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)

@@ -84,7 +84,8 @@ def _add_parallel_args(p):
 
 def _add_model_args(p):
     g = p.add_argument_group("network size")
-    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="Required unless --pipeline-model-parallel-layout defines the layers.")
     g.add_argument("--hidden-size", type=int, required=True)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="Default: 4 x hidden size.")
     g.add_argument("--num-attention-heads", type=int, required=True)
@@ -380,6 +381,7 @@ def validate_args(args, check_data_paths=True, training=True):
         args.expert_tensor_parallel_size = tp
     etp = args.expert_tensor_parallel_size
     world = args.world_size
+    _resolve_virtual_pipeline(args)   # --pipeline-model-parallel-layout / virtual stages (may set num_layers)
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep),
                         ("--expert-tensor-parallel-size", etp), ("--micro-batch-size",
@@ -406,7 +408,7 @@ def validate_args(args, check_data_paths=True, training=True):
             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
             f"({args.data_parallel_size})")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    if pp > 1 and args.num_layers % pp != 0:
+    if pp > 1 and args.num_layers % pp != 0 and args.pipeline_model_parallel_layout is None:
         raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
                          f"--pipeline-model-parallel-size ({pp})")
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads != 0:
@@ -622,6 +624,13 @@ def _add_megatron_ci_args(p):
         help="Distributed-optimizer shards replicated over N instances (megatron-core).")
     add(g, "--use-tp-pp-dp-mapping",
         help="Rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp.")
+    add(g, "--pipeline-model-parallel-layout",
+        help="Layers per (virtual) pipeline stage, e.g. 'Et*3|(tt|)*6mL' (E embedding, t layer, "
+             "m MTP, L loss, | stage boundary); defines --num-layers and the virtual stages.")
+    add(g, "--num-virtual-stages-per-pipeline-rank",
+        help="Virtual pipeline stages (model chunks) per rank: megatron-core's interleaved 1F1B.")
+    add(g, "--num-layers-per-virtual-pipeline-stage",
+        help="Layers per virtual pipeline stage (the other way to ask for the interleaved schedule).")
     add(g, "--check-weight-hash-across-dp-replicas-interval",
         help="Every N iterations, assert parameters are bit-identical across data-parallel "
              "replicas (megatron-core's check_param_hashes_across_dp_replicas).")
@@ -761,3 +770,56 @@ def _validate_gpu_only(args):
         if field not in fields:
             raise ValueError(f"{flag} needs a newer megatron-core (TransformerConfig has no "
                              f"{field} field in this release)")
+
+
+def _resolve_virtual_pipeline(args):
+    """Megatron's validate_args: at most one of the three ways to ask for virtual pipeline stages;
+    ``args.virtual_pipeline_model_parallel_size`` (None for one chunk per rank), and with a layout
+    the decoder layer count it defines."""
+    layout = args.pipeline_model_parallel_layout
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    per_rank = args.num_virtual_stages_per_pipeline_rank
+    given = [f for f, v in (("--pipeline-model-parallel-layout", layout),
+                            ("--num-virtual-stages-per-pipeline-rank", per_rank),
+                            ("--num-layers-per-virtual-pipeline-stage", per_stage)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} are mutually exclusive (Megatron's rule)")
+    pp = args.pipeline_model_parallel_size
+    vpp = None
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (
+            PipelineParallelLayerLayout)
+
+        try:
+            stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+            parsed = PipelineParallelLayerLayout.from_str(layout, pp) if stages % pp == 0 else None
+        except Exception as exc:   # megatron-core's parser: any malformed string
+            raise ValueError(f"--pipeline-model-parallel-layout {layout!r}: {exc}") from None
+        if parsed is None:
+            raise ValueError(f"--pipeline-model-parallel-layout has {stages} stages, not a multiple "
+                             f"of --pipeline-model-parallel-size ({pp})")
+        decoders = sum(chunk.count(LayerType.decoder) for rank in parsed.layout for chunk in rank)
+        if args.num_layers is None:
+            args.num_layers = decoders
+        elif args.num_layers != decoders:
+            raise ValueError(f"--num-layers ({args.num_layers}) differs from the "
+                             f"{decoders} layers of --pipeline-model-parallel-layout")
+        vpp = stages // pp
+    elif per_rank is not None:
+        vpp = per_rank
+    elif per_stage is not None:
+        if args.num_layers is None or args.num_layers % pp or (args.num_layers // pp) % per_stage:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({per_stage}) must divide "
+                             f"the layers per pipeline stage (--num-layers / "
+                             f"--pipeline-model-parallel-size)")
+        vpp = args.num_layers // pp // per_stage
+    if args.num_layers is None:
+        raise ValueError("--num-layers is required (or --pipeline-model-parallel-layout)")
+    args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    if args.virtual_pipeline_model_parallel_size is not None:
+        if pp == 1:
+            raise ValueError(f"{given[0]} needs --pipeline-model-parallel-size > 1")
+        if pp == 2 and not getattr(args, "overlap_p2p_comm", True):
+            raise ValueError("virtual pipeline stages with --pipeline-model-parallel-size 2 need "
+                             "p2p overlap (drop --no-overlap-p2p-communication; Megatron's rule)")

@@ -51,8 +51,6 @@ MISSING_HERE = {
 }
 # list-valued flags: the entry that is GPU-only (dropped from the list, not the whole flag)
 GPU_ONLY_ENTRIES = {"--recompute-modules": ("moe_act", "--moe-grouped-gemm")}
-# not implemented yet: megatron-core's interleaved (virtual) pipeline schedule in the Trainer
-NOT_YET = {"--pipeline-model-parallel-layout", "--num-virtual-stages-per-pipeline-rank"}
 
 _DATA_FLAGS = {"--data-path", "--vocab-file", "--merge-file", "--data-cache-path"}
 
@@ -141,8 +139,6 @@ def test_command_line_follows_megatrons_runner():
 def test_config_parses_on_cpu_with_only_documented_substitutions(name, tmp_path):
     model_args = cpu_model_args(CONFIGS["configs"][name]["model_args"], str(tmp_path))
     dropped, refusal = peel_cpu(model_args)
-    if refusal is not None and any(flag in refusal for flag in NOT_YET):
-        pytest.xfail(f"virtual pipeline stages are not implemented yet: {refusal}")
     assert refusal is None, f"{name}: refused after dropping {dropped}: {refusal}"
     # nothing dropped that the config does not set, and only GPU-only / missing-package flags
     keys = {k for k, _ in CONFIGS["configs"][name]["model_args"]}

@@ -44,6 +44,8 @@ def initialize_distributed(args):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=getattr(
+                args, "virtual_pipeline_model_parallel_size", None),
             context_parallel_size=args.context_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
             expert_tensor_parallel_size=args.expert_tensor_parallel_size,

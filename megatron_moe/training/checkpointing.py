@@ -93,12 +93,16 @@ def _optimizer_metadata(args) -> dict:
     return metadata
 
 
+def model_keys(model) -> list:
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
 def _sharded_state(model, optimizer, args, *, include_optimizer: bool, include_rng: bool,
                    is_loading: bool, rng=None) -> dict:
-    assert len(model) == 1, "virtual pipeline stages are not supported"
-    model_sd = unwrap(model[0]).sharded_state_dict()
-    state = {"model": model_sd}
+    # Megatron's keys: "model", or "model0", "model1", ... with virtual pipeline stages
+    state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(model_keys(model), model)}
     if include_optimizer and optimizer is not None:
+        model_sd = state["model"] if len(model) == 1 else dict(state)
         state["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=_optimizer_metadata(args))
     if include_rng:
@@ -354,7 +358,8 @@ def load_checkpoint(model, optimizer, scheduler, args):
     except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
         raise CheckpointError(f"{ckpt}: checkpoint is corrupt or incomplete "
                               f"({_describe_load_error(exc)})") from None
-    unwrap(model[0]).load_state_dict(state["model"], strict=True)
+    for key, chunk in zip(model_keys(model), model):
+        unwrap(chunk).load_state_dict(state[key], strict=True)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
     if (scheduler is not None and state.get("opt_param_scheduler") and not args.no_load_optim

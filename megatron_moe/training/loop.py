@@ -166,6 +166,12 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     train_ds, valid_ds, _ = _build_datasets(args, datasets_provider)
     train_iter = _iterator(args, train_ds, consumed_train)
     valid_iter = _iterator(args, valid_ds, consumed_valid)
+    if len(model) > 1:
+        # the interleaved schedule takes one iterator per model chunk (Megatron-LM builds one per
+        # virtual stage); the chunk that embeds and the chunk that takes the loss each read the
+        # same samples in the same order
+        train_iter = [_iterator(args, train_ds, consumed_train) for _ in model] if train_iter else None
+        valid_iter = [_iterator(args, valid_ds, consumed_valid) for _ in model] if valid_iter else None
 
     print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
                  f"(setup {time.time() - start:.1f}s)")
