@@ -100,7 +100,13 @@ def model_keys(model) -> list:
 def _sharded_state(model, optimizer, args, *, include_optimizer: bool, include_rng: bool,
                    is_loading: bool, rng=None) -> dict:
     # Megatron's keys: "model", or "model0", "model1", ... with virtual pipeline stages
-    state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(model_keys(model), model)}
+    # Megatron's sharded-state metadata: megatron-core ties an MTP stage's copy of the embedding
+    # over the data-parallel group it names (gpt_model.sharded_state_dict, MTP off stage 0)
+    from megatron.core import parallel_state
+
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    state = {key: unwrap(chunk).sharded_state_dict(metadata=metadata)
+             for key, chunk in zip(model_keys(model), model)}
     if include_optimizer and optimizer is not None:
         model_sd = state["model"] if len(model) == 1 else dict(state)
         state["optimizer"] = optimizer.sharded_state_dict(
