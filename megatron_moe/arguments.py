@@ -482,21 +482,11 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError("one of --train-iters or --train-samples is required")
     if args.train_iters is not None and args.train_samples is not None:
         raise ValueError("--train-iters and --train-samples are mutually exclusive")
-    if args.train_iters is None:
-        args.train_iters = args.train_samples // args.global_batch_size
     if args.lr is None:
         raise ValueError("--lr is required")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
-                         f"--lr-decay-iters ({args.lr_decay_iters}; defaults to --train-iters)")
+    _validate_lr_schedule(args)   # iteration- or sample-based, as Megatron computes it
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
@@ -631,6 +621,12 @@ def _add_megatron_ci_args(p):
         help="Virtual pipeline stages (model chunks) per rank: megatron-core's interleaved 1F1B.")
     add(g, "--num-layers-per-virtual-pipeline-stage",
         help="Layers per virtual pipeline stage (the other way to ask for the interleaved schedule).")
+    g2 = p.add_argument_group("Megatron-LM sample-based and WSD schedules")
+    add(g2, "--lr-decay-samples", help="Samples to decay the LR over (default --train-samples).")
+    add(g2, "--lr-warmup-samples", help="Samples of linear LR warmup.")
+    add(g2, "--lr-wsd-decay-samples", help="Samples of the WSD schedule's decay phase.")
+    add(g2, "--lr-wsd-decay-iters", help="Iterations of the WSD schedule's decay phase.")
+    add(g2, "--lr-wsd-decay-style", help="Shape of the WSD decay phase.")
     add(g, "--check-weight-hash-across-dp-replicas-interval",
         help="Every N iterations, assert parameters are bit-identical across data-parallel "
              "replicas (megatron-core's check_param_hashes_across_dp_replicas).")
@@ -823,3 +819,59 @@ def _resolve_virtual_pipeline(args):
         if pp == 2 and not getattr(args, "overlap_p2p_comm", True):
             raise ValueError("virtual pipeline stages with --pipeline-model-parallel-size 2 need "
                              "p2p overlap (drop --no-overlap-p2p-communication; Megatron's rule)")
+
+
+def _validate_lr_schedule(args):
+    """Megatron's validate_args: iteration-based and sample-based options do not mix; with
+    --train-samples the run is --train-samples // --global-batch-size iterations."""
+    if args.train_samples is None:
+        for flag, value in (("--lr-decay-samples", args.lr_decay_samples),
+                            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)):
+            if value is not None:
+                raise ValueError(f"{flag} needs sample-based training (--train-samples), not "
+                                 f"--train-iters")
+        if args.lr_warmup_samples:
+            raise ValueError("--lr-warmup-samples needs sample-based training (--train-samples)")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+    else:
+        for flag, value in (("--lr-decay-iters", args.lr_decay_iters),
+                            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters)):
+            if value is not None:
+                raise ValueError(f"{flag} needs iteration-based training (--train-iters); with "
+                                 f"--train-samples use {flag.replace('iters', 'samples')}")
+        if args.lr_warmup_iters:
+            raise ValueError("--lr-warmup-iters needs iteration-based training; with "
+                             "--train-samples use --lr-warmup-samples")
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        raise ValueError("--lr-warmup-fraction excludes --lr-warmup-iters / --lr-warmup-samples")
+    steps = lr_schedule_steps(args)
+    if args.lr_decay_style != "constant" and steps["lr_warmup_steps"] >= steps["lr_decay_steps"]:
+        raise ValueError(f"the LR warmup ({steps['lr_warmup_steps']} samples) must be shorter than "
+                         f"the decay ({steps['lr_decay_steps']} samples): check --lr-warmup-* "
+                         f"against --lr-decay-* (defaults to the run's length)")
+    if args.lr_decay_style == "WSD" and steps["wsd_decay_steps"] is None:
+        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+
+
+def lr_schedule_steps(args) -> dict:
+    """OptimizerParamScheduler's step counts (in samples), as Megatron-LM's
+    get_optimizer_param_scheduler computes them (core_v0.19.0)."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        lr_decay_steps = args.lr_decay_iters * gbs
+        wd_incr_steps = args.train_iters * gbs
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        warmup = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_iters * gbs)
+    else:
+        lr_decay_steps = args.lr_decay_samples
+        wd_incr_steps = args.train_samples
+        wsd = args.lr_wsd_decay_samples
+        warmup = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_samples)
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": lr_decay_steps,
+            "wd_incr_steps": wd_incr_steps, "wsd_decay_steps": wsd}

@@ -98,3 +98,78 @@ def test_cpu_refusals_are_one_line_naming_the_flag(flag, message, capsys):
         parse_args(TINY + flag.split(), world_size=2)
     err = capsys.readouterr().err
     assert message in err and "invalid choice" not in err and len(err.strip().splitlines()) == 2
+
+
+def _without_train_iters(argv):
+    i = argv.index("--train-iters")
+    return argv[:i] + argv[i + 2:]
+
+
+class _Opt:
+    """The part of a megatron-core optimizer OptimizerParamScheduler touches."""
+
+    def __init__(self):
+        self.param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+
+def _megatron_lr(step, warmup, decay, max_lr=1e-3, min_lr=1e-5):
+    """Megatron's cosine schedule at ``step`` samples (optimizer_param_scheduler.get_lr)."""
+    import math
+
+    if warmup > 0 and step <= warmup:
+        return max_lr * step / warmup
+    if step > decay:
+        return min_lr
+    ratio = (step - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+
+
+@pytest.mark.parametrize("mutate", [None, "iteration_steps"])
+@pytest.mark.parametrize("schedule,warmup,decay", [
+    ("--train-samples 101 --lr-warmup-samples 10 --lr-decay-samples 70", 10, 70),
+    ("--train-samples 101 --lr-warmup-fraction 0.1", 10.1, 101),
+    ("--train-iters 25 --lr-warmup-fraction 0.05", 0.05 * 100, 100),   # fraction of the samples
+])
+def test_sample_based_schedule_lr_equals_megatrons_formula(schedule, warmup, decay, mutate,
+                                                           monkeypatch):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_moe import arguments
+
+    argv = _without_train_iters(TINY)
+    args = arguments.parse_args(argv + schedule.split() + [
+        "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-5",
+        "--lr-decay-style", "cosine"], world_size=2)
+    assert args.train_iters == (101 // 4 if "samples" in schedule else 25)
+    steps = arguments.lr_schedule_steps(args)
+    if mutate == "iteration_steps":   # the pre-issue-39 rule: whole iterations x batch
+        steps["lr_decay_steps"] = args.train_iters * 4
+        steps["lr_warmup_steps"] = int(warmup / 4) * 4
+    sched = OptimizerParamScheduler(
+        _Opt(), init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style, start_wd=0.0, end_wd=0.0, wd_incr_style="constant",
+        **steps)
+    got, want = [], []
+    for iteration in range(1, args.train_iters + 1):
+        sched.step(increment=4)
+        got.append(sched.get_lr(sched.optimizer.param_groups[0]))
+        want.append(_megatron_lr(iteration * 4, warmup, decay))
+    if mutate is None:
+        assert got == pytest.approx(want, rel=1e-12)
+    else:
+        assert got != pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("flags,message", [
+    ("--train-iters 4 --lr-decay-samples 8", "--lr-decay-samples needs sample-based training"),
+    ("--train-samples 16 --lr-decay-iters 4", "--lr-decay-iters needs iteration-based training"),
+    ("--train-samples 16 --lr-warmup-iters 1", "--lr-warmup-iters needs iteration-based"),
+    ("--train-iters 4 --lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+])
+def test_schedule_mixups_fail_at_parse_time_naming_the_flag(flags, message, capsys):
+    from megatron_moe.arguments import parse_args
+
+    argv = _without_train_iters(TINY)
+    with pytest.raises(SystemExit):
+        parse_args(argv + flags.split(), world_size=2)
+    assert message in capsys.readouterr().err

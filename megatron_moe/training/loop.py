@@ -140,13 +140,14 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     # loss scale before backward (fp16 dynamic scaling; 1.0 for bf16/fp32), which the
     # optimizer divides out of the grads again
     _unwrap(model[0]).config.grad_scale_func = optimizer.scale_loss
-    gbs = args.global_batch_size
+    from megatron_moe.arguments import lr_schedule_steps
+
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay, wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style=args.weight_decay_incr_style,
+        end_wd=args.end_weight_decay, wd_incr_style=args.weight_decay_incr_style,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        **lr_schedule_steps(args),   # iteration- or sample-based, Megatron's step counts
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler)
     hooks = TrainingHooks(args, model, optimizer)
