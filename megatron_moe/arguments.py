@@ -631,6 +631,13 @@ def _add_megatron_ci_args(p):
         help="Every N iterations, assert parameters are bit-identical across data-parallel "
              "replicas (megatron-core's check_param_hashes_across_dp_replicas).")
     g = p.add_argument_group("Megatron-LM model options (megatron-core TransformerConfig)")
+    add(g, "--padded-vocab-size",
+        help="The embedding's row count as given (no --make-vocab-size-divisible-by padding).")
+    add(g, "--rotary-seq-len-interpolation-factor",
+        help="RoPE position interpolation: positions divided by this factor (megatron-core "
+             "GPTModel seq_len_interpolation_factor).")
+    add(g, "--trust-remote-code",
+        help="HuggingFaceTokenizer: let transformers run the tokenizer directory's own code.")
     add(g, "--calculate-per-token-loss",
         help="Loss summed over tokens and divided by the global token count, not averaged per "
              "micro-batch.")
@@ -721,6 +728,13 @@ def _validate_parallel_mapping(args):
 
 
 def _validate_model_options(args):
+    tp = args.tensor_model_parallel_size
+    if args.padded_vocab_size is not None and args.padded_vocab_size % tp:
+        raise ValueError(f"--padded-vocab-size ({args.padded_vocab_size}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp}) (vocab-parallel embedding)")
+    if args.rotary_seq_len_interpolation_factor is not None \
+            and args.rotary_seq_len_interpolation_factor < 1:
+        raise ValueError("--rotary-seq-len-interpolation-factor must be >= 1")
     if args.apply_query_key_layer_scaling:
         args.attention_softmax_in_fp32 = True   # Megatron: the scaling needs the fp32 softmax
     if args.recompute_modules and args.recompute_granularity != "selective" \

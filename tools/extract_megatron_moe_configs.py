@@ -4,6 +4,9 @@
     python tools/extract_megatron_moe_configs.py --git-dir /path/to/Megatron-LM/.git \
         --ref core_v0.19.0 --output tests/data/megatron_moe_functional_configs.json
 
+Also recorded: the model confs of Qwen3-235B-A22B, DeepSeek-R1 and Kimi-K2
+(``examples/post_training/modelopt/conf``, their ``MODEL_ARGS`` words) under ``model_confs``.
+
 Source: ``tests/functional_tests/test_cases/moe/*/model_config.yaml`` at ``--ref`` (read with
 ``git show``, no checkout needed). A pretraining config is one without a ``MODE`` key (the others
 are Megatron's inference and RL tests). Recorded per config: its ``TEST_TYPE`` and its
@@ -45,6 +48,23 @@ def read_configs(git_dir: str, ref: str) -> dict:
     return configs
 
 
+MODEL_CONFS = ("examples/post_training/modelopt/conf/Qwen/Qwen3-235B-A22B.sh",
+               "examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh",
+               "examples/post_training/modelopt/conf/moonshotai/Kimi-K2-Instruct.sh")
+
+
+def read_model_confs(git_dir: str, ref: str) -> dict:
+    """{conf path: argv} of Megatron's model confs: the words of their MODEL_ARGS="..." string."""
+    import shlex
+
+    out = {}
+    for path in MODEL_CONFS:
+        text = _git(git_dir, "show", f"{ref}:{path}")
+        body = re.search(r'MODEL_ARGS="(.*?)"', text, re.S).group(1)
+        out[path] = shlex.split(body.replace("\\\n", " "))
+    return out
+
+
 def command_line(model_args) -> list[str]:
     """Megatron's runner rule (``_run_training.sh``): the argv of one config's MODEL_ARGS."""
     argv = []
@@ -69,7 +89,8 @@ def main(argv=None) -> int:
     commit = _git(args.git_dir, "rev-parse", f"{args.ref}^{{commit}}").strip()
     out = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
            "source": f"{CASES_DIR}/*/model_config.yaml (MODEL_ARGS, configs without MODE)",
-           "configs": read_configs(args.git_dir, args.ref)}
+           "configs": read_configs(args.git_dir, args.ref),
+           "model_confs": read_model_confs(args.git_dir, args.ref)}
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
         f.write("\n")

@@ -195,6 +195,7 @@ def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None)
         transformer_layer_spec=spec,
         rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
         mtp_block_spec=mtp_block_spec(args, config, spec, vp_stage),
         **common_model_kwargs(args, config, pre_process, post_process, vp_stage),
     )

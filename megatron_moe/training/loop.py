@@ -193,8 +193,12 @@ def _build_tokenizer(args):
     from megatron_moe.data.tokenizers import build_tokenizer, vocab_size_with_padding
 
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    if getattr(args, "padded_vocab_size", None) is None:   # --padded-vocab-size: as given
+        args.padded_vocab_size = vocab_size_with_padding(
+            tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    elif args.padded_vocab_size < tokenizer.vocab_size:
+        raise TrainingError(f"--padded-vocab-size ({args.padded_vocab_size}) is smaller than the "
+                            f"tokenizer's vocabulary ({tokenizer.vocab_size})")
     global_vars.set_tokenizer(tokenizer)
     return tokenizer
 
