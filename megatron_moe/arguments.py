@@ -682,6 +682,7 @@ def validate_megatron_ci_args(args):
     _validate_checkpoint_housekeeping(args)
     _validate_parallel_mapping(args)
     _validate_model_options(args)
+    _validate_context_parallel(args)
     _validate_optimizer_choice(args)
     _validate_gpu_only(args)
     if args.ckpt_format != "torch_dist":
@@ -725,6 +726,16 @@ def _validate_parallel_mapping(args):
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval < 1:
         raise ValueError("--check-weight-hash-across-dp-replicas-interval must be >= 1")
+
+
+def _validate_context_parallel(args):
+    """megatron-core's context parallelism runs only inside TEDotProductAttention: with the local
+    path every rank would stop at its first forward (an AssertionError per rank)."""
+    cp = args.context_parallel_size
+    if cp > 1 and args.transformer_impl != "transformer_engine":
+        raise ValueError(f"--context-parallel-size {cp} needs --transformer-impl "
+                         f"transformer_engine (megatron-core's context parallelism is Transformer "
+                         f"Engine attention's; the local path has none)")
 
 
 def _validate_model_options(args):

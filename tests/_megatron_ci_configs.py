@@ -27,6 +27,7 @@ GPU_ONLY = {
     "--megatron-fsdp-main-grads-dtype": "FSDP", "--megatron-fsdp-grad-comm-dtype": "FSDP",
     "--ckpt-format": "fsdp_dtensor",
     "--attention-backend": "Transformer Engine",
+    "--context-parallel-size": "Transformer Engine",
     "--overlap-moe-expert-parallel-comm": "needs CUDA",
     "--fine-grained-activation-offloading": "needs CUDA", "--offload-modules": "needs CUDA",
     "--use-transformer-engine-op-fuser": "needs CUDA",

@@ -88,6 +88,8 @@ def test_per_token_loss_returns_megatrons_sum_and_token_count():
     ("--optimizer muon", "--optimizer muon needs the emerging-optimizers package"),
     ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor is refused"),
     ("--num-distributed-optimizer-instances 2", "needs --use-distributed-optimizer"),
+    ("--context-parallel-size 2", "--context-parallel-size 2 needs --transformer-impl "
+                                  "transformer_engine"),
 ])
 def test_cpu_refusals_are_one_line_naming_the_flag(flag, message, capsys):
     if torch.cuda.is_available():
