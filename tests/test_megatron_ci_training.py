@@ -46,7 +46,17 @@ def test_mla_mtp_interleaved_pp2_trains(tmp_path):
     history, argv, _ = _train(name, tmp_path)
     assert "--num-virtual-stages-per-pipeline-rank" in argv and "--mtp-num-layers" in argv
     assert len(history["lm_loss"]) == 4 and all(l == l for l in history["lm_loss"])
-    assert os.path.isdir(tmp_path / "checkpoint_save_path" / "iter_0000004")
+    # the run was interleaved (4 chunks per rank) and its chunks hold every layer once, at
+    # megatron-core's global layer numbers
+    from megatron.core import dist_checkpointing
+
+    ckpt = str(tmp_path / "checkpoint_save_path" / "iter_0000004")
+    common = dist_checkpointing.load_common_state_dict(ckpt)
+    assert common["args"].virtual_pipeline_model_parallel_size == 4
+    keys = dist_checkpointing.load_tensors_metadata(ckpt).keys()
+    layers = {int(k.split("decoder.layers.")[1].split(".")[0]) for k in keys
+              if "decoder.layers." in k}
+    assert layers == set(range(8)), sorted(layers)
 
 
 def test_resume_config_resumes_exactly(tmp_path):
