@@ -128,11 +128,12 @@ def world_size_of(model_args) -> int:
     return math.lcm(tp * pp * cp, etp * ep * pp)
 
 
-def tiny_training_argv(name, tmp, train_iters=4, **overrides):
+def tiny_training_argv(name, tmp, train_iters=4, without=(), **overrides):
     """(world size, argv) of one CI config on CPU ranks: the documented substitutions and GPU-only
-    drops (the refusal peel), then only sizes (and the run's length) overridden."""
+    drops (the refusal peel), then only sizes (and the run's length) overridden. ``without``:
+    flags a test removes to show what they do (mutations)."""
     configs = load_configs()["configs"]
-    model_args = cpu_model_args(configs[name]["model_args"], tmp)
+    model_args = [p for p in cpu_model_args(configs[name]["model_args"], tmp) if p[0] not in without]
     world = world_size_of(model_args)
     dropped, refusal, model_args = peel_cpu(model_args, world)
     assert refusal is None, refusal

@@ -13,8 +13,8 @@ from tests._megatron_ci_configs import tiny_training_argv
 from tests._train_cases import run_pretrain
 
 
-def _train(name, tmp, **overrides):
-    world, argv, dropped = tiny_training_argv(name, str(tmp), **overrides)
+def _train(name, tmp, train_iters=4, without=(), **overrides):
+    world, argv, dropped = tiny_training_argv(name, str(tmp), train_iters, without, **overrides)
     return run_distributed(run_pretrain, world, argv, timeout_s=900)[-1], argv, dropped
 
 
@@ -75,3 +75,27 @@ def test_resume_config_resumes_exactly(tmp_path):
     assert second["iteration"][0] == 3
     assert first["lm_loss"] + second["lm_loss"] == full["lm_loss"]
     assert first["lr"] + second["lr"] == full["lr"]
+
+
+def test_verify_integrity_refuses_a_changed_checkpoint_file(tmp_path):
+    """--verify-integrity (the resume config sets it): megatron-core's hash manifest is written at
+    save, and a shard changed after the save stops the load (megatron-core >= 0.19)."""
+    from megatron_moe.compat import checkpoint_options
+    from megatron_moe.runtime.local_ranks import DistributedRunError
+
+    if not checkpoint_options.HAS_INTEGRITY_MANIFEST:
+        pytest.skip(f"megatron-core {checkpoint_options.MCORE_VERSION} has no integrity manifest")
+    name = "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer"
+    _train(name, tmp_path, train_iters=2, **{"--exit-interval": "2"})
+    ckpt = tmp_path / "checkpoint_save_path"
+    assert (ckpt / "iter_0000002" / "integrity.json").is_file()
+    shard = sorted((ckpt / "iter_0000002").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DistributedRunError, match="corrupt"):
+        _train(name, tmp_path, train_iters=4, **{"--load": str(ckpt)})
+    # mutation: without the flag the changed shard loads unnoticed (the check above was the hash)
+    resumed, _, _ = _train(name, tmp_path, train_iters=3, without=("--verify-integrity",),
+                           **{"--load": str(ckpt), "--save-interval": "100"})
+    assert resumed["iteration"] == [3]
