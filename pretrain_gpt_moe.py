@@ -25,9 +25,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     return gpt_model_provider(get_args(), pre_process, post_process, vp_stage)
 
 
-def get_batch(data_iterator):
-    """This rank's micro-batch; middle pipeline stages take their input from the previous stage."""
-    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+def get_batch(data_iterator, vp_stage=None):
+    """This rank's micro-batch; middle pipeline stages take their input from the previous stage
+    (with virtual stages: this model chunk's place in the pipeline)."""
+    stage = {} if vp_stage is None else dict(ignore_virtual=False, vp_stage=vp_stage)
+    first = parallel_state.is_pipeline_first_stage(**stage)
+    last = parallel_state.is_pipeline_last_stage(**stage)
     if not (first or last):
         return None, None, None, None, None
     batch = next(data_iterator)
@@ -39,15 +42,26 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask, output_tensor):
-    """Mean next-token loss over unmasked tokens; reported per data-parallel rank."""
+    """Mean next-token loss over unmasked tokens; reported per data-parallel rank.
+
+    --calculate-per-token-loss (Megatron's form): the loss summed over tokens with the token
+    count; megatron-core's schedule and finalize_model_grads divide by the global token count."""
     losses = output_tensor.float().view(-1)
     loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask) / loss_mask.sum().clamp(min=1.0)
+    loss_sum = torch.sum(losses * loss_mask)
+    if get_args().calculate_per_token_loss:
+        num_tokens = loss_mask.sum().detach().to(torch.int)
+        report = torch.cat([loss_sum.detach().view(1), num_tokens.view(1).float()])
+        return loss_sum, num_tokens, {"lm loss": report}
+    loss = loss_sum / loss_mask.sum().clamp(min=1.0)
     return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    from megatron_moe.models.builder import unwrap
+
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, getattr(unwrap(model), "vp_stage", None))
     # loss_mask: megatron-core's Multi-Token Prediction masks its own losses with it
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)

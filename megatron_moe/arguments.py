@@ -32,6 +32,7 @@ def build_parser(extra_args_provider=None, prog="pretrain_gpt_moe.py") -> argpar
     _add_data_args(p)
     _add_checkpoint_args(p)
     _add_logging_args(p)
+    _add_megatron_ci_args(p)
     features.add_arguments(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p) or p
@@ -61,7 +62,8 @@ def _add_parallel_args(p):
 
 def _add_model_args(p):
     g = p.add_argument_group("network size")
-    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="Required unless --pipeline-model-parallel-layout defines the layers.")
     g.add_argument("--hidden-size", type=int, required=True)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="Default: 4 x hidden size.")
     g.add_argument("--num-attention-heads", type=int, required=True)
@@ -161,7 +163,10 @@ def _add_training_args(p):
                    help="Stop (and save) when iteration %% interval == 0.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM, save a checkpoint and exit.")
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    # Megatron's choices: an unsupported optimizer gets the one-line refusal of
+    # _validate_optimizer_choice, never argparse's "invalid choice"
+    g.add_argument("--optimizer", default="adam",
+                   choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"])
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear",
@@ -234,7 +239,9 @@ def _add_checkpoint_args(p):
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only; reset iteration, optimizer and scheduler.")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
+                   help="torch_dist only here; the others are refused with one line.")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Load this iteration from --load instead of the tracker's.")
     g.add_argument("--async-save", action="store_true",
@@ -296,6 +303,7 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
     finally:
         del args.world_size_source
     try:
+        validate_megatron_ci_args(args)
         validate_extension_args(args)
     except ValueError as exc:
         parser.error(str(exc))
@@ -318,6 +326,7 @@ def validate_args(args, check_data_paths=True, training=True):
         args.expert_tensor_parallel_size = tp
     etp = args.expert_tensor_parallel_size
     world = args.world_size
+    _resolve_virtual_pipeline(args)   # --pipeline-model-parallel-layout / virtual stages (may set num_layers)
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep),
                         ("--expert-tensor-parallel-size", etp), ("--micro-batch-size",
@@ -344,7 +353,7 @@ def validate_args(args, check_data_paths=True, training=True):
             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
             f"({args.data_parallel_size})")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    if pp > 1 and args.num_layers % pp != 0:
+    if pp > 1 and args.num_layers % pp != 0 and args.pipeline_model_parallel_layout is None:
         raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
                          f"--pipeline-model-parallel-size ({pp})")
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads != 0:
@@ -416,8 +425,6 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError("one of --train-iters or --train-samples is required")
     if args.train_iters is not None and args.train_samples is not None:
         raise ValueError("--train-iters and --train-samples are mutually exclusive")
-    if args.train_iters is None:
-        args.train_iters = args.train_samples // args.global_batch_size
     if args.lr is None:
         raise ValueError("--lr is required")
     if args.min_lr > args.lr:
@@ -427,15 +434,7 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError("--override-opt_param-scheduler (this command line's schedule) and "
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude "
                          "each other")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
-                         f"--lr-decay-iters ({args.lr_decay_iters}; defaults to --train-iters)")
+    _validate_lr_schedule(args)   # iteration- or sample-based, as Megatron computes it
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
@@ -536,3 +535,320 @@ def _cuda_available():
     import torch
 
     return torch.cuda.is_available()
+
+
+# --- Megatron-LM's CI-config flags (its MoE functional tests set them on every run) -----------------
+# Housekeeping, determinism, parallel mapping and model options that megatron-core implements:
+# each is defined with Megatron's shape (flags.add_megatron_argument) and handed to megatron-core
+# where it acts (runtime/initialize.py, models/builder.py, training/checkpointing.py).
+
+def _add_megatron_ci_args(p):
+    from megatron_moe.flags import add_megatron_argument as add
+
+    g = p.add_argument_group("Megatron-LM housekeeping and determinism")
+    add(g, "--deterministic-mode",
+        help="Deterministic algorithms (torch.use_deterministic_algorithms) and Megatron's "
+             "environment (NCCL_ALGO=Ring, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, "
+             "CUBLAS_WORKSPACE_CONFIG=:4096:8); megatron-core's deterministic_mode.")
+    add(g, "--dist-ckpt-strictness",
+        help="megatron-core's StrictHandling of unexpected/missing keys at load.")
+    add(g, "--use-persistent-ckpt-worker",
+        help="--async-save writes through one persistent worker process (megatron-core).")
+    add(g, "--dist-ckpt-optim-fully-reshardable",
+        help="Always the case here: the distributed optimizer is saved fully reshardable.")
+    add(g, "--async-ckpt-use-cpu-shm",
+        help="--async-save stages GPU tensors in CPU shared memory (megatron-core >= 0.19; "
+             "host tensors need no staging).")
+    add(g, "--verify-integrity",
+        help="Write a per-file hash manifest at save and re-hash at load (megatron-core >= 0.19).")
+    g = p.add_argument_group("Megatron-LM parallel mapping")
+    add(g, "--num-distributed-optimizer-instances",
+        help="Distributed-optimizer shards replicated over N instances (megatron-core).")
+    add(g, "--use-tp-pp-dp-mapping",
+        help="Rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp.")
+    add(g, "--pipeline-model-parallel-layout",
+        help="Layers per (virtual) pipeline stage, e.g. 'Et*3|(tt|)*6mL' (E embedding, t layer, "
+             "m MTP, L loss, | stage boundary); defines --num-layers and the virtual stages.")
+    add(g, "--num-virtual-stages-per-pipeline-rank",
+        help="Virtual pipeline stages (model chunks) per rank: megatron-core's interleaved 1F1B.")
+    add(g, "--num-layers-per-virtual-pipeline-stage",
+        help="Layers per virtual pipeline stage (the other way to ask for the interleaved schedule).")
+    g2 = p.add_argument_group("Megatron-LM sample-based and WSD schedules")
+    add(g2, "--lr-decay-samples", help="Samples to decay the LR over (default --train-samples).")
+    add(g2, "--lr-warmup-samples", help="Samples of linear LR warmup.")
+    add(g2, "--lr-wsd-decay-samples", help="Samples of the WSD schedule's decay phase.")
+    add(g2, "--lr-wsd-decay-iters", help="Iterations of the WSD schedule's decay phase.")
+    add(g2, "--lr-wsd-decay-style", help="Shape of the WSD decay phase.")
+    add(g, "--check-weight-hash-across-dp-replicas-interval",
+        help="Every N iterations, assert parameters are bit-identical across data-parallel "
+             "replicas (megatron-core's check_param_hashes_across_dp_replicas).")
+    g = p.add_argument_group("Megatron-LM model options (megatron-core TransformerConfig)")
+    add(g, "--padded-vocab-size",
+        help="The embedding's row count as given (no --make-vocab-size-divisible-by padding).")
+    add(g, "--rotary-seq-len-interpolation-factor",
+        help="RoPE position interpolation: positions divided by this factor (megatron-core "
+             "GPTModel seq_len_interpolation_factor).")
+    add(g, "--trust-remote-code",
+        help="HuggingFaceTokenizer: let transformers run the tokenizer directory's own code.")
+    add(g, "--calculate-per-token-loss",
+        help="Loss summed over tokens and divided by the global token count, not averaged per "
+             "micro-batch.")
+    add(g, "--apply-query-key-layer-scaling",
+        help="Scale Q.K^T by 1/layer number (fp16); implies --attention-softmax-in-fp32.")
+    add(g, "--recompute-modules",
+        help="Selective recompute of these submodules (core_attn, moe_act, layernorm, "
+             "mla_up_proj, mlp, moe, shared_experts).")
+    add(g, "--moe-layer-recompute",
+        help="Deprecated Megatron form of --recompute-modules moe (selective).")
+    add(g, "--overlap-moe-expert-parallel-comm",
+        help="megatron-core's EP all-to-all overlap (combined 1F1B schedule on CUDA streams).")
+    g = p.add_argument_group("GPU-only Megatron-LM features (megatron-core TransformerConfig; "
+                             "refused on a CPU)")
+    for flag, (_, reason) in GPU_ONLY_FLAGS.items():
+        add(g, flag, help=f"GPU only, handed to megatron-core: {reason}.")
+
+
+# flag -> (TransformerConfig field its dest fills, why it cannot run on a CPU). On a GPU the value
+# reaches megatron-core's TransformerConfig by name (models/builder.py); unverified on a GPU here.
+GPU_ONLY_FLAGS = {
+    "--fp8-format": ("fp8", "FP8 GEMMs are Transformer Engine kernels (Hopper/Blackwell)"),
+    "--fp8-recipe": ("fp8_recipe", "FP8 scaling recipes are Transformer Engine's"),
+    "--first-last-layers-bf16": ("first_last_layers_bf16",
+                                 "an FP8 option (Transformer Engine kernels)"),
+    "--cuda-graph-impl": ("cuda_graph_impl", "CUDA graphs capture CUDA kernels"),
+    "--cuda-graph-modules": ("cuda_graph_modules", "CUDA graphs capture CUDA kernels"),
+    "--cuda-graph-warmup-steps": ("cuda_graph_warmup_steps", "CUDA graphs capture CUDA kernels"),
+    "--delay-wgrad-compute": ("delay_wgrad_compute",
+                              "Transformer Engine's split weight-gradient GEMMs"),
+    "--use-transformer-engine-op-fuser": ("use_transformer_engine_op_fuser",
+                                          "Transformer Engine's operation fuser"),
+    "--fine-grained-activation-offloading": ("fine_grained_activation_offloading",
+                                             "activations offload to host over CUDA streams"),
+    "--offload-modules": ("offload_modules", "activations offload to host over CUDA streams"),
+}
+
+
+def validate_megatron_ci_args(args):
+    """Checks of the flags above, before any process group starts (ValueError names the flag)."""
+    _validate_determinism(args)
+    _validate_checkpoint_housekeeping(args)
+    _validate_parallel_mapping(args)
+    _validate_model_options(args)
+    _validate_context_parallel(args)
+    _validate_optimizer_choice(args)
+    _validate_gpu_only(args)
+    if args.ckpt_format != "torch_dist":
+        raise ValueError(f"--ckpt-format {args.ckpt_format} is refused: checkpoints here are "
+                         f"megatron-core's torch_dist (fsdp_dtensor belongs to Megatron-FSDP, torch/"
+                         f"torch_dcp to Megatron's legacy loaders)")
+
+
+def _validate_determinism(args):
+    if not args.deterministic_mode:
+        return
+    if getattr(args, "cross_entropy_loss_fusion", False):
+        raise ValueError("--deterministic-mode needs --cross-entropy-loss-fusion off (Megatron's rule)")
+    from megatron_moe.runtime.determinism import check_environment
+
+    check_environment(os.environ)
+
+
+def _validate_checkpoint_housekeeping(args):
+    from megatron_moe.compat import checkpoint_options as ckpt_compat
+
+    if args.verify_integrity and not ckpt_compat.HAS_INTEGRITY_MANIFEST:
+        raise ValueError(f"--verify-integrity needs megatron-core >= 0.19 (its checkpoint integrity "
+                         f"manifest); installed {ckpt_compat.MCORE_VERSION}")
+    if args.async_ckpt_use_cpu_shm and not ckpt_compat.HAS_CPU_SHM and _cuda_available():
+        raise ValueError(f"--async-ckpt-use-cpu-shm needs megatron-core >= 0.19 on a GPU; installed "
+                         f"{ckpt_compat.MCORE_VERSION}")
+
+
+def _validate_parallel_mapping(args):
+    n = args.num_distributed_optimizer_instances
+    if n < 1:
+        raise ValueError(f"--num-distributed-optimizer-instances must be >= 1 (got {n})")
+    if n > 1:
+        if not args.use_distributed_optimizer:
+            raise ValueError("--num-distributed-optimizer-instances > 1 needs "
+                             "--use-distributed-optimizer")
+        if args.data_parallel_size % n != 0:
+            raise ValueError(f"--num-distributed-optimizer-instances ({n}) must divide the "
+                             f"data-parallel size ({args.data_parallel_size})")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval < 1:
+        raise ValueError("--check-weight-hash-across-dp-replicas-interval must be >= 1")
+
+
+def _validate_context_parallel(args):
+    """megatron-core's context parallelism runs only inside TEDotProductAttention: with the local
+    path every rank would stop at its first forward (an AssertionError per rank)."""
+    cp = args.context_parallel_size
+    if cp > 1 and args.transformer_impl != "transformer_engine":
+        raise ValueError(f"--context-parallel-size {cp} needs --transformer-impl "
+                         f"transformer_engine (megatron-core's context parallelism is Transformer "
+                         f"Engine attention's; the local path has none)")
+
+
+def _validate_model_options(args):
+    tp = args.tensor_model_parallel_size
+    if args.padded_vocab_size is not None and args.padded_vocab_size % tp:
+        raise ValueError(f"--padded-vocab-size ({args.padded_vocab_size}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp}) (vocab-parallel embedding)")
+    if args.rotary_seq_len_interpolation_factor is not None \
+            and args.rotary_seq_len_interpolation_factor < 1:
+        raise ValueError("--rotary-seq-len-interpolation-factor must be >= 1")
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True   # Megatron: the scaling needs the fp32 softmax
+    if args.recompute_modules and args.recompute_granularity != "selective" \
+            and not args.recompute_activations:
+        raise ValueError("--recompute-modules needs --recompute-granularity selective")
+    if args.recompute_modules and "moe_act" in args.recompute_modules and not args.moe_grouped_gemm:
+        raise ValueError("--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core "
+                         "recomputes the expert activation only in its grouped-GEMM experts)")
+    if args.overlap_moe_expert_parallel_comm and not _cuda_available():
+        raise ValueError("--overlap-moe-expert-parallel-comm needs CUDA: megatron-core overlaps the "
+                         "EP all-to-all with compute on a second CUDA stream (combined 1F1B schedule)")
+
+
+def _validate_optimizer_choice(args):
+    if args.optimizer in ("adam", "sgd"):
+        return
+    if args.optimizer in ("muon", "dist_muon", "adaptive_muon", "lion", "soap"):
+        try:
+            import emerging_optimizers  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--optimizer {args.optimizer} needs the emerging-optimizers package "
+                             f"(megatron-core's Muon/Lion/SOAP; not installed here)") from None
+        raise ValueError(f"--optimizer {args.optimizer} is refused: megatron-core's emerging "
+                         f"optimizers are not wired into this trainer")
+
+
+def _validate_gpu_only(args):
+    """GPU_ONLY_FLAGS: set to other than Megatron's default, refused on a CPU with the reason;
+    on a GPU, refused only when the installed megatron-core has no such config field."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_moe import flags
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    for flag, (field, reason) in GPU_ONLY_FLAGS.items():
+        record = flags.all_megatron_flags()[flag]
+        if getattr(args, record["dest"]) in (record["default"], None, [], False):
+            continue
+        if not _cuda_available():
+            raise ValueError(f"{flag} needs CUDA: {reason}")
+        if field not in fields:
+            raise ValueError(f"{flag} needs a newer megatron-core (TransformerConfig has no "
+                             f"{field} field in this release)")
+
+
+def _resolve_virtual_pipeline(args):
+    """Megatron's validate_args: at most one of the three ways to ask for virtual pipeline stages;
+    ``args.virtual_pipeline_model_parallel_size`` (None for one chunk per rank), and with a layout
+    the decoder layer count it defines."""
+    layout = args.pipeline_model_parallel_layout
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    per_rank = args.num_virtual_stages_per_pipeline_rank
+    given = [f for f, v in (("--pipeline-model-parallel-layout", layout),
+                            ("--num-virtual-stages-per-pipeline-rank", per_rank),
+                            ("--num-layers-per-virtual-pipeline-stage", per_stage)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} are mutually exclusive (Megatron's rule)")
+    pp = args.pipeline_model_parallel_size
+    vpp = None
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (
+            PipelineParallelLayerLayout)
+
+        try:
+            stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+            parsed = PipelineParallelLayerLayout.from_str(layout, pp) if stages % pp == 0 else None
+        except Exception as exc:   # megatron-core's parser: any malformed string
+            raise ValueError(f"--pipeline-model-parallel-layout {layout!r}: {exc}") from None
+        if parsed is None:
+            raise ValueError(f"--pipeline-model-parallel-layout has {stages} stages, not a multiple "
+                             f"of --pipeline-model-parallel-size ({pp})")
+        decoders = sum(chunk.count(LayerType.decoder) for rank in parsed.layout for chunk in rank)
+        if args.num_layers is None:
+            args.num_layers = decoders
+        elif args.num_layers != decoders:
+            raise ValueError(f"--num-layers ({args.num_layers}) differs from the "
+                             f"{decoders} layers of --pipeline-model-parallel-layout")
+        vpp = stages // pp
+    elif per_rank is not None:
+        vpp = per_rank
+    elif per_stage is not None:
+        if args.num_layers is None or args.num_layers % pp or (args.num_layers // pp) % per_stage:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({per_stage}) must divide "
+                             f"the layers per pipeline stage (--num-layers / "
+                             f"--pipeline-model-parallel-size)")
+        vpp = args.num_layers // pp // per_stage
+    if args.num_layers is None:
+        raise ValueError("--num-layers is required (or --pipeline-model-parallel-layout)")
+    args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    if args.virtual_pipeline_model_parallel_size is not None:
+        if pp == 1:
+            raise ValueError(f"{given[0]} needs --pipeline-model-parallel-size > 1")
+        if pp == 2 and not getattr(args, "overlap_p2p_comm", True):
+            raise ValueError("virtual pipeline stages with --pipeline-model-parallel-size 2 need "
+                             "p2p overlap (drop --no-overlap-p2p-communication; Megatron's rule)")
+
+
+def _validate_lr_schedule(args):
+    """Megatron's validate_args: iteration-based and sample-based options do not mix; with
+    --train-samples the run is --train-samples // --global-batch-size iterations."""
+    if args.train_samples is None:
+        for flag, value in (("--lr-decay-samples", args.lr_decay_samples),
+                            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)):
+            if value is not None:
+                raise ValueError(f"{flag} needs sample-based training (--train-samples), not "
+                                 f"--train-iters")
+        if args.lr_warmup_samples:
+            raise ValueError("--lr-warmup-samples needs sample-based training (--train-samples)")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+    else:
+        for flag, value in (("--lr-decay-iters", args.lr_decay_iters),
+                            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters)):
+            if value is not None:
+                raise ValueError(f"{flag} needs iteration-based training (--train-iters); with "
+                                 f"--train-samples use {flag.replace('iters', 'samples')}")
+        if args.lr_warmup_iters:
+            raise ValueError("--lr-warmup-iters needs iteration-based training; with "
+                             "--train-samples use --lr-warmup-samples")
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        raise ValueError("--lr-warmup-fraction excludes --lr-warmup-iters / --lr-warmup-samples")
+    steps = lr_schedule_steps(args)
+    if args.lr_decay_style != "constant" and steps["lr_warmup_steps"] >= steps["lr_decay_steps"]:
+        raise ValueError(f"the LR warmup ({steps['lr_warmup_steps']} samples) must be shorter than "
+                         f"the decay ({steps['lr_decay_steps']} samples): check --lr-warmup-* "
+                         f"against --lr-decay-* (defaults to the run's length)")
+    if args.lr_decay_style == "WSD" and steps["wsd_decay_steps"] is None:
+        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+
+
+def lr_schedule_steps(args) -> dict:
+    """OptimizerParamScheduler's step counts (in samples), as Megatron-LM's
+    get_optimizer_param_scheduler computes them (core_v0.19.0)."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        lr_decay_steps = args.lr_decay_iters * gbs
+        wd_incr_steps = args.train_iters * gbs
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        warmup = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_iters * gbs)
+    else:
+        lr_decay_steps = args.lr_decay_samples
+        wd_incr_steps = args.train_samples
+        wsd = args.lr_wsd_decay_samples
+        warmup = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_samples)
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": lr_decay_steps,
+            "wd_incr_steps": wd_incr_steps, "wsd_decay_steps": wsd}

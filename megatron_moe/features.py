@@ -28,7 +28,7 @@ from megatron_moe.flags import exclusions
 from megatron_moe.models import attention, embedding, gpt_oss, mla
 from megatron_moe.moe import dispatcher, grouped_experts, topo_router
 from megatron_moe.runtime import dist_signal_handler
-from megatron_moe.training import wandb_writer
+from megatron_moe.training import megatron_logging, wandb_writer
 
 FEATURES = (
     comm,                 # --moe-a2a-algorithm / compression / overlap, emulated link, topology
@@ -41,6 +41,7 @@ FEATURES = (
     offload,              # --moe-expert-offload host|ssd
     dist_signal_handler,  # --exit-signal, --exit-duration-in-mins
     wandb_writer,         # --wandb-project, --wandb-exp-name, ...
+    megatron_logging,     # params norm, zeros in grad, timers, memory, validation ppl, log level
     mla,                  # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
     gpt_oss,              # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
 )

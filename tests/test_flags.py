@@ -220,3 +220,17 @@ def test_moe_balance_n_accepts_an_int_or_cost(capsys):
         assert exc.value.code == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
         assert len(errors) == 1 and "--moe-balance-n" in errors[0], errors
+
+
+def test_flags_of_megatrons_ci_configs_have_a_status_and_a_doc_column():
+    """Every flag Megatron's MoE CI configs set is one of Megatron's (aliases included) with a
+    status, and docs/flags.md's CI column counts it (tests/data, tools/gen_flags_doc.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gen_flags_doc
+
+    usage, release = gen_flags_doc.ci_usage()
+    table = flags.status_table()
+    assert release.startswith("core_v0.19.0") and usage["--log-params-norm"] == 51
+    assert not sorted(f for f in usage if f not in table), "CI flags without a status"
+    doc = open(os.path.join(ROOT, "docs", "flags.md")).read()
+    assert "| `--log-params-norm` | implemented |" in doc and " | all | 51 |" in doc

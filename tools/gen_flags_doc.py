@@ -23,6 +23,29 @@ def _cell(text) -> str:
     return " ".join(str(text or "").split()).replace("|", "\\|")
 
 
+CI_CONFIGS = os.path.join(ROOT, "tests", "data", "megatron_moe_functional_configs.json")
+
+
+def ci_usage() -> tuple[dict, str]:
+    """({Megatron flag: how many of Megatron's MoE CI configs set it}, the release they are from),
+    from the data file tools/extract_megatron_moe_configs.py writes; aliases count for their flag."""
+    import json
+
+    from megatron_moe import flags
+
+    with open(CI_CONFIGS) as f:
+        data = json.load(f)
+    canonical = {}
+    for flag, record in flags.all_megatron_flags().items():
+        for spelling in [flag] + record["aliases"]:
+            canonical[spelling] = flag
+    usage = {}
+    for config in data["configs"].values():
+        for flag in {canonical.get(key, key) for key, _ in config["model_args"]}:
+            usage[flag] = usage.get(flag, 0) + 1
+    return usage, f"{data['release']} ({len(data['configs'])} configs)"
+
+
 def render() -> str:
     sys.path.insert(0, ROOT)
     from megatron_moe import flags
@@ -36,6 +59,7 @@ def render() -> str:
                 own[spelling] = action
     megatron = flags.all_megatron_flags()
     table = flags.status_table()
+    usage, ci_release = ci_usage()
     counts = {s: sum(1 for f in megatron if table.get(f, ("missing",))[0] == s)
               for s in flags.STATUSES + ("missing",)}
     out = [
@@ -50,6 +74,11 @@ def render() -> str:
         "megatron-core), or **refused** at parse time with one line saying why. None ends in",
         "\"unrecognized arguments\".",
         "",
+        f"Column *CI configs*: how many of Megatron-LM {ci_release} MoE pretraining functional-test",
+        "configs (`tests/functional_tests/test_cases/moe/*/model_config.yaml`, read into",
+        "`tests/data/megatron_moe_functional_configs.json`) set the flag; all of them parse here",
+        "(`tests/test_megatron_ci_configs.py`).",
+        "",
         "| release | commit | flags |",
         "|---|---|---|",
     ]
@@ -63,7 +92,8 @@ def render() -> str:
         groups.setdefault(record["group"] or "(no group)", []).append(flag)
     releases = set(flags.RELEASES)
     for group in sorted(groups, key=str.lower):
-        out += [f"## Megatron-LM: {group}", "", "| flag | status | here | releases |", "|---|---|---|---|"]
+        out += [f"## Megatron-LM: {group}", "", "| flag | status | here | releases | CI configs |",
+                "|---|---|---|---|---|"]
         for flag in sorted(groups[group]):
             status, reason = table.get(flag, ("**missing**", ""))
             if status == "implemented" and reason == "as in Megatron-LM" and flag in own:
@@ -72,7 +102,8 @@ def render() -> str:
                     reason = f"as in Megatron-LM: {help_text}"
             rel = set(megatron[flag]["releases"])
             rel_text = "all" if rel == releases else ", ".join(sorted(rel))
-            out.append(f"| `{flag}` | {status} | {_cell(reason)} | {rel_text} |")
+            out.append(f"| `{flag}` | {status} | {_cell(reason)} | {rel_text} | "
+                       f"{usage.get(flag, '')} |")
         out.append("")
     megatron_spellings = set()
     for record in megatron.values():

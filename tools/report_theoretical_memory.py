@@ -199,13 +199,35 @@ def layer_params(args):
     return dense, moe, experts
 
 
+def stage_pattern(args, stage) -> list:
+    """The MoE-or-dense pattern of the decoder layers on pipeline rank ``stage``: an even split,
+    or the layers --pipeline-model-parallel-layout puts there (all its virtual stages)."""
+    pattern = _moe_pattern(args)
+    pp = args.pipeline_model_parallel_size
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout is None:
+        per = args.num_layers // pp
+        return pattern[stage * per:(stage + 1) * per]
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    parsed = PipelineParallelLayerLayout.from_str(layout, pp).layout   # [pp rank][virtual stage]
+    mine, offset = [], 0
+    for vp in range(len(parsed[0])):            # megatron-core's order: virtual stage, then rank
+        for rank in range(pp):
+            n = parsed[rank][vp].count(LayerType.decoder)
+            if rank == stage:
+                mine += pattern[offset:offset + n]
+            offset += n
+    return mine
+
+
 def stage_params(args, stage):
     """(non-expert params on one rank of ``stage``, expert params on one rank)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    mine = stage_pattern(args, stage)
     pattern = _moe_pattern(args)
-    per = args.num_layers // pp
-    mine = pattern[stage * per:(stage + 1) * per]
     dense, moe, experts = layer_params(args)
     n_moe = sum(mine)
     n_dense = len(mine) - n_moe
@@ -338,8 +360,7 @@ def layer_activation_bytes(args, moe: bool):
 
 def activation_bytes(args, stage, num_microbatches):
     pp = args.pipeline_model_parallel_size
-    per = args.num_layers // pp
-    pattern = _moe_pattern(args)[stage * per:(stage + 1) * per]
+    pattern = stage_pattern(args, stage)
     s = args.seq_length / args.context_parallel_size
     b, h, tp = args.micro_batch_size, args.hidden_size, args.tensor_model_parallel_size
     ab = 2 if (args.bf16 or args.fp16) else 4

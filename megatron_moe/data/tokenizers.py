@@ -572,7 +572,10 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
     ``include_special_tokens`` (``--tokenizer-hf-include-special-tokens``: the tokenizer's
     post-processor adds them, e.g. a BOS per document)."""
 
-    def __init__(self, path: str, include_special_tokens: bool = False):
+    def __init__(self, path: str, include_special_tokens: bool = False,
+                 trust_remote_code: bool = False):
+        # trust_remote_code (--trust-remote-code): AutoTokenizer may run the directory's own
+        # tokenizer code (Kimi-K2's), as Megatron passes it; a tokenizer.json never needs it
         if not path or not os.path.exists(path):
             raise TokenizerError(f"--tokenizer-model: HuggingFace tokenizer directory {path!r} "
                                  f"not found (only local paths are supported)")
@@ -610,7 +613,8 @@ class HuggingFaceTokenizer(_DictVocabTokenizer):
                 raise TokenizerError(
                     f"--tokenizer-model: {file} not found; a directory without tokenizer.json "
                     f"needs the `transformers` package (pip install transformers)") from None
-            self._hf = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._hf = transformers.AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=trust_remote_code)
             self._vocab = self._hf.get_vocab()
             self._size = len(self._hf)
             self._eos, self._bos = self._hf.eos_token_id, self._hf.bos_token_id
@@ -882,7 +886,8 @@ class NullTokenizer(_Tokenizer):
 # ------------------------------------------------------------------------------------ build
 _FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
            "tokenizer_hf_include_special_tokens", "tiktoken_pattern",
-           "tiktoken_num_special_tokens", "tokenizer_special_tokens", "tiktoken_special_tokens")
+           "tiktoken_num_special_tokens", "tokenizer_special_tokens", "tiktoken_special_tokens",
+           "trust_remote_code")
 
 
 def build_tokenizer(args_or_kwargs: Any = None, **kwargs: Any) -> _Tokenizer:
@@ -921,7 +926,8 @@ def build_tokenizer(args_or_kwargs: Any = None, **kwargs: Any) -> _Tokenizer:
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab, opts.get("merge_file"))
     if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(model, bool(opts.get("tokenizer_hf_include_special_tokens")))
+        return HuggingFaceTokenizer(model, bool(opts.get("tokenizer_hf_include_special_tokens")),
+                                    trust_remote_code=bool(opts.get("trust_remote_code")))
     if kind == "BertWordPieceLowerCase":
         return BertWordPieceTokenizer(vocab, lower_case=True)
     if kind == "BertWordPieceCase":

@@ -154,3 +154,16 @@ def check_refused(args) -> None:
     """ValueError with one line for the first refused Megatron flag given on the command line."""
     for flag in refused_given(args):
         raise ValueError(f"{flag} is refused: {status_table()[flag][1]}")
+
+
+def add_megatron_argument(group, flag: str, help: str | None = None, **override):
+    """Define one of Megatron's flags with its exact spellings, dest, default and shape (from the
+    newest release's record), so an implemented flag cannot drift from Megatron's definition."""
+    record = all_megatron_flags()[flag]
+    kwargs = _shape_kwargs(record)
+    kwargs.update(override)
+    if record["action"] not in ("_StoreTrueAction", "_StoreFalseAction", "BooleanOptionalAction"):
+        kwargs.setdefault("dest", record["dest"])
+    else:
+        kwargs["dest"] = record["dest"]
+    return group.add_argument(*_spellings(record), help=help, **kwargs)

@@ -83,7 +83,10 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     from megatron_moe import flags
 
     parser = margs.build_parser(extra_args_provider=tool_args, prog=prog)
-    required = {a.dest: a.option_strings[0] for a in parser._actions if a.required}
+    # --num-layers is optional in training only because --pipeline-model-parallel-layout may
+    # define it; a model to generate with needs it (or the checkpoint's)
+    required = {a.dest: a.option_strings[0] for a in parser._actions
+                if a.required or a.dest == "num_layers"}
     for action in parser._actions:
         action.required = False
     parser.set_defaults(train_iters=1, lr=0.0)  # training-only values a model build never reads

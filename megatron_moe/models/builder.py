@@ -71,13 +71,17 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         activation_func=F.silu if args.swiglu else F.gelu,
         num_moe_experts=args.num_experts,
         moe_layer_freq=args.moe_layer_freq,
-        deterministic_mode=False,
-        calculate_per_token_loss=False,
+        deterministic_mode=getattr(args, "deterministic_mode", False),
+        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
     )
     if getattr(args, "quick_geglu", False):  # gpt-oss: Megatron-LM's choice of quick_gelu
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         kwargs.update(gated_linear_unit=True, activation_func=quick_gelu)
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        # Megatron's defaults with the interleaved schedule: --overlap-p2p-communication on,
+        # hence no batched p2p (megatron-core's rule: the two exclude each other)
+        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(_fusion_selectors(args, te))
     if hasattr(args, "attention_backend"):
         from megatron.core.transformer.enums import AttnBackend
@@ -139,8 +143,12 @@ def use_transformer_engine(args) -> bool:
     return have_transformer_engine() if impl is None else impl == "transformer_engine"
 
 
-def gpt_layer_spec(args, config):
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine(args))
+def gpt_layer_spec(args, config, vp_stage=None):
+    # vp_stage: this virtual pipeline stage's layers (interleaved schedule); None builds this
+    # rank's one chunk
+    stage = {} if vp_stage is None else {"vp_stage": vp_stage}
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine(args),
+                                      **stage)
     from megatron_moe import features  # the wiring module above the stage packages
 
     return features.customize_spec(args, spec)
@@ -176,11 +184,12 @@ def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None)
     from megatron_moe.models.embedding import partition_word_embeddings
 
     config = transformer_config_from_args(args)
-    spec = gpt_layer_spec(args, config)
+    spec = gpt_layer_spec(args, config, vp_stage)
     model = GPTModel(
         transformer_layer_spec=spec,
         rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
         mtp_block_spec=mtp_block_spec(args, config, spec, vp_stage),
         **common_model_kwargs(args, config, pre_process, post_process, vp_stage),
     )
@@ -188,30 +197,50 @@ def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None)
 
 
 def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
-    """Build this rank's model chunk, cast for mixed precision, wrap in megatron-core DDP."""
-    pre = parallel_state.is_pipeline_first_stage()
-    post = parallel_state.is_pipeline_last_stage()
-    model = model_provider(pre_process=pre, post_process=post)
-    model.model_type = model_type
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    config = model.config
-    if args.bf16 or args.fp16:
-        model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=False,
-        bucket_size=None if args.overlap_grad_reduce else None,
-    )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    """This rank's model chunks (one, or one per virtual pipeline stage for megatron-core's
+    interleaved schedule), cast for mixed precision, each wrapped in megatron-core DDP."""
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    model = []
+    for vp_stage in range(vpp or 1):
+        stage = dict(ignore_virtual=False, vp_stage=vp_stage) if vpp else {}
+        pre = parallel_state.is_pipeline_first_stage(**stage)
+        post = parallel_state.is_pipeline_last_stage(**stage)
+        chunk = model_provider(pre_process=pre, post_process=post,
+                               **({"vp_stage": vp_stage} if vpp else {}))
+        chunk.model_type = model_type
+        if vpp:
+            chunk.vp_stage = vp_stage
+        model.append(chunk)
+    configs = [chunk.config for chunk in model]
+    wrapped = []
+    for index, (chunk, config) in enumerate(zip(model, configs)):
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        if args.bf16 or args.fp16:
+            chunk = Float16Module(config, chunk)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            check_for_nan_in_grad=False,
+            bucket_size=None if args.overlap_grad_reduce else None,
+            num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
+        )
+        # Megatron-LM: only the first chunk buckets its grads (the others' reduce at the end)
+        wrapped.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                               disable_bucketing=index > 0))
+    config = configs[0]   # the schedule reads model[0]'s config
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
-    if args.overlap_param_gather:
-        config.param_sync_func = model.start_param_sync
-    return [model]
+    if len(wrapped) == 1:
+        config.no_sync_func = wrapped[0].no_sync
+        if args.overlap_param_gather:
+            config.param_sync_func = wrapped[0].start_param_sync
+    else:
+        config.no_sync_func = [chunk.no_sync for chunk in wrapped]
+        if args.overlap_param_gather:
+            config.param_sync_func = [chunk.start_param_sync for chunk in wrapped]
+    return wrapped
 
 
 def unwrap(model_chunk):

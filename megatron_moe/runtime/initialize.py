@@ -24,6 +24,12 @@ def initialize_distributed(args):
     from megatron.core import parallel_state
 
     rank, world_size, local_rank = launcher_env()
+    if getattr(args, "deterministic_mode", False):   # before NCCL/cuBLAS read their variables
+        import os
+
+        from megatron_moe.runtime import determinism
+
+        determinism.apply(os.environ)
     if not dist.is_initialized():
         if args.distributed_backend == "nccl":
             torch.cuda.set_device(local_rank)
@@ -38,10 +44,16 @@ def initialize_distributed(args):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=getattr(
+                args, "virtual_pipeline_model_parallel_size", None),
             context_parallel_size=args.context_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
             expert_tensor_parallel_size=args.expert_tensor_parallel_size,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
+            # Megatron's --num-distributed-optimizer-instances and --use-tp-pp-dp-mapping
+            num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
+            order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False)
+            else "tp-cp-ep-dp-pp",
         )
     args.rank = dist.get_rank()
     args.world_size = dist.get_world_size()

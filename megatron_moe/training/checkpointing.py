@@ -35,7 +35,6 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
-    get_default_save_sharded_strategy,
 )
 
 from megatron_moe.models.builder import unwrap
@@ -98,12 +97,22 @@ def _optimizer_metadata(args) -> dict:
     return metadata
 
 
+def model_keys(model) -> list:
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
 def _sharded_state(model, optimizer, args, *, include_optimizer: bool, include_rng: bool,
                    is_loading: bool, rng=None) -> dict:
-    assert len(model) == 1, "virtual pipeline stages are not supported"
-    model_sd = unwrap(model[0]).sharded_state_dict()
-    state = {"model": model_sd}
+    # Megatron's keys: "model", or "model0", "model1", ... with virtual pipeline stages
+    # Megatron's sharded-state metadata: megatron-core ties an MTP stage's copy of the embedding
+    # over the data-parallel group it names (gpt_model.sharded_state_dict, MTP off stage 0)
+    from megatron.core import parallel_state
+
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    state = {key: unwrap(chunk).sharded_state_dict(metadata=metadata)
+             for key, chunk in zip(model_keys(model), model)}
     if include_optimizer and optimizer is not None:
+        model_sd = state["model"] if len(model) == 1 else dict(state)
         state["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=_optimizer_metadata(args))
     if include_rng:
@@ -171,27 +180,28 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
         optimizer_count=_optimizer_count(optimizer),
         has_rng=not args.no_save_rng,
     )
-    strategy = sharded_strategy or get_default_save_sharded_strategy("torch_dist")
+    from megatron_moe.compat import checkpoint_options   # Megatron's housekeeping flags
+
+    strategy = sharded_strategy or checkpoint_options.save_strategy(args)
     commit = functools.partial(_commit, root, iteration, tmp_dir, final_dir)
     if getattr(args, "async_save", False):
         global _async_queue
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
         from megatron_moe.compat.checkpoint import async_save_kwargs
 
         try:
             request = dist_checkpointing.save(state, tmp_dir, strategy, async_sharded_save=True,
-                                              **async_save_kwargs())
+                                              **async_save_kwargs(),
+                                              **checkpoint_options.save_kwargs(args))
         except (Exception, CheckpointException) as exc:
             _save_failed(exc, root, tmp_dir, needed)
         request.finalize_fns.append(commit)
-        if _async_queue is None:
-            _async_queue = AsyncCallsQueue()
+        if _async_queue is None:   # --use-persistent-ckpt-worker: one long-lived writer process
+            _async_queue = checkpoint_options.async_queue(args)
         _async_pending.append((root, tmp_dir, needed))
         _async_queue.schedule_async_request(request)
         return
     try:
-        dist_checkpointing.save(state, tmp_dir, strategy)
+        dist_checkpointing.save(state, tmp_dir, strategy, **checkpoint_options.save_kwargs(args))
         commit()
     except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
         _save_failed(exc, root, tmp_dir, needed)
@@ -680,7 +690,11 @@ def load_checkpoint(model, optimizer, scheduler, args):
     try:
         with warnings.catch_warnings():  # torch DCP deprecation notices on every rank
             warnings.simplefilter("ignore")
-            state = dist_checkpointing.load(sharded, ckpt, get_default_load_sharded_strategy(ckpt))
+            from megatron_moe.compat import checkpoint_options  # --dist-ckpt-strictness, ...
+
+            state = checkpoint_options.loaded_state(dist_checkpointing.load(
+                sharded, ckpt, get_default_load_sharded_strategy(ckpt),
+                **checkpoint_options.load_kwargs(args)))
     except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
         short = "" if verified else _short_shards(ckpt)
         if short:   # torch DCP raised on every rank: the search for an older one is collective
@@ -688,7 +702,8 @@ def load_checkpoint(model, optimizer, scheduler, args):
                                   f"{_previous_good(root, iteration)}") from None
         raise CheckpointError(f"{ckpt}: {_unreadable(verified)} "
                               f"({_describe_load_error(exc)})") from None
-    unwrap(model[0]).load_state_dict(state["model"], strict=True)
+    for key, chunk in zip(model_keys(model), model):
+        unwrap(chunk).load_state_dict(state[key], strict=True)
     if load_optim:
         from megatron_moe.compat import checkpoint as compat_checkpoint
 

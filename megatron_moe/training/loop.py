@@ -120,25 +120,34 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
                  f"EP={args.expert_model_parallel_size} ETP={args.expert_tensor_parallel_size} "
                  f"DP={args.data_parallel_size} ({time.time() - start:.1f}s)")
 
+    from megatron_moe.training import megatron_logging
+
+    megatron_logging.apply_logging_level(args)   # --logging-level (Megatron's setup_logging)
+    timers = megatron_logging.build_timers(args)  # --timing-log-level / --timing-log-option
     model = get_model(model_provider, args, model_type)
+    from megatron_moe.models.builder import unwrap as _unwrap
+
+    for chunk in model:  # megatron-core's schedule times its phases through config.timers
+        _unwrap(chunk).config.timers = timers
     if args.use_distributed_optimizer:  # its torch-Adam fallback (no TE/apex) saves and resumes
         from megatron_moe.compat.distrib_optimizer import install_torch_adam_bridge
 
         install_torch_adam_bridge()
-    optimizer = get_megatron_optimizer(_optimizer_config(args, OptimizerConfig), model)
+    optimizer_config = _optimizer_config(args, OptimizerConfig)
+    optimizer_config.timers = timers               # the optimizer's phases (level 1)
+    optimizer = get_megatron_optimizer(optimizer_config, model)
     # Megatron-LM's train(): the schedule multiplies each micro-batch loss by the optimizer's
     # loss scale before backward (fp16 dynamic scaling; 1.0 for bf16/fp32), which the
     # optimizer divides out of the grads again
-    from megatron_moe.models.builder import unwrap as _unwrap
-
     _unwrap(model[0]).config.grad_scale_func = optimizer.scale_loss
-    gbs = args.global_batch_size
+    from megatron_moe.arguments import lr_schedule_steps
+
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay, wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style=args.weight_decay_incr_style,
+        end_wd=args.end_weight_decay, wd_incr_style=args.weight_decay_incr_style,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        **lr_schedule_steps(args),   # iteration- or sample-based, Megatron's step counts
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler)
     hooks = TrainingHooks(args, model, optimizer)
@@ -158,10 +167,17 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     train_ds, valid_ds, _ = _build_datasets(args, datasets_provider)
     train_iter = _iterator(args, train_ds, consumed_train)
     valid_iter = _iterator(args, valid_ds, consumed_valid)
+    if len(model) > 1:
+        # the interleaved schedule takes one iterator per model chunk (Megatron-LM builds one per
+        # virtual stage); the chunk that embeds and the chunk that takes the loss each read the
+        # same samples in the same order
+        train_iter = [_iterator(args, train_ds, consumed_train) for _ in model] if train_iter else None
+        valid_iter = [_iterator(args, valid_ds, consumed_valid) for _ in model] if valid_iter else None
 
     print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
                  f"(setup {time.time() - start:.1f}s)")
-    trainer = Trainer(args, model, optimizer, scheduler, forward_step_func, hooks, exit_conditions)
+    trainer = Trainer(args, model, optimizer, scheduler, forward_step_func, hooks, exit_conditions,
+                      timers=timers)
     from megatron_moe.training.checkpointing import finalize_async_save
 
     try:
@@ -179,8 +195,12 @@ def _build_tokenizer(args):
     from megatron_moe.data.tokenizers import build_tokenizer, vocab_size_with_padding
 
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    if getattr(args, "padded_vocab_size", None) is None:   # --padded-vocab-size: as given
+        args.padded_vocab_size = vocab_size_with_padding(
+            tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    elif args.padded_vocab_size < tokenizer.vocab_size:
+        raise TrainingError(f"--padded-vocab-size ({args.padded_vocab_size}) is smaller than the "
+                            f"tokenizer's vocabulary ({tokenizer.vocab_size})")
     global_vars.set_tokenizer(tokenizer)
     return tokenizer
 
@@ -193,7 +213,8 @@ def _optimizer_config(args, config_class):
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
         params_dtype=dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather)
+        overlap_param_gather=args.overlap_param_gather,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad)
 
 
 def _build_datasets(args, provider):
@@ -285,8 +306,14 @@ class TrainingHooks:
 
 class Trainer:
     def __init__(self, args, model, optimizer, scheduler, forward_step_func, hooks,
-                 exit_conditions=None):
+                 exit_conditions=None, timers=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_moe.training import megatron_logging
+
+        # megatron-core's Timers (Megatron's get_timers()); dummies above --timing-log-level
+        self.timers = timers if timers is not None else megatron_logging.build_timers(args)
+        self.num_zeros_in_grad = None    # the last step's (--log-num-zeros-in-grad), read at log time
 
         self.args = args
         self.model = model
@@ -319,8 +346,11 @@ class Trainer:
                 forward_step_func=self.forward_step_func, data_iterator=data_iterator,
                 model=self.model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-                forward_only=False)
+                forward_only=False)   # times 'forward-backward' itself (config.timers)
+            self.timers("optimizer", log_level=1).start()
             update_successful, grad_norm, num_zeros = self.optimizer.step()
+            self.timers("optimizer").stop()
+        self.num_zeros_in_grad = num_zeros
         self.hooks.after_optimizer_step(update_successful, grad_norm)   # before the lr moves
         if update_successful:
             self.scheduler.step(increment=args.global_batch_size)
@@ -407,6 +437,9 @@ class Trainer:
             consumed_train += args.global_batch_size
             args.iteration, args.consumed_train_samples = iteration, consumed_train
             self.hooks.after_step(iteration)
+            interval = args.check_weight_hash_across_dp_replicas_interval
+            if interval is not None and iteration % interval == 0:
+                self.check_weight_hashes(iteration)
             lr = self.scheduler.get_lr(self.optimizer.param_groups[0])
             window.add(iteration, loss_dict, ok)   # the losses stay on the device until read
             history["iteration"].append(iteration)
@@ -438,6 +471,17 @@ class Trainer:
         if args.save and iteration == args.train_iters:
             save(iteration)
         return {"history": history, "iteration": iteration, "consumed_train_samples": consumed_train}
+
+    def check_weight_hashes(self, iteration):
+        """--check-weight-hash-across-dp-replicas-interval (Megatron's train loop): every
+        data-parallel replica holds bit-identical parameters, or training stops."""
+        from megatron.core.utils import check_param_hashes_across_dp_replicas
+
+        if not check_param_hashes_across_dp_replicas(self.model, cross_check=True):
+            raise TrainingError(f"parameter hashes differ across data-parallel replicas at "
+                                f"iteration {iteration} (--check-weight-hash-across-dp-replicas-interval)")
+        dist.barrier()
+        print_rank_0(f">>> Weight hashes match after {iteration} iterations...")
 
     # --- logging ---------------------------------------------------------------------------------
     def _log(self, iteration, consumed, elapsed_s, lr, window, grad_norm, tokens_per_iter):
@@ -486,6 +530,11 @@ class Trainer:
         line += f" loss scale: {self.optimizer.get_loss_scale().item():.1f} |"
         if grad_norm is not None:
             line += f" grad norm: {float(grad_norm):.3f} |"
+        scalars = self._megatron_log_scalars()
+        if "num-zeros" in scalars:
+            line += f" num zeros: {scalars['num-zeros']} |"
+        if "params-norm" in scalars:
+            line += f" params norm: {scalars['params-norm']:.3f} |"
         line += f" number of skipped iterations: {window.skipped:3d} |"
         line += f" number of nan iterations: {window.nan:3d} |"
         line += f" tokens per second: {tokens_per_s:.1f} |"
@@ -534,6 +583,25 @@ class Trainer:
             for key, value in extra.items():
                 if not isinstance(value, str):          # balance/auto: the policy names, log line only
                     writer.add_scalar(f"moe/{key}", value, iteration)
+            for key, value in scalars.items():          # Megatron's names: num-zeros, params-norm, mem-*
+                writer.add_scalar(key, value, iteration)
+        from megatron_moe.training import megatron_logging
+
+        megatron_logging.write_timers(self.timers, args, writer, iteration)
+
+    def _megatron_log_scalars(self) -> dict:
+        """--log-num-zeros-in-grad, --log-params-norm, --log-memory-to-tensorboard: read once per
+        log interval (params norm is one all-reduce over the model-parallel groups, every rank)."""
+        from megatron_moe.training import megatron_logging
+
+        args, out = self.args, {}
+        if args.log_num_zeros_in_grad and self.num_zeros_in_grad is not None:
+            out["num-zeros"] = self.num_zeros_in_grad
+        if args.log_params_norm:
+            out["params-norm"] = megatron_logging.params_l2_norm(self.model)
+        if args.log_memory_to_tensorboard:
+            out.update(megatron_logging.memory_scalars())
+        return out
 
     def _log_eval(self, prefix, losses, iteration):
         parts = []
@@ -542,6 +610,11 @@ class Trainer:
             parts.append(f"{key} PPL: {math.exp(min(20.0, value)):.6E}")
             if self.hooks.writer is not None:
                 self.hooks.writer.add_scalar(f"{key} validation", value, iteration)
+                if self.args.log_validation_ppl_to_tensorboard:
+                    from megatron_moe.training.megatron_logging import validation_ppl
+
+                    self.hooks.writer.add_scalar(f"{key} validation ppl", validation_ppl(value),
+                                                 iteration)
         line = f" validation loss at {prefix} | " + " | ".join(parts) + " |"
         bar = "-" * len(line)
         print_rank_last(f"{bar}\n{line}\n{bar}")
@@ -601,9 +674,15 @@ def reduce_losses(losses_reduced) -> dict:
         for i, name in enumerate(names):
             for d in losses_reduced or []:
                 if name in d:
-                    # one micro-batch at a time, in float64: the sum the host computed before
-                    values[2 * i] += torch.as_tensor(d[name], device=device).to(torch.float64).reshape(())
-                    values[2 * i + 1] += 1
+                    value = torch.as_tensor(d[name], device=device)
+                    if value.numel() == 2:
+                        # --calculate-per-token-loss: (loss sum, tokens), Megatron's reporting pair
+                        values[2 * i] += value[0].to(torch.float64)
+                        values[2 * i + 1] += value[1].to(torch.float64)
+                    else:
+                        # one micro-batch at a time, in float64: the sum the host computed before
+                        values[2 * i] += value.to(torch.float64).reshape(())
+                        values[2 * i + 1] += 1
     if dist.is_initialized():
         dist.all_reduce(values)
     # every agreed name was reported by the last stage, so its count is > 0

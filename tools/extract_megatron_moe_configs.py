@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Read Megatron-LM's MoE pretraining functional-test configs into this repo's data file.
+
+    python tools/extract_megatron_moe_configs.py --git-dir /path/to/Megatron-LM/.git \
+        --ref core_v0.19.0 --output tests/data/megatron_moe_functional_configs.json
+
+Also recorded: the model confs of Qwen3-235B-A22B, DeepSeek-R1 and Kimi-K2
+(``examples/post_training/modelopt/conf``, their ``MODEL_ARGS`` words) under ``model_confs``.
+
+Source: ``tests/functional_tests/test_cases/moe/*/model_config.yaml`` at ``--ref`` (read with
+``git show``, no checkout needed). A pretraining config is one without a ``MODE`` key (the others
+are Megatron's inference and RL tests). Recorded per config: its ``TEST_TYPE`` and its
+``MODEL_ARGS`` as (flag, value) pairs with every scalar kept as the YAML text (PyYAML's
+BaseLoader, as Megatron's runner reads them through ``yq``); ``command_line()`` turns them into
+the argv that Megatron's runner (``shell_test_utils/_run_training.sh``) builds: ``true`` -> the
+bare flag, ``[a, b]`` -> ``a b``, anything else -> one argument. Data, never code: nothing of
+Megatron-LM is executed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+
+CASES_DIR = "tests/functional_tests/test_cases/moe"
+
+
+def _git(git_dir: str, *args: str) -> str:
+    return subprocess.run(["git", f"--git-dir={git_dir}", *args], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def read_configs(git_dir: str, ref: str) -> dict:
+    import yaml
+
+    names = _git(git_dir, "ls-tree", "--name-only", f"{ref}:{CASES_DIR}").split()
+    configs = {}
+    for name in sorted(names):
+        text = _git(git_dir, "show", f"{ref}:{CASES_DIR}/{name}/model_config.yaml")
+        data = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar as its YAML text
+        if "MODE" in data:   # inference / RL tests, not pretraining
+            continue
+        configs[name] = {"test_type": data.get("TEST_TYPE"),
+                         "model_args": [[key, value] for key, value in data["MODEL_ARGS"].items()]}
+    return configs
+
+
+MODEL_CONFS = ("examples/post_training/modelopt/conf/Qwen/Qwen3-235B-A22B.sh",
+               "examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh",
+               "examples/post_training/modelopt/conf/moonshotai/Kimi-K2-Instruct.sh")
+
+
+def read_model_confs(git_dir: str, ref: str) -> dict:
+    """{conf path: argv} of Megatron's model confs: the words of their MODEL_ARGS="..." string."""
+    import shlex
+
+    out = {}
+    for path in MODEL_CONFS:
+        text = _git(git_dir, "show", f"{ref}:{path}")
+        body = re.search(r'MODEL_ARGS="(.*?)"', text, re.S).group(1)
+        out[path] = shlex.split(body.replace("\\\n", " "))
+    return out
+
+
+def command_line(model_args) -> list[str]:
+    """Megatron's runner rule (``_run_training.sh``): the argv of one config's MODEL_ARGS."""
+    argv = []
+    for key, value in model_args:
+        if value == "":
+            continue
+        if value == "true":
+            argv.append(key)
+        elif re.fullmatch(r"\[[^]]+\]", value):
+            argv += [key] + value[1:-1].replace(",", " ").split()
+        else:
+            argv += [key, value]
+    return argv
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--git-dir", required=True, help="Megatron-LM's git directory (a bare mirror works)")
+    p.add_argument("--ref", default="core_v0.19.0")
+    p.add_argument("--output", required=True)
+    args = p.parse_args(argv)
+    commit = _git(args.git_dir, "rev-parse", f"{args.ref}^{{commit}}").strip()
+    out = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
+           "source": f"{CASES_DIR}/*/model_config.yaml (MODEL_ARGS, configs without MODE)",
+           "configs": read_configs(args.git_dir, args.ref),
+           "model_confs": read_model_confs(args.git_dir, args.ref)}
+    with open(args.output, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print(f"{len(out['configs'])} configs from {args.ref} ({commit[:12]}) -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
