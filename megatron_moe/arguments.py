@@ -496,10 +496,6 @@ def _validate_model_impl_args(args):
         raise ValueError("--attention-backend fused needs --transformer-impl transformer_engine "
                          "(Transformer Engine's cuDNN attention); with --transformer-impl local "
                          "use --attention-backend flash (torch SDPA) or local|unfused|auto")
-    if args.context_parallel_size > 1 and args.transformer_impl == "local":
-        raise ValueError(f"--transformer-impl local needs --context-parallel-size 1 (got "
-                         f"{args.context_parallel_size}); megatron-core's local attention and this "
-                         f"package's SDPA one have no context parallelism (Transformer Engine's has)")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type != "rope":
@@ -687,7 +683,8 @@ def _validate_context_parallel(args):
     if cp > 1 and args.transformer_impl != "transformer_engine":
         raise ValueError(f"--context-parallel-size {cp} needs --transformer-impl "
                          f"transformer_engine (megatron-core's context parallelism is Transformer "
-                         f"Engine attention's; the local path has none)")
+                         f"Engine attention's; the local path, megatron-core's local attention and "
+                         f"this package's SDPA one, has none)")
 
 
 def _validate_model_options(args):

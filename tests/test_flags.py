@@ -170,8 +170,8 @@ def test_context_parallel_with_local_attention_fails_at_parse_time(capsys):
                    world_size=2)
     assert exc.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(err) == 1 and "--transformer-impl local needs --context-parallel-size 1 (got 2); " \
-        "megatron-core's local attention" in err[0], err
+    assert len(err) == 1 and "--context-parallel-size 2 needs --transformer-impl " \
+        "transformer_engine" in err[0] and "SDPA" in err[0], err
     # the local path with one context-parallel rank is accepted, flash (SDPA) included
     args = parse_args(BASE + "--transformer-impl local --attention-backend flash".split(),
                       world_size=2)

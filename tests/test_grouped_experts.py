@@ -189,3 +189,75 @@ def test_grouped_launches_do_not_grow_with_experts(monkeypatch, mutate):
         monkeypatch.setattr(G, "_GroupedLinear", Loop)
     few, many = _grouped_ops(4), _grouped_ops(16)
     assert (few == many) != mutate, (len(few), len(many))
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_moe_act_recompute_on_the_local_grouped_path(monkeypatch, mutate):
+    """--recompute-modules moe_act with local grouped experts: the activation is recomputed in
+    backward (it runs twice), outputs and gradients bit-equal to keeping it; mutation: checkpoint
+    bypassed, the activation runs once and the recompute check fails."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_moe.moe import grouped_experts as G
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True)
+    act = MLP.__new__(MLP)
+    torch.nn.Module.__init__(act)
+    act.config, act.activation_func = cfg, F.silu
+    act.linear_fc1, act.linear_fc2 = G._Given(), G._Given()
+    calls = [0]
+    real = G._activate
+
+    def counting(*a):
+        calls[0] += 1
+        return real(*a)
+
+    monkeypatch.setattr(G, "_activate", counting)
+    if mutate:
+        monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                            lambda fn, *a, use_reentrant=False: fn(*a))
+
+    def run(recompute):
+        torch.manual_seed(0)
+        counts = torch.tensor([3, 0, 5, 2])
+        x = torch.randn(10, 16, requires_grad=True)
+        w1 = [torch.randn(16, 16, requires_grad=True) for _ in range(4)]
+        w2 = [torch.randn(16, 8, requires_grad=True) for _ in range(4)]
+        b1 = [torch.randn(16, requires_grad=True) for _ in range(4)]
+        calls[0] = 0
+        out = G.grouped_mlp(act, x, torch.rand(10), counts, w1, w2, b1,
+                            recompute_activation=recompute)
+        out.square().sum().backward()
+        return out.detach(), [t.grad for t in [x] + w1 + w2 + b1], calls[0]
+
+    kept, kept_grads, kept_calls = run(False)
+    again, again_grads, again_calls = run(True)
+    assert torch.equal(kept, again) and all(torch.equal(a, b) for a, b in zip(kept_grads, again_grads))
+    assert kept_calls == 1
+    assert (again_calls == 2) != mutate, again_calls
+
+
+def test_moe_act_recompute_reaches_the_grouped_experts_not_megatron_cores_config():
+    """Megatron's CI configs name --recompute-modules moe_act with --moe-grouped-gemm: on the local
+    path megatron-core's config keeps it out (its check wants TE's grouped GEMM) and the grouped
+    experts get it from the spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_moe import arguments
+    from megatron_moe.compat import spec_submodules
+    from megatron_moe.models.builder import transformer_config_from_args
+    from megatron_moe.moe.grouped_experts import customize_spec
+
+    args = arguments.parse_args(_argv(2, "--moe-grouped-gemm", "--recompute-granularity",
+                                      "selective", "--recompute-modules", "moe_act", "core_attn"),
+                                world_size=2)
+    config = transformer_config_from_args(args)
+    assert config.recompute_modules == ["core_attn"] and config.moe_grouped_gemm is False
+    spec = customize_spec(args, get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False))
+    experts = spec_submodules(spec.submodules.mlp).experts
+    params = getattr(experts, "params", None) or getattr(experts, "keywords", {})
+    assert params.get("recompute_activation") is True

@@ -54,6 +54,11 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
             kwargs[field] = value
     dtype = _DTYPES[args.params_dtype]
     te = use_transformer_engine(args)
+    modules = kwargs.get("recompute_modules")
+    if modules and "moe_act" in modules and not te:
+        # the local grouped experts recompute their activation themselves (moe/grouped_experts.py);
+        # megatron-core's config accepts moe_act only with its own (Transformer Engine) grouped GEMM
+        kwargs["recompute_modules"] = [m for m in modules if m != "moe_act"]
     kwargs.update(
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.utils.checkpoint
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -104,7 +105,8 @@ def activation_of(expert: MLP) -> MLP:
     return act
 
 
-def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None):
+def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None,
+                recompute_activation: bool = False):
     """G experts' MLPs on ``x`` whose rows are grouped by expert, ``counts[g]`` rows for group g
     (a device tensor: offsets from a device cumsum, no host sync): fc1 and fc2 as one
     ``grouped_mm`` each, megatron-core's activation in between (:func:`activation_of`).
@@ -113,7 +115,10 @@ def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None):
     parameters and balance replicas); ``b1`` / ``b2``: G biases each, or None. The biases are added
     per row by gathering each row's group bias (ids by ``repeat_interleave`` with the known output
     size: no sync), exactly where megatron-core's MLP adds them: fc1's before the activation, fc2's
-    scaled by the row's prob after it (mlp.py, ``output += output_bias * per_token_scale``)."""
+    scaled by the row's prob after it (mlp.py, ``output += output_bias * per_token_scale``).
+
+    ``recompute_activation`` (``--recompute-modules moe_act``): the activation's output is not kept
+    for backward but recomputed from fc1's output, as megatron-core's grouped-GEMM experts do."""
     # megatron-core's dispatcher hands the counts over on the host (its own D2H copy, made for
     # SequentialMLP's split): copied back without blocking the host where the source is pinned
     counts = counts.to(x.device, non_blocking=True)
@@ -125,11 +130,20 @@ def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None):
         ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
                                       output_size=x.shape[0])
     h = _GroupedLinear.apply(x, offs, *w1)
-    h, _ = MLP.forward(activation, (h, None if b1 is None else b1.index_select(0, ids)), probs)
+    bias1 = None if b1 is None else b1.index_select(0, ids)
+    if recompute_activation and torch.is_grad_enabled():
+        h = torch.utils.checkpoint.checkpoint(_activate, activation, h, bias1, probs,
+                                              use_reentrant=False)
+    else:
+        h = _activate(activation, h, bias1, probs)
     out = _GroupedLinear.apply(h, offs, *w2)
     if b2 is not None:
         out += b2.index_select(0, ids) * probs.unsqueeze(-1)
     return out
+
+
+def _activate(activation, h, bias, probs):
+    return MLP.forward(activation, (h, bias), probs)[0]
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -184,9 +198,12 @@ class GroupedSequentialMLP(SequentialMLP):
     grouped_calls = 0   # grouped calls made (tests: proof the grouped path ran)
     replica_groups = 0  # groups of those calls that ran a balance replica (not a local expert)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, recompute_activation: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_activation", activation_of(self.local_experts[0]))
+        # --recompute-modules moe_act (megatron-core's config cannot carry it without its own
+        # grouped GEMM: the spec hands it over, models/builder.py keeps it out of the config)
+        self.recompute_activation = recompute_activation
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if self.num_local_experts == 1:
@@ -204,7 +221,8 @@ class GroupedSequentialMLP(SequentialMLP):
         GroupedSequentialMLP.replica_groups += sum(not isinstance(e, torch.nn.Module) for e in experts)
         return grouped_mlp(self._activation, x, probs, counts,
                            stacked(experts, "linear_fc1.weight"), stacked(experts, "linear_fc2.weight"),
-                           stacked(experts, "linear_fc1.bias"), stacked(experts, "linear_fc2.bias"))
+                           stacked(experts, "linear_fc1.bias"), stacked(experts, "linear_fc2.bias"),
+                           recompute_activation=self.recompute_activation)
 
 
 def _aligned(t):
@@ -212,6 +230,11 @@ def _aligned(t):
     a larger buffer (a chunk of the permuted tokens) may start anywhere: copied then."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def recompute_activation(args) -> bool:
+    """--recompute-modules moe_act on the local grouped path: recomputed here, not by megatron-core."""
+    return local_grouped(args) and "moe_act" in (getattr(args, "recompute_modules", None) or ())
 
 
 def customize_spec(args, spec):
@@ -236,8 +259,9 @@ def customize_spec(args, spec):
         if spec_module(experts) is not SequentialMLP:
             raise ValueError(f"{FLAG}: the experts are {spec_module(experts)}, not megatron-core's "
                              "SequentialMLP")
+        params = {"recompute_activation": True} if recompute_activation(args) else {}
         layer.submodules.mlp = replace_spec(mlp, submodules=dataclasses.replace(
-            sub, experts=replace_spec(experts, module=GroupedSequentialMLP)))
+            sub, experts=replace_spec(experts, module=GroupedSequentialMLP, **params)))
         swapped += 1
     if not swapped:
         raise ValueError(f"{FLAG}: the model has no MoE layer")
