@@ -130,3 +130,58 @@ def _serve(gen, prompt, tokens, client=True):
     thread.join(timeout=30)
     return {"host": host, **answers}
 
+
+
+def generate_then_forward_case(rank, world_size, mutate):
+    """A TextGenerator generates, then the same model runs a plain forward (as evaluation or a
+    logits call after serving does: runtime_gather_output left at its default). Returns the
+    flag megatron-core's InferenceMode read at each forward (None where the version has no such
+    flag), how often compat's engine_inference_mode was entered, and the plain forward's logits
+    shape or its AssertionError. ``mutate``: engine_inference_mode does nothing (the engine as it
+    comes)."""
+    import contextlib
+
+    import torch
+
+    from megatron_moe.arguments import parse_args
+    from megatron_moe.compat import inference as compat
+    from megatron_moe.inference.engine import TextGenerator
+    from megatron_moe.models.builder import gpt_model_provider
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.training.loop import _build_tokenizer
+
+    entered = []
+    original = compat.engine_inference_mode
+
+    @contextlib.contextmanager
+    def counted():
+        entered.append(1)
+        with (contextlib.nullcontext() if mutate else original()):
+            yield
+
+    compat.engine_inference_mode = counted
+    args = parse_args(("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                       "--max-position-embeddings 32 --num-experts 4 --moe-router-topk 2 "
+                       "--disable-bias-linear --micro-batch-size 1 --train-iters 1 --lr 0 "
+                       "--mock-data --tokenizer-type NullTokenizer --vocab-size 255").split(),
+                      world_size=world_size)
+    args.inference_max_requests, args.inference_max_seq_length = 2, None
+    initialize_distributed(args)
+    tokenizer = _build_tokenizer(args)
+    model = gpt_model_provider(args)
+    model.eval()
+    flag = compat._inference_mode_flag()
+    seen = []
+    model.register_forward_pre_hook(
+        lambda *_: seen.append(None if flag is None else flag.is_active()))
+    [generated] = TextGenerator(model, tokenizer, args).generate(
+        None, tokens_to_generate=3, top_k=1, prompt_tokens=[[5, 17, 42]])
+    during = list(seen)
+    ids = torch.tensor([[5, 17, 42, 8]])
+    try:
+        with torch.no_grad():
+            forward = tuple(model(ids, torch.arange(4).unsqueeze(0), None).shape)
+    except AssertionError as e:
+        forward = f"AssertionError: {e}"
+    return dict(tokens=generated.tokens, during=during, after=seen[len(during):],
+                entered=len(entered), forward=forward)

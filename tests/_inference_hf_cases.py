@@ -56,3 +56,13 @@ def padded_vocab_case(rank, world_size, load, prompt, n_tokens, samples):
     engine.mask_padded_vocabulary = lambda *a, **k: None
     out["unmasked"] = sample(engine.TextGenerator(model, tokenizer, args))
     return out
+
+
+def generate_then_logits_case(rank, world_size, load, prompt, n_tokens, samples, logit_jobs):
+    """padded_vocab_case, then in the same process logits_rank for each (hf_dir, ckpt, layouts,
+    tokens) job: plain forwards after the engine has generated."""
+    from tests._hf_cases import logits_rank
+
+    out = padded_vocab_case(rank, world_size, load, prompt, n_tokens, samples)
+    out["logits"] = [logits_rank(rank, world_size, *job) for job in logit_jobs]
+    return out

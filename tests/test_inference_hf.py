@@ -26,8 +26,7 @@ import pytest
 import torch
 
 from megatron_moe.runtime.local_ranks import run_distributed
-from tests._hf_cases import pipeline_rank
-from tests._inference_hf_cases import padded_vocab_case
+from tests._inference_hf_cases import generate_then_logits_case
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -126,11 +125,9 @@ def run(tmp_path_factory):
     log = convert(*[["--loader", "hf", "--saver", "megatron"] + r for r in imports],
                   *[["--loader", "megatron", "--saver", "hf"] + r for r in exports])
     jobs = [(d[k], d[k + "_meg"], [""], TOKENS) for k in ("ds_published", "ds_other")]
-    out = run_distributed(padded_vocab_case, 1, d["mixtral_meg"], PROMPT, N_TOKENS, SAMPLES,
-                          timeout_s=600)[0]
-    # a process of its own: megatron-core 0.19's engine leaves its process-wide InferenceMode
-    # flag set, under which a plain forward asserts
-    out["logits"] = run_distributed(pipeline_rank, 1, [], jobs, timeout_s=600)[0][1]
+    # one process: the logits' plain forwards run after the engine has generated
+    out = run_distributed(generate_then_logits_case, 1, d["mixtral_meg"], PROMPT, N_TOKENS,
+                          SAMPLES, jobs, timeout_s=600)[0]
     return dict(d, log=log, out=out)
 
 

@@ -10,12 +10,43 @@ The constructors differ between versions:
   that config.
 * >= 0.17 (0.19 checked): ``GPTInferenceWrapper(model, context)``; the context carries an
   ``InferenceConfig`` and takes (max batch, max sequence length) directly.
+* >= 0.19: the static engine's constructor sets the process-wide ``InferenceMode`` flag and
+  nothing unsets it; while it is set, every GPTModel forward asserts "Inference must always
+  gather TP logits" unless called with ``runtime_gather_output=True`` (evaluation, a logits call
+  after serving). ``engine_inference_mode`` confines the flag to the engine's own calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
+
+
+def _inference_mode_flag():
+    """megatron-core's process-wide InferenceMode flag (>= 0.19), or None where it has none."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return None
+    return InferenceMode if hasattr(InferenceMode, "unset_active") else None
+
+
+@contextlib.contextmanager
+def engine_inference_mode():
+    """Run a static-engine call (its constructor, generate) under megatron-core's InferenceMode
+    and put the flag back as it was afterwards: the engine sets it and never unsets it."""
+    flag = _inference_mode_flag()
+    if flag is None:  # megatron-core <= 0.16: no such flag
+        yield
+        return
+    was_active = flag.is_active()
+    flag.set_active()
+    try:
+        yield
+    finally:
+        if not was_active:
+            flag.unset_active()
 
 
 def apply_cpu_shims():
@@ -68,11 +99,18 @@ def build_static_engine(model, tokenizer, *, hidden_size: int, params_dtype, pad
         context = StaticInferenceContext(max_batch_size, max_sequence_length)
         wrapped = GPTInferenceWrapper(model, context)
     controller = TextGenerationController(inference_wrapped_model=wrapped, tokenizer=tokenizer)
-    with warnings.catch_warnings():  # "the static engine will be deprecated": known, see above
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(), engine_inference_mode():
+        warnings.simplefilter("ignore")  # "the static engine will be deprecated": known, see above
         engine = StaticInferenceEngine(controller, max_batch_size=max_batch_size,
                                        random_seed=random_seed, legacy=True)
     return engine
+
+
+def generate(engine, requests):
+    """``engine.generate(inference_requests=requests)`` with the InferenceMode flag set only
+    for its duration (see engine_inference_mode)."""
+    with engine_inference_mode():
+        return engine.generate(inference_requests=requests)
 
 
 def sampling_params(**kwargs):

@@ -166,7 +166,7 @@ class TextGenerator:
                  prompt_tokens: list | None = None, top_n_logprobs: int = 0) -> list[Generation]:
         from megatron.core.inference.inference_request import InferenceRequest
 
-        from megatron_moe.compat.inference import sampling_params
+        from megatron_moe.compat.inference import generate, sampling_params
 
         if prompt_tokens is None:
             prompt_tokens = self.tokenize_prompts(prompts, tokens_to_generate, add_bos)
@@ -181,7 +181,7 @@ class TextGenerator:
         requests = [InferenceRequest(request_id=self.engine.get_new_request_id(), prompt=p,
                                      prompt_tokens=t, sampling_params=params)
                     for p, t in zip(prompts, prompt_tokens)]
-        done = self.engine.generate(inference_requests=requests)
+        done = generate(self.engine, requests)
         out = []
         for prompt, req in zip(prompts, done):
             tokens = [int(t) for t in req.generated_tokens.tolist()]
