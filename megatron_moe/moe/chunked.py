@@ -43,15 +43,27 @@ def chunked_forward(layer, hidden_states, intermediate_tensors=None, padding_mas
     return layer.postprocess(output, shared_out), None
 
 
+def split_counts(td, routing_map):
+    """Rows this rank sends and receives, ``[ep rank][local expert]`` each, as host lists, in one
+    host read: the send counts (permute sorts rows by global expert id) and megatron-core's
+    received counts (``num_global_tokens_per_local_expert``; its ``output_splits`` with one local
+    expert) travel in one concatenated tensor. Where megatron-core already copied its counts to
+    the host (its dtoh point, CUDA without permute fusion) they ride along in a small host-to-device
+    copy instead of a second device-to-host read."""
+    ep, local = td.ep_size, td.num_local_experts
+    sent = routing_map.sum(dim=0)
+    got = td.num_global_tokens_per_local_expert if local > 1 else td.output_splits
+    got = torch.as_tensor(got).reshape(-1).to(sent)
+    counts = torch.cat([sent, got]).tolist()
+    send, recv = counts[:ep * local], counts[ep * local:]
+    return ([send[i * local:(i + 1) * local] for i in range(ep)],
+            [recv[i * local:(i + 1) * local] for i in range(ep)])
+
+
 def _chunked_experts(layer, tokens, probs, routing_map):
     td, xc = layer.token_dispatcher, layer.exchange
     ep, local = td.ep_size, td.num_local_experts
-    # rows this rank sends: [ep rank][local expert]; permute sorted rows by global expert id
-    send = routing_map.sum(dim=0).reshape(ep, local).tolist()
-    if local > 1:
-        recv = td.num_global_tokens_per_local_expert.reshape(ep, local).tolist()
-    else:
-        recv = [[int(v)] for v in torch.as_tensor(td.output_splits).tolist()]
+    send, recv = split_counts(td, routing_map)
     send_rows, recv_rows = [sum(r) for r in send], [sum(r) for r in recv]
     group = td.ep_group
     recv_probs = comm.all_to_all(probs, recv_rows, send_rows, group, algorithm=xc.algorithm)
