@@ -8,6 +8,10 @@ permute / unpermute (``moe_utils``):
         ``pad_offsets``. Only TE's fused permute-and-pad kernel fills pad_offsets (FP8/FP4
         alignment); megatron-core's unfused path returns ``None`` and passes tokens_per_expert
         through, and ``adapt_permute`` does exactly the same around our kernels.
+sort_chunks_by_idxs (``moe_utils``), 0.16 to 0.19:
+    ``sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False)
+    -> (output, permuted_probs)``; the alltoall dispatcher passes host tensors as split sizes and
+    order (its dtoh copy) and ``fused=config.moe_permute_fusion`` (TE's kernel).
 all_to_all (``tensor_parallel.mappings``):
     >= 0.18: the alltoall dispatcher passes ``use_nccl_stream=`` (run on a side NCCL stream so the
         shared experts overlap); ``adapt_all_to_all`` accepts and drops it: ours runs on the current
@@ -87,8 +91,9 @@ def mcore_permute(*args, **kwargs):
 
 
 # --- the rebinding itself ---------------------------------------------------------------------------
-# megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher call permute, unpermute
-# (moe_utils) and all_to_all (tensor_parallel) by module-level name inside ``token_dispatcher``:
+# megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher call permute, unpermute,
+# sort_chunks_by_idxs (moe_utils) and all_to_all (tensor_parallel) by module-level name inside
+# ``token_dispatcher``:
 # the one seam through which another implementation can run under megatron-core's own call sites
 # (splits bookkeeping, capacity, TP/EP grouping) without copying them. The rebinding is a version
 # concern (those names and contracts move between releases), so it lives here and only here.
