@@ -18,8 +18,6 @@ they are needed by every chunk's expert compute (megatron-core applies them insi
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
-
 from megatron_moe import comm
 
 
@@ -61,6 +59,8 @@ def split_counts(td, routing_map):
 
 
 def _chunked_experts(layer, tokens, probs, routing_map):
+    from megatron_moe.moe.dispatcher import sort_chunks_by_idxs   # constant launches per chunk
+
     td, xc = layer.token_dispatcher, layer.exchange
     ep, local = td.ep_size, td.num_local_experts
     send, recv = split_counts(td, routing_map)
