@@ -20,6 +20,8 @@ all_to_all (``tensor_parallel.mappings``):
 
 import functools
 
+import torch
+
 from megatron_moe.compat.versions import mcore_at_least
 
 
@@ -88,6 +90,17 @@ def mcore_permute(*args, **kwargs):
     from megatron.core.transformer.moe import moe_utils
 
     return permute_v016(moe_utils.permute)(*args, **kwargs)
+
+
+def order_after_dispatcher_host_copy(td) -> None:
+    """megatron-core's alltoall dispatcher (0.16 to 0.19, ``_maybe_dtoh_and_synchronize``) copies
+    its split counts to pinned host memory on a side stream, records ``d2h_event`` and waits for
+    it on the host only at its own all-to-all. A caller that reads those host copies without that
+    all-to-all (the chunked layer) makes the current stream wait for the event: a host-to-device
+    copy of them queued next sees the finished values, with no host wait."""
+    event = getattr(td, "d2h_event", None)
+    if event is not None and torch.cuda.is_available():
+        torch.cuda.current_stream().wait_event(event)
 
 
 # --- the rebinding itself ---------------------------------------------------------------------------

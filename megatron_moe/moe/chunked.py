@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from megatron_moe import comm
+from megatron_moe.compat.dispatch import order_after_dispatcher_host_copy
 
 
 def _chunkable(layer) -> bool:
@@ -46,12 +47,16 @@ def split_counts(td, routing_map):
     host read: the send counts (permute sorts rows by global expert id) and megatron-core's
     received counts (``num_global_tokens_per_local_expert``; its ``output_splits`` with one local
     expert) travel in one concatenated tensor. Where megatron-core already copied its counts to
-    the host (its dtoh point, CUDA without permute fusion) they ride along in a small host-to-device
-    copy instead of a second device-to-host read."""
+    the host (its dtoh point, CUDA without permute fusion) they ride along in a small non-blocking
+    host-to-device copy, queued after megatron-core's side-stream copy, instead of a second
+    device-to-host read."""
     ep, local = td.ep_size, td.num_local_experts
     sent = routing_map.sum(dim=0)
-    got = td.num_global_tokens_per_local_expert if local > 1 else td.output_splits
-    got = torch.as_tensor(got).reshape(-1).to(sent)
+    got = torch.as_tensor(td.num_global_tokens_per_local_expert if local > 1 else td.output_splits)
+    if got.device != sent.device:
+        order_after_dispatcher_host_copy(td)
+        got = got.to(sent.device, non_blocking=True)
+    got = got.reshape(-1).to(sent.dtype)
     counts = torch.cat([sent, got]).tolist()
     send, recv = counts[:ep * local], counts[ep * local:]
     return ([send[i * local:(i + 1) * local] for i in range(ep)],
