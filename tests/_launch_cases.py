@@ -1,5 +1,6 @@
 """Spawned-rank body for tests/test_launch_counts.py: the aten ops of one megatron-core MoE layer's
-forward + backward (alltoall dispatcher, EP=1), experts as GroupedSequentialMLP or SequentialMLP."""
+forward + backward (alltoall dispatcher, EP=1), experts as GroupedSequentialMLP or SequentialMLP, the
+dispatcher's chunk sort ours (as in training) or megatron-core's (``mutate="mcore_chunk_sort"``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_moe.compat import replace_spec, spec_submodules
-    from megatron_moe.moe import grouped_experts
+    from megatron_moe.compat.dispatch import rebind_token_dispatcher, restore_token_dispatcher
+    from megatron_moe.moe import dispatcher, grouped_experts
     from tests._sync_counter import _caller
 
     if mutate == "stack":   # the experts' weights stacked by torch.stack: a select per expert back
@@ -42,6 +44,10 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
     layer = MoELayer(cfg, submodules=sub)
     x = torch.randn(128, 2, 16)
 
+    # the chunk sort megatron-core's dispatcher calls: ours (moe/dispatcher.py, rebound as in
+    # training), or megatron-core's own (the mutation)
+    if mutate != "mcore_chunk_sort":
+        rebind_token_dispatcher("sort_chunks_by_idxs", dispatcher.sort_chunks_by_idxs)
     sort_nodes = set()
     orig_sort = token_dispatcher.sort_chunks_by_idxs
 
@@ -49,9 +55,10 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
         out = orig_sort(*args, **kwargs)
         for t in out:
             node = getattr(t, "grad_fn", None)
-            if node is not None:
+            if node is not None:   # its own node, and megatron-core's split of the input
                 sort_nodes.add(node)
-                sort_nodes.update(n for n, _ in node.next_functions if n is not None)
+                sort_nodes.update(n for n, _ in node.next_functions
+                                  if n is not None and n.name().startswith("Split"))
         return out
 
     token_dispatcher.sort_chunks_by_idxs = sort_chunks
@@ -82,5 +89,6 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
     with Count() as c:
         step()
     token_dispatcher.sort_chunks_by_idxs = orig_sort
+    restore_token_dispatcher()
     return {"total": c.total, "chunk_sort": c.chunk_sort, "ops": dict(c.ops),
             "grouped_calls": grouped_experts.GroupedSequentialMLP.grouped_calls - calls}

@@ -39,7 +39,27 @@ def _mutate_loss_per_step(counter):
     return lambda: setattr(loop, "reduce_losses", orig)
 
 
-MUTATIONS = {"telemetry_item": _mutate_telemetry_item, "loss_per_step": _mutate_loss_per_step}
+def _mutate_chunked_two_reads(counter):
+    """The chunked layer reads its send and receive counts in two host reads (what it did before)."""
+    import torch
+
+    from megatron_moe.moe import chunked
+
+    orig = chunked.split_counts
+
+    def split_counts(td, routing_map):
+        ep, local = td.ep_size, td.num_local_experts
+        send = routing_map.sum(dim=0).reshape(ep, local).tolist()
+        got = td.num_global_tokens_per_local_expert if local > 1 else td.output_splits
+        return send, torch.as_tensor(got).reshape(ep, local).tolist()
+
+    counter.stand_ins.add(split_counts.__code__)
+    chunked.split_counts = split_counts
+    return lambda: setattr(chunked, "split_counts", orig)
+
+
+MUTATIONS = {"telemetry_item": _mutate_telemetry_item, "loss_per_step": _mutate_loss_per_step,
+             "chunked_two_reads": _mutate_chunked_two_reads}
 
 
 def run_counted(rank, world, runs):

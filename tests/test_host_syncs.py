@@ -33,7 +33,12 @@ ALLOWED = {
     # all-gathered [source rank x expert] count matrix once: the host needs it for the all-to-all
     # split sizes and the replica routing, as megatron-core's alltoall dispatcher does its splits
     ("megatron_moe/balance/layer.py", "_experts"): "the balanced all-to-all's split sizes",
+    # --moe-a2a-overlap-degree: the chunked exchange reads its send and receive counts per
+    # (rank, local expert) in one read: the host slices them into chunks and split sizes
+    ("megatron_moe/moe/chunked.py", "split_counts"): "the chunked all-to-all's split sizes",
 }
+BALANCE_READ = ("megatron_moe/balance/layer.py", "_experts")
+CHUNKED_READ = ("megatron_moe/moe/chunked.py", "split_counts")
 
 _READ = re.compile(r"^(?P<what>\S+) at (?P<file>[^:]+):(?P<line>\d+) (?P<func>\S+)$")
 
@@ -97,11 +102,30 @@ def test_balanced_layer_and_grouped_experts_read_only_their_splits():
         assert unexpected == {}, unexpected
         # exactly one read of the count matrix per MoE layer per micro-batch
         quiet = [it for it in range(1, ITERS) if it % LOG_INTERVAL]
-        assert allowed == {key: {it: LAYERS * MICRO_BATCHES for it in quiet} for key in ALLOWED}
+        assert allowed == {BALANCE_READ: {it: LAYERS * MICRO_BATCHES for it in quiet}}
         unexpected, allowed = hot_path_reads(grp)
         assert unexpected == {} and not allowed, (unexpected, allowed)
         _assert_counter_is_live(grp)
         assert grp["grouped_calls"] == ITERS * LAYERS * MICRO_BATCHES   # the grouped path ran
+
+
+@pytest.mark.parametrize("mutate", [None, "chunked_two_reads"])
+def test_chunked_layer_reads_its_counts_once_per_layer_and_micro_batch(mutate):
+    chunked = BASE + "--moe-a2a-overlap-degree 2".split()
+    for run, in run_distributed(S.run_counted, 2, [(chunked, mutate)], timeout_s=300):
+        _assert_counter_is_live(run)
+        losses = run["history"]["lm_loss"]
+        assert len(losses) == ITERS and all(l == l for l in losses), losses
+        unexpected, allowed = hot_path_reads(run)
+        quiet = [it for it in range(1, ITERS) if it % LOG_INTERVAL]
+        if mutate is None:
+            assert unexpected == {}, unexpected
+            assert allowed == {CHUNKED_READ: {it: LAYERS * MICRO_BATCHES for it in quiet}}, allowed
+        else:   # the stand-in's two reads per layer per micro-batch, the allowed one gone
+            assert not allowed, allowed
+            assert sorted(unexpected) == quiet
+            assert all(len(r) == 2 * LAYERS * MICRO_BATCHES and all(" split_counts" in x for x in r)
+                       for r in unexpected.values()), unexpected
 
 
 def test_kit_sync_counter_counts_torch_sync_warnings_per_iteration():

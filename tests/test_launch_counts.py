@@ -2,16 +2,17 @@
 
 One megatron-core MoE layer (alltoall dispatcher, top-2, SwiGLU) runs forward + backward on CPU under
 a TorchDispatchMode that counts every aten op (each op is a kernel launch or at least a dispatcher
-trip on a GPU). With grouped experts (GroupedSequentialMLP: two grouped_mm) the layer's op count is
-the same for 4 and 64 local experts; megatron-core's expert loop (SequentialMLP) grows with them
-(the contrast), and so does the grouped path with torch.stack's per-expert backward (the mutation).
-
-The one part that still grows is megatron-core's own chunk sort in its alltoall dispatcher
-(``sort_chunks_by_idxs``: a ``torch.cat`` of one chunk per local expert, whose backward slices per
-chunk); it is counted apart and listed in docs/gpu.md.
+trip on a GPU). With grouped experts (GroupedSequentialMLP: two grouped_mm) and the dispatcher's
+chunk sort ours (megatron_moe/moe/dispatcher.py ``sort_chunks_by_idxs``: one device-built row index,
+one index_select per tensor, rebound into megatron-core's token_dispatcher as in training) the whole
+layer's op count is the same for 4 and 64 local experts. Three contrasts grow with the experts:
+megatron-core's expert loop (SequentialMLP), the grouped path with torch.stack's per-expert backward,
+and megatron-core's own chunk sort (a ``torch.cat`` of one chunk per local expert whose backward
+slices per chunk).
 """
 
 import pytest
+import torch
 
 from megatron_moe.runtime.local_ranks import run_distributed
 from tests._launch_cases import count_layer_ops
@@ -22,16 +23,51 @@ def _counts(grouped, mutate=None):
             for E in (4, 64)}
 
 
-@pytest.mark.parametrize("path", ["grouped", "loop", "grouped-torch-stack"])
+@pytest.mark.parametrize("path", ["grouped", "loop", "grouped-torch-stack",
+                                  "grouped-mcore-chunk-sort"])
 def test_moe_layer_ops_do_not_grow_with_experts(path):
-    c = _counts(grouped=path != "loop", mutate="stack" if path == "grouped-torch-stack" else None)
+    mutate = {"grouped-torch-stack": "stack", "grouped-mcore-chunk-sort": "mcore_chunk_sort"}
+    c = _counts(grouped=path != "loop", mutate=mutate.get(path))
+    total = {E: r["total"] for E, r in c.items()}
     layer = {E: r["total"] - r["chunk_sort"] for E, r in c.items()}
-    assert all(r["chunk_sort"] > 0 for r in c.values())   # the dispatcher's sort was seen
+    sort = {E: r["chunk_sort"] for E, r in c.items()}
+    assert all(s > 0 for s in sort.values())   # the dispatcher's sort was seen
     if path == "grouped":
         assert all(r["grouped_calls"] == 1 for r in c.values())   # the grouped path ran
-        assert layer[4] == layer[64], {E: r["ops"] for E, r in c.items()}
+        assert total[4] == total[64], {E: r["ops"] for E, r in c.items()}
     elif path == "loop":
         assert all(r["grouped_calls"] == 0 for r in c.values())
         assert layer[64] > layer[4] + 60 * 10, layer       # many ops per expert
-    else:
+    elif path == "grouped-torch-stack":
         assert layer[64] == layer[4] + 2 * 60, layer       # one select per expert per weight
+    else:   # megatron-core's chunk sort: the rest of the layer flat, the sort 3 ops per chunk more
+        assert layer[4] == layer[64], layer
+        assert sort[64] == sort[4] + 3 * 60, sort
+
+
+@pytest.mark.parametrize("ranks, local", [(1, 1), (2, 2), (4, 3), (3, 16)])
+def test_chunk_sort_equals_megatron_cores_bit_for_bit(ranks, local):
+    """Ours against megatron-core's moe_utils.sort_chunks_by_idxs, forward and backward, with the
+    dispatcher's own two orders (by local expert, and back), empty chunks included."""
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs as mcore
+
+    from megatron_moe.moe.dispatcher import sort_chunks_by_idxs as ours
+
+    g = torch.Generator().manual_seed(ranks * 100 + local)
+    chunks = torch.arange(ranks * local)
+    sizes = torch.randint(0, 5, (ranks, local), generator=g)
+    sizes[0, 0] = 0
+    orders = [(sizes.ravel(), chunks.reshape(-1, local).T.ravel()),    # sort_input_by_local_experts
+              (sizes.T.ravel(), chunks.reshape(local, -1).T.ravel())]  # restore_output_...
+    for split_sizes, order in orders:
+        x = torch.randn(int(sizes.sum()), 5, generator=g, requires_grad=True)
+        p = torch.rand(int(sizes.sum()), generator=g, requires_grad=True)
+        w = torch.randn(x.shape, generator=g)
+        got = []
+        for fn in (mcore, ours):
+            out, probs = fn(x, split_sizes, order, probs=p)
+            got.append([out, probs, *torch.autograd.grad((out * w).sum() + (probs * probs).sum(),
+                                                         [x, p])])
+        assert all(torch.equal(a, b) for a, b in zip(*got))
+        if len(order) > 1 and not torch.equal(order, torch.arange(len(order))):
+            assert not torch.equal(got[0][0], x)   # the order mattered

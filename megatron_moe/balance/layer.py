@@ -125,8 +125,9 @@ def _experts(layer, hidden_states, probs, routing_map):
     rem = np.nonzero(~is_local)[0]
     rsel_np = rem[np.argsort(dst[rem], kind="stable")]   # by dst, then expert
     dev = x.device
-    lsel = torch.from_numpy(lsel_np).to(dev)
-    rsel = torch.from_numpy(rsel_np).to(dev)
+    segments, index_np = _compute_order(st, send, int(lsel_np.size), owner)
+    # the three index arrays reach the device in one copy (non-blocking from pinned memory on CUDA)
+    lsel, rsel, index = _to_device([lsel_np, rsel_np, index_np], dev)
     in_splits = [0 if d == r else int(row[:, d].sum()) for d in range(D)]
     out_splits = [0 if d == r else int(send[:, d, r].sum()) for d in range(D)]
     send_x = perm_x.index_select(0, rsel)   # index_select: its backward is a fast index_add
@@ -149,32 +150,7 @@ def _experts(layer, hidden_states, probs, routing_map):
     st.a2a_rows_recv_replica += int(sum(send[e, d, r] for e in range(E) if owner[e] != r
                                         for d in range(D) if d != r))
 
-    # compute order: for each computed expert, [local pairs ; received rows by source rank]
     nloc = int(lsel_np.size)
-    loc_counts = send[np.arange(E), r, r]
-    loc_start = np.concatenate([[0], np.cumsum(loc_counts)])
-    recv_start = np.zeros((D, E), dtype=np.int64)        # offset of (source d, expert e) rows
-    off = 0
-    for d in range(D):
-        if d == r:
-            continue
-        for e in range(E):
-            recv_start[d, e] = off
-            off += int(send[e, d, r])
-    segments, index = [], []
-    for e in range(E):
-        mine = owner[e] == r
-        if not (mine or r in st._active_placement.replica_sets[e]):
-            continue
-        idx = [np.arange(loc_start[e], loc_start[e + 1])]
-        for d in range(D):
-            k = int(send[e, d, r]) if d != r else 0
-            if k:
-                idx.append(nloc + np.arange(recv_start[d, e], recv_start[d, e] + k))
-        idx = np.concatenate(idx).astype(np.int64)
-        segments.append((e, int(idx.size)))
-        index.append(idx)
-    index = torch.from_numpy(np.concatenate(index) if index else np.zeros(0, np.int64)).to(dev)
     all_x = torch.cat([perm_x.index_select(0, lsel), recv_x])
     all_p = torch.cat([pprobs.index_select(0, lsel), recv_p])
     comp_x, comp_p = all_x.index_select(0, index), all_p.index_select(0, index)
@@ -234,6 +210,47 @@ def _compute(layer, segments, comp_x, comp_p, owner):
 def crosses_ranks(send: np.ndarray) -> bool:
     """Whether the dispatch matrix ``send[e, src, dst]`` moves any pair between two ranks."""
     return bool(a2a_crosses(send.sum(axis=0)))   # the cost model's rule: it prices a skipped exchange as 0
+
+
+def _compute_order(st, send, nloc, owner):
+    """The compute order on the host: for each expert computed here, [its local pairs ; the rows
+    received for it by source rank], as indices into [local pairs ; received rows]. Returns
+    ([(expert, rows)], index array)."""
+    D, r, E = st.D, st.rank, st.num_experts
+    loc_counts = send[np.arange(E), r, r]
+    loc_start = np.concatenate([[0], np.cumsum(loc_counts)])
+    recv_start = np.zeros((D, E), dtype=np.int64)        # offset of (source d, expert e) rows
+    off = 0
+    for d in range(D):
+        if d == r:
+            continue
+        for e in range(E):
+            recv_start[d, e] = off
+            off += int(send[e, d, r])
+    segments, index = [], []
+    for e in range(E):
+        mine = owner[e] == r
+        if not (mine or r in st._active_placement.replica_sets[e]):
+            continue
+        idx = [np.arange(loc_start[e], loc_start[e + 1])]
+        for d in range(D):
+            k = int(send[e, d, r]) if d != r else 0
+            if k:
+                idx.append(nloc + np.arange(recv_start[d, e], recv_start[d, e] + k))
+        idx = np.concatenate(idx).astype(np.int64)
+        segments.append((e, int(idx.size)))
+        index.append(idx)
+    return segments, (np.concatenate(index) if index else np.zeros(0, np.int64))
+
+
+def _to_device(arrays, device):
+    """Host int64 index arrays on ``device`` in one host-to-device copy, split there (views). On
+    CUDA the host buffer is pinned and the copy non-blocking: the host goes on planning while it
+    is in flight, and the stream orders it before the index_selects that use it."""
+    host = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in arrays]))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return torch.split(host.to(device, non_blocking=True), [a.size for a in arrays])
 
 
 def _dispatch(group, send_x, send_p, out_splits, in_splits, st, xc):

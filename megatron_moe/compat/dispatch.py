@@ -8,6 +8,10 @@ permute / unpermute (``moe_utils``):
         ``pad_offsets``. Only TE's fused permute-and-pad kernel fills pad_offsets (FP8/FP4
         alignment); megatron-core's unfused path returns ``None`` and passes tokens_per_expert
         through, and ``adapt_permute`` does exactly the same around our kernels.
+sort_chunks_by_idxs (``moe_utils``), 0.16 to 0.19:
+    ``sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False)
+    -> (output, permuted_probs)``; the alltoall dispatcher passes host tensors as split sizes and
+    order (its dtoh copy) and ``fused=config.moe_permute_fusion`` (TE's kernel).
 all_to_all (``tensor_parallel.mappings``):
     >= 0.18: the alltoall dispatcher passes ``use_nccl_stream=`` (run on a side NCCL stream so the
         shared experts overlap); ``adapt_all_to_all`` accepts and drops it: ours runs on the current
@@ -15,6 +19,8 @@ all_to_all (``tensor_parallel.mappings``):
 """
 
 import functools
+
+import torch
 
 from megatron_moe.compat.versions import mcore_at_least
 
@@ -86,9 +92,21 @@ def mcore_permute(*args, **kwargs):
     return permute_v016(moe_utils.permute)(*args, **kwargs)
 
 
+def order_after_dispatcher_host_copy(td) -> None:
+    """megatron-core's alltoall dispatcher (0.16 to 0.19, ``_maybe_dtoh_and_synchronize``) copies
+    its split counts to pinned host memory on a side stream, records ``d2h_event`` and waits for
+    it on the host only at its own all-to-all. A caller that reads those host copies without that
+    all-to-all (the chunked layer) makes the current stream wait for the event: a host-to-device
+    copy of them queued next sees the finished values, with no host wait."""
+    event = getattr(td, "d2h_event", None)
+    if event is not None and torch.cuda.is_available():
+        torch.cuda.current_stream().wait_event(event)
+
+
 # --- the rebinding itself ---------------------------------------------------------------------------
-# megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher call permute, unpermute
-# (moe_utils) and all_to_all (tensor_parallel) by module-level name inside ``token_dispatcher``:
+# megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher call permute, unpermute,
+# sort_chunks_by_idxs (moe_utils) and all_to_all (tensor_parallel) by module-level name inside
+# ``token_dispatcher``:
 # the one seam through which another implementation can run under megatron-core's own call sites
 # (splits bookkeeping, capacity, TP/EP grouping) without copying them. The rebinding is a version
 # concern (those names and contracts move between releases), so it lives here and only here.

@@ -18,9 +18,8 @@ they are needed by every chunk's expert compute (megatron-core applies them insi
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
-
 from megatron_moe import comm
+from megatron_moe.compat.dispatch import order_after_dispatcher_host_copy
 
 
 def _chunkable(layer) -> bool:
@@ -43,15 +42,33 @@ def chunked_forward(layer, hidden_states, intermediate_tensors=None, padding_mas
     return layer.postprocess(output, shared_out), None
 
 
+def split_counts(td, routing_map):
+    """Rows this rank sends and receives, ``[ep rank][local expert]`` each, as host lists, in one
+    host read: the send counts (permute sorts rows by global expert id) and megatron-core's
+    received counts (``num_global_tokens_per_local_expert``; its ``output_splits`` with one local
+    expert) travel in one concatenated tensor. Where megatron-core already copied its counts to
+    the host (its dtoh point, CUDA without permute fusion) they ride along in a small non-blocking
+    host-to-device copy, queued after megatron-core's side-stream copy, instead of a second
+    device-to-host read."""
+    ep, local = td.ep_size, td.num_local_experts
+    sent = routing_map.sum(dim=0)
+    got = torch.as_tensor(td.num_global_tokens_per_local_expert if local > 1 else td.output_splits)
+    if got.device != sent.device:
+        order_after_dispatcher_host_copy(td)
+        got = got.to(sent.device, non_blocking=True)
+    got = got.reshape(-1).to(sent.dtype)
+    counts = torch.cat([sent, got]).tolist()
+    send, recv = counts[:ep * local], counts[ep * local:]
+    return ([send[i * local:(i + 1) * local] for i in range(ep)],
+            [recv[i * local:(i + 1) * local] for i in range(ep)])
+
+
 def _chunked_experts(layer, tokens, probs, routing_map):
+    from megatron_moe.moe.dispatcher import sort_chunks_by_idxs   # constant launches per chunk
+
     td, xc = layer.token_dispatcher, layer.exchange
     ep, local = td.ep_size, td.num_local_experts
-    # rows this rank sends: [ep rank][local expert]; permute sorted rows by global expert id
-    send = routing_map.sum(dim=0).reshape(ep, local).tolist()
-    if local > 1:
-        recv = td.num_global_tokens_per_local_expert.reshape(ep, local).tolist()
-    else:
-        recv = [[int(v)] for v in torch.as_tensor(td.output_splits).tolist()]
+    send, recv = split_counts(td, routing_map)
     send_rows, recv_rows = [sum(r) for r in send], [sum(r) for r in recv]
     group = td.ep_group
     recv_probs = comm.all_to_all(probs, recv_rows, send_rows, group, algorithm=xc.algorithm)

@@ -1,10 +1,13 @@
 """Token dispatch on megatron-core's dispatchers, with our fused permute kernels and all-to-all.
 
-megatron-core's ``MoEAlltoAllTokenDispatcher`` / ``MoEAllGatherTokenDispatcher`` call three
-functions by module-level name: ``permute``, ``unpermute`` (moe_utils) and ``all_to_all``
-(tensor_parallel). Their call sites (splits bookkeeping, capacity, TP/EP grouping) stay
-megatron-core's; this module chooses what those names run (the rebinding itself is
+megatron-core's ``MoEAlltoAllTokenDispatcher`` / ``MoEAllGatherTokenDispatcher`` call four
+functions by module-level name: ``permute``, ``unpermute``, ``sort_chunks_by_idxs`` (moe_utils) and
+``all_to_all`` (tensor_parallel). Their call sites (splits bookkeeping, capacity, TP/EP grouping)
+stay megatron-core's; this module chooses what those names run (the rebinding itself is
 megatron_moe/compat/dispatch.py):
+
+* :func:`sort_chunks_by_idxs` for every MoE model: the chunk sort with a launch count that does not
+  grow with the local experts (bit-identical to megatron-core's, tests/test_launch_counts.py),
 
 * ``kernels.permute`` / ``kernels.unpermute`` with ``--moe-permute-fusion`` (Triton on GPU, a fused
   index path on CPU; bit-identical to megatron-core's unfused path, see tests/test_dispatcher.py),
@@ -27,6 +30,8 @@ The choice is process-wide (one model per process), made once from the parsed ar
 from __future__ import annotations
 
 import functools
+
+import torch
 
 from megatron_moe.moe.layer import ExchangeConfig
 
@@ -71,6 +76,34 @@ def _fused_unpermute(*args, fused=False, **kwargs):
     return kernels.unpermute(*args, **kwargs)
 
 
+def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
+    """megatron-core's ``moe_utils.sort_chunks_by_idxs`` (same contract, same result bit for bit)
+    with a launch count that does not grow with the number of chunks (local experts x EP ranks).
+
+    megatron-core splits ``input`` into one chunk per (rank, local expert) and concatenates them in
+    ``sorted_idxs`` order: one slice per chunk, and a backward that slices the gradient per chunk.
+    Here one row index is built on the device from the chunk sizes (no host read: the total is
+    ``input``'s row count, the repeat's ``output_size``) and applied with one ``index_select`` per
+    tensor, whose backward is one ``index_add``. Written by hand because megatron-core's only
+    constant-launch version is Transformer Engine's fused kernel (``fused=True``, passed on)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if fused:
+        return moe_utils.sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs, fused=True)
+    # the sizes and order are host tensors (megatron-core's dtoh copy): one small host-to-device copy
+    meta = torch.stack([torch.as_tensor(split_sizes, dtype=torch.int64).reshape(-1),
+                        torch.as_tensor(sorted_idxs, dtype=torch.int64).reshape(-1)])
+    sizes, order = meta.to(input.device, non_blocking=True).unbind(0)
+    new_sizes = sizes.index_select(0, order)
+    # output chunk j is input chunk order[j]: its rows shift by (input start - output start)
+    shift = (sizes.cumsum(0) - sizes).index_select(0, order) - (new_sizes.cumsum(0) - new_sizes)
+    rows = input.shape[0]
+    index = torch.arange(rows, device=input.device) + torch.repeat_interleave(
+        shift, new_sizes, output_size=rows)
+    out = input.index_select(0, index)
+    return out, (probs.index_select(0, index) if probs is not None else None)
+
+
 def _pluggable_all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None, *,
                           algorithm, compression, ranks_per_node):
     from megatron_moe import comm
@@ -97,6 +130,7 @@ def customize_spec(args, spec):
     from megatron_moe.compat.dispatch import (adapt_all_to_all, adapt_permute, adapt_unpermute,
                                               rebind_token_dispatcher)
 
+    rebind_token_dispatcher("sort_chunks_by_idxs", sort_chunks_by_idxs)
     if getattr(args, "moe_permute_fusion", False):  # call contracts per megatron-core version
         rebind_token_dispatcher("permute", adapt_permute(_fused_permute))
         rebind_token_dispatcher("unpermute", adapt_unpermute(_fused_unpermute))
