@@ -104,7 +104,11 @@ def test_customize_spec_swaps_moe_layers_in_block_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_moe.balance import customize_spec, validate_args
+    from megatron_moe import balance, features
+    from megatron_moe.balance import customize_spec
+
+    def validate_args(args):   # the feature's checks and declared exclusions, as the parser runs them
+        features.validate_args(args, features=(balance,))
     from megatron_moe.balance.layer import ReplicaPlacement
     from megatron_moe.compat import replace_spec, spec_module, spec_params  # ModuleSpec or partial
     from megatron_moe.moe.layer import MoELayer as OurMoELayer
