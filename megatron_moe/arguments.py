@@ -736,6 +736,12 @@ def _validate_optimizer_choice(args):
         if args.use_distributed_optimizer:
             args.use_layer_wise_distributed_optimizer = True
             args.use_distributed_optimizer = False
+        if args.use_layer_wise_distributed_optimizer and not args.bf16:
+            # its fp32 chain holds bare torch optimizers, which the schedule's loss scaling
+            # (optimizer.scale_loss -> get_loss_scale) cannot call; fp16 Muon megatron-core refuses
+            raise ValueError("--optimizer dist_muon (or muon with --use-distributed-optimizer) "
+                             "needs --bf16: megatron-core's layer-wise distributed optimizer "
+                             "wraps its optimizers for loss scaling only in bf16")
         return
     if args.optimizer in ("adaptive_muon", "lion", "soap"):
         try:

@@ -38,8 +38,9 @@ def _runs(rank, world_size, argvs, mutated):
 
     def recording(config, model, *a, **k):
         opt = real_get(config, model, *a, **k)
-        classes.append(sorted({type(o.optimizer).__name__
-                               for o in getattr(opt, "chained_optimizers", [opt])}))
+        classes.append([type(opt).__name__] + sorted({
+            type(getattr(o, "optimizer", o)).__name__
+            for o in getattr(opt, "chained_optimizers", [opt])}))
         return opt
 
     def momentum_dropped(args):  # mutation: megatron-core's default muon_momentum acts instead
@@ -74,7 +75,7 @@ def test_muon_trains_and_resumes(tmp_path):
             base + ["--load", ckpt, "--ckpt-step", "2"], base]
     (full, resumed, mutated), classes = run_distributed(_runs, 1, runs, 2, timeout_s=500)[0]
     print("muon lm_loss", full["lm_loss"], "mutated", mutated["lm_loss"], "classes", classes)
-    assert "TensorParallelMuon" in classes[0], classes   # megatron-core's Muon built the step
+    assert classes[0] == ["ChainedOptimizer", "AdamW", "TensorParallelMuon"], classes   # megatron-core's Muon built the step
     losses = full["lm_loss"]
     assert full["iteration"] == [1, 2, 3, 4] and losses[-1] < losses[0], losses
     assert resumed["iteration"] == [3, 4]
@@ -83,13 +84,35 @@ def test_muon_trains_and_resumes(tmp_path):
     assert mutated["lm_loss"][0] == losses[0] and mutated["lm_loss"][1:] != losses[1:]
 
 
+def test_dist_muon_layer_wise_matches_muon_and_resumes(tmp_path):
+    """2 gloo ranks, bf16: dist_muon (Megatron-LM's muon + layer-wise distributed optimizer; each
+    rank updates whole params and all-gathers them, uneven sizes: compat/cpu.py) trains like
+    plain Muon over data parallelism, and resumes from its checkpoint exactly."""
+    if not _muon_supported():
+        pytest.skip("megatron-core < 0.19 has no Muon (test_muon_refused_without_megatron_core_muon)")
+    pytest.importorskip("emerging_optimizers")
+    ckpt = str(tmp_path / "ckpt")
+    base = TINY + MUON + ["--train-iters", "4", "--bf16"]
+    dist = base + ["--optimizer", "dist_muon"]
+    runs = [dist + ["--save", ckpt, "--save-interval", "2"],
+            dist + ["--load", ckpt, "--ckpt-step", "2"], base]
+    (full, resumed, plain), classes = run_distributed(_runs, 2, runs, -1, timeout_s=500)[0]
+    print("dist_muon lm_loss", full["lm_loss"], "muon", plain["lm_loss"], "classes", classes)
+    assert classes[0] == ["LayerWiseDistributedOptimizer", "AdamW", "TensorParallelMuon"], classes
+    assert classes[2][0] == "ChainedOptimizer"
+    assert full["lm_loss"] == plain["lm_loss"] and full["lm_loss"][-1] < full["lm_loss"][0]
+    assert resumed["iteration"] == [3, 4] and resumed["lm_loss"] == full["lm_loss"][2:]
+
+
 @pytest.mark.parametrize("optimizer", ["muon", "dist_muon"])
 def test_muon_refused_without_megatron_core_muon(optimizer, capsys):
     """megatron-core 0.16.1: one line naming the release; 0.19 without emerging-optimizers: one
-    line naming the package; 0.19 with it: parsed, dist_muon as Megatron-LM's muon + layer-wise."""
+    line naming the package; 0.19 with it: parsed, dist_muon as Megatron-LM's muon + layer-wise,
+    which needs --bf16 (one line without it)."""
     from megatron_moe.arguments import parse_args
 
-    argv = TINY + ["--optimizer", optimizer, "--muon-momentum", "0.5", "--train-iters", "4"]
+    argv = TINY + ["--optimizer", optimizer, "--muon-momentum", "0.5", "--train-iters", "4",
+                   "--bf16"]
     if _muon_supported():
         try:
             import emerging_optimizers  # noqa: F401
@@ -99,7 +122,10 @@ def test_muon_refused_without_megatron_core_muon(optimizer, capsys):
             args = parse_args(argv, world_size=1)
             assert args.optimizer == "muon" and args.muon_momentum == 0.5
             assert args.use_layer_wise_distributed_optimizer == (optimizer == "dist_muon")
-            return
+            if optimizer == "muon":
+                return
+            expected = "--optimizer dist_muon (or muon with --use-distributed-optimizer) needs --bf16"
+            argv = [a for a in argv if a != "--bf16"]
     else:
         expected = f"--optimizer {optimizer} needs megatron-core >= 0.19 (installed: 0.16.1"
     with pytest.raises(SystemExit) as exc:
