@@ -102,6 +102,20 @@ def test_dist_muon_layer_wise_matches_muon_and_resumes(tmp_path):
     assert classes[2][0] == "ChainedOptimizer"
     assert full["lm_loss"] == plain["lm_loss"] and full["lm_loss"][-1] < full["lm_loss"][0]
     assert resumed["iteration"] == [3, 4] and resumed["lm_loss"] == full["lm_loss"][2:]
+    # mutation: megatron-core's layer-wise optimizer without the CPU shim (compat/cpu.py) fails
+    with pytest.raises(Exception, match="cuda|CUDA|allgather|all_gather"):
+        run_distributed(_without_layer_wise_shim, 2, [dist], timeout_s=300)
+
+
+def _without_layer_wise_shim(rank, world_size, argvs):
+    import torch
+    from megatron.core.optimizer import layer_wise_optimizer
+
+    from megatron_moe.compat import cpu
+
+    cpu.apply()
+    layer_wise_optimizer.torch = torch   # undo patch_layer_wise_optimizer (apply() is idempotent)
+    return _runs(rank, world_size, argvs, -1)
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "dist_muon"])
