@@ -728,6 +728,9 @@ def _validate_optimizer_choice(args):
         from megatron_moe.compat.optimizer import check_muon_available
 
         check_muon_available(args.optimizer)
+        if args.fp16:
+            raise ValueError(f"--optimizer {args.optimizer} does not support --fp16 "
+                             f"(megatron-core's emerging optimizers: use --bf16)")
         # Megatron-LM's validate_args: dist_muon is the deprecated spelling of muon with the
         # layer-wise distributed optimizer, which --use-distributed-optimizer also selects for Muon
         if args.optimizer == "dist_muon":

@@ -148,3 +148,17 @@ def test_muon_refused_without_megatron_core_muon(optimizer, capsys):
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+def test_muon_with_fp16_refused_in_one_line(capsys):
+    """megatron-core refuses fp16 for its emerging optimizers when it builds them; here at parse
+    time, before any process group starts."""
+    if not _muon_supported():
+        pytest.skip("megatron-core < 0.19 has no Muon (test_muon_refused_without_megatron_core_muon)")
+    pytest.importorskip("emerging_optimizers")
+    from megatron_moe.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--optimizer", "muon", "--fp16", "--train-iters", "4"], world_size=1)
+    err = capsys.readouterr().err
+    assert "--optimizer muon does not support --fp16" in err and "Traceback" not in err
