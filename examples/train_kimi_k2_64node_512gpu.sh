@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Kimi-K2 (1.04T parameters, 32B active) on 64 nodes x 8 GPUs (512 GPUs, NCCL), 80 GB each.
 # gpu-memory-gb: 80
-# MLA with 64 heads, 384 routed experts (top-8) + 1 shared, 1 dense layer. Kimi-K2 was trained with MuonClip; --optimizer muon needs the emerging-optimizers package (refused here with that line), so this runs Adam.
+# MLA with 64 heads, 384 routed experts (top-8) + 1 shared, 1 dense layer. Kimi-K2 was trained with
+# MuonClip (Muon + QK-clip); Megatron-LM's Kimi-K2 conf sets no optimizer, so this runs Adam (the
+# memory estimate below is Adam's). Muon: append --optimizer muon --muon-momentum 0.95 (megatron-core
+# >= 0.19 with emerging-optimizers; with --use-distributed-optimizer and --bf16 megatron-core's
+# layer-wise distributed Muon); --qk-clip is refused here, so it is Muon without the QK-clip.
 # Mapping: TP=1, PP=16 (layout Et*3|(tttt|)*14ttL: the 61 layers unevenly, embedding and
 # loss stages lighter), EP=32, DP=32 with the distributed optimizer, full recompute (uniform, 1).
 # Per GPU (python tools/report_theoretical_memory.py <these flags> --world-size 512): ~46.9 GB (stage 1: 0.6B non-expert + 2.1B expert parameters)

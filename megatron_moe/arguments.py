@@ -185,6 +185,7 @@ def _add_training_args(p):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    _add_muon_args(g)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
@@ -708,10 +709,44 @@ def _validate_model_options(args):
                          "EP all-to-all with compute on a second CUDA stream (combined 1F1B schedule)")
 
 
+def _add_muon_args(g):
+    """Megatron-LM's --muon-* flags (its shapes and defaults), megatron-core 0.19's OptimizerConfig
+    fields of the same names (megatron_moe/compat/optimizer.py hands them over)."""
+    from megatron_moe.flags import add_megatron_argument as add
+
+    for flag in ("--muon-momentum", "--muon-no-split-qkv", "--muon-nesterov", "--muon-scale-mode",
+                 "--muon-fp32-matmul-prec", "--muon-coefficient-type", "--muon-num-ns-steps",
+                 "--muon-tp-mode", "--muon-extra-scale-factor", "--muon-scalar-optimizer"):
+        add(g, flag, help="megatron-core's Muon (--optimizer muon), as in Megatron-LM")
+
+
 def _validate_optimizer_choice(args):
+    args.use_layer_wise_distributed_optimizer = False
     if args.optimizer in ("adam", "sgd"):
         return
-    if args.optimizer in ("muon", "dist_muon", "adaptive_muon", "lion", "soap"):
+    if args.optimizer in ("muon", "dist_muon"):
+        from megatron_moe.compat.optimizer import check_muon_available
+
+        check_muon_available(args.optimizer)
+        if args.fp16:
+            raise ValueError(f"--optimizer {args.optimizer} does not support --fp16 "
+                             f"(megatron-core's emerging optimizers: use --bf16)")
+        # Megatron-LM's validate_args: dist_muon is the deprecated spelling of muon with the
+        # layer-wise distributed optimizer, which --use-distributed-optimizer also selects for Muon
+        if args.optimizer == "dist_muon":
+            args.optimizer = "muon"
+            args.use_layer_wise_distributed_optimizer = True
+        if args.use_distributed_optimizer:
+            args.use_layer_wise_distributed_optimizer = True
+            args.use_distributed_optimizer = False
+        if args.use_layer_wise_distributed_optimizer and not args.bf16:
+            # its fp32 chain holds bare torch optimizers, which the schedule's loss scaling
+            # (optimizer.scale_loss -> get_loss_scale) cannot call; fp16 Muon megatron-core refuses
+            raise ValueError("--optimizer dist_muon (or muon with --use-distributed-optimizer) "
+                             "needs --bf16: megatron-core's layer-wise distributed optimizer "
+                             "wraps its optimizers for loss scaling only in bf16")
+        return
+    if args.optimizer in ("adaptive_muon", "lion", "soap"):
         try:
             import emerging_optimizers  # noqa: F401
         except ImportError:

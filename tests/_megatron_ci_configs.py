@@ -4,11 +4,13 @@ test_megatron_ci_configs.py's docstring), the refusal peel, and tiny-size traini
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import re
 
+from megatron_moe.compat.versions import mcore_at_least
 from tools.extract_megatron_moe_configs import command_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,11 +35,19 @@ GPU_ONLY = {
     "--use-transformer-engine-op-fuser": "needs CUDA",
     "--delay-wgrad-compute": "needs CUDA",
 }
+# --optimizer muon: refused on megatron-core 0.16.1 (no Muon) and, on 0.19, without the
+# emerging-optimizers package; the --muon-* flags themselves always parse (Megatron's shapes)
 MISSING_HERE = {
-    "--optimizer": "emerging-optimizers", "--muon-momentum": "emerging-optimizers",
-    "--muon-extra-scale-factor": "emerging-optimizers", "--muon-scale-mode": "emerging-optimizers",
+    "--optimizer": "megatron-core >= 0.19",
     "--verify-integrity": "megatron-core >= 0.19",
 }
+if mcore_at_least("0.19"):
+    MISSING_HERE["--optimizer"] = "emerging-optimizers"
+
+
+def muon_runs_here() -> bool:
+    """megatron-core >= 0.19 with emerging-optimizers: Megatron's Muon configs keep --optimizer muon."""
+    return mcore_at_least("0.19") and importlib.util.find_spec("emerging_optimizers") is not None
 # list-valued flags: the entry that is GPU-only (dropped from the list, not the whole flag)
 GPU_ONLY_ENTRIES = {"--recompute-modules": ("moe_act", "--moe-grouped-gemm")}
 

@@ -13,7 +13,9 @@ from megatron_moe.runtime.local_ranks import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The uneven all-gather / reduce-scatter shim needs >= 2 ranks; tests/test_training.py's
 # TP2 x EP2 run (ETP=2, alltoall dispatcher) exercises it, and test_uneven_collectives below.
-MULTI_RANK_ONLY = {"uneven_collectives"}
+# The layer-wise optimizer shim (megatron-core >= 0.19, Muon with the distributed optimizer) needs
+# 2 ranks and emerging-optimizers: tests/test_muon.py's dist_muon test runs with it and without it.
+MULTI_RANK_ONLY = {"uneven_collectives", "layer_wise_optimizer"}
 
 
 def _probe(*flags):

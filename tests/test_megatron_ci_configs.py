@@ -6,7 +6,8 @@ The CPU substitutions, and only these: ``--transformer-impl transformer_engine``
 ``--distributed-backend nccl`` -> ``gloo``, data/tokenizer paths -> ``--mock-data``, the run's
 directories -> a temporary one, and a GPU-only feature is dropped *after* the parser refused it
 with one line naming it (so the refusal itself is tested too). The same holds for what needs a
-package or a megatron-core release this environment lacks (Muon: emerging-optimizers;
+package or a megatron-core release this environment lacks (Muon: megatron-core >= 0.19 with
+emerging-optimizers, where Megatron's 6 Muon configs keep --optimizer muon and its --muon-* flags;
 --verify-integrity: megatron-core >= 0.19).
 """
 
@@ -17,7 +18,7 @@ import re
 import pytest
 
 from tests._megatron_ci_configs import (GPU_ONLY, GPU_ONLY_ENTRIES, MISSING_HERE, cpu_model_args,
-                                        load_configs, peel_cpu)
+                                        load_configs, muon_runs_here, peel_cpu)
 from tools.extract_megatron_moe_configs import command_line
 
 CONFIGS = load_configs()
@@ -51,6 +52,30 @@ def test_config_parses_on_cpu_with_only_documented_substitutions(name, tmp_path)
         flag = item.split()[0]
         assert flag in keys and (flag in GPU_ONLY or flag in MISSING_HERE
                                  or flag in GPU_ONLY_ENTRIES), item
+    if muon_runs_here():  # Muon is kept: megatron-core's Muon gets the config's --muon-* values
+        assert "--optimizer" not in dropped, dropped
+
+
+def test_megatrons_muon_configs_keep_muon_where_megatron_core_has_it(tmp_path):
+    """Megatron's 6 Muon configs: on megatron-core >= 0.19 with emerging-optimizers, parsed with
+    --optimizer muon and its --muon-* values (and the layer-wise distributed optimizer for the
+    dist_muon ones); elsewhere --optimizer is the one flag peeled for Muon."""
+    from megatron_moe.arguments import parse_args
+
+    muon = sorted(n for n in CONFIGS["configs"] if "muon" in n)
+    assert len(muon) == 6 and sum("resume_torch_dist_dist_muon" in n for n in muon) == 4
+    for name in muon:
+        model_args = cpu_model_args(CONFIGS["configs"][name]["model_args"], str(tmp_path))
+        dropped, refusal, kept = peel_cpu(model_args)
+        assert refusal is None, (name, refusal)
+        assert ("--optimizer" in dropped) == (not muon_runs_here()), (name, dropped)
+        if muon_runs_here():
+            args = parse_args(command_line(kept) + ["--mock-data"], world_size=8)
+            assert (args.optimizer, args.muon_momentum, args.muon_extra_scale_factor,
+                    args.muon_scale_mode) == ("muon", 0.9, 0.2, "spectral"), name
+            layer_wise = "--use-distributed-optimizer" in dict(kept)   # the *_dist_muon* ones
+            assert args.use_layer_wise_distributed_optimizer == layer_wise, name
+            assert not args.use_distributed_optimizer, name
 
 
 def test_a_refusal_outside_the_gpu_only_list_fails_the_peel(monkeypatch):

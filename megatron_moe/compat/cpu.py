@@ -262,6 +262,46 @@ def patch_hardcoded_cuda_devices():
             module.torch = _CpuTorchProxy()
 
 
+class _UnevenAllGather:
+    """``torch.distributed`` with an all_gather that takes per-rank tensors of different sizes
+    (NCCL does, gloo does not): every rank sends its tensor padded to the largest, then each
+    slot gets its own length back."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.numel() for t in tensor_list]
+        if len(set(sizes)) == 1:
+            return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        biggest = max(sizes)
+        padded = tensor.new_zeros(biggest)
+        padded[: tensor.numel()] = tensor.reshape(-1)
+        slots = [tensor.new_empty(biggest) for _ in sizes]
+        torch.distributed.all_gather(slots, padded, group=group)
+        for out, slot, size in zip(tensor_list, slots, sizes):
+            if out.data_ptr() != tensor.data_ptr():
+                out.copy_(slot[:size].view_as(out))
+        return None
+
+
+class _LayerWiseCpuTorch(_CpuTorchProxy):
+    distributed = _UnevenAllGather()
+
+
+def patch_layer_wise_optimizer():
+    """megatron-core 0.19's layer-wise distributed optimizer (Muon with --use-distributed-optimizer
+    or dist_muon) builds a ``device='cuda'`` flag tensor and all-gathers each rank's updated
+    params with uneven sizes, which gloo refuses."""
+    try:
+        module = importlib.import_module("megatron.core.optimizer.layer_wise_optimizer")
+    except ImportError:  # megatron-core 0.16.1 (no Muon), or emerging-optimizers absent
+        return
+    if not isinstance(module.torch, _LayerWiseCpuTorch):
+        module.torch = _LayerWiseCpuTorch()
+
+
 def patch_param_type():
     """Optimizers check ``param.type() == 'torch.cuda.FloatTensor'``; report CPU params that way."""
     if getattr(torch.nn.Parameter, "_megatron_moe_cpu", False):
@@ -319,6 +359,7 @@ SHIMS = (
     patch_torch_norm_sequence_parallel,
     patch_uneven_collectives,
     patch_hardcoded_cuda_devices,
+    patch_layer_wise_optimizer,
     patch_param_type,
     patch_clip_grads,
     patch_tensor_cuda,

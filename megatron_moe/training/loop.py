@@ -206,6 +206,8 @@ def _build_tokenizer(args):
 
 
 def _optimizer_config(args, config_class):
+    from megatron_moe.compat.optimizer import emerging_optimizer_kwargs
+
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.params_dtype]
     return config_class(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -214,7 +216,7 @@ def _optimizer_config(args, config_class):
         params_dtype=dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad)
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad, **emerging_optimizer_kwargs(args))
 
 
 def _build_datasets(args, provider):
