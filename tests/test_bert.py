@@ -105,3 +105,20 @@ def test_bert_moe_loss_falls_resumes_exactly_and_across_partitionings(corpus, tm
     assert other["iteration"] == [4, 5, 6]
     assert other["lm_loss"] == pytest.approx(full["lm_loss"][3:], rel=1e-4)
     assert other["grad_norm"] == pytest.approx(full["grad_norm"][3:], rel=1e-4)
+
+
+def test_per_token_loss_is_refused_for_bert():
+    """BERT's loss_func reports the masked-LM mean, not Megatron's (sum, tokens) pair: the flag is
+    refused at parse time in one line instead of logging a wrong value."""
+    import argparse
+
+    import pytest
+
+    from megatron_moe.data.bert import validate_bert_args
+
+    args = argparse.Namespace(mask_prob=0.15, short_seq_prob=0.1, mock_data=False, seq_length=32,
+                              calculate_per_token_loss=True)
+    with pytest.raises(ValueError, match="--calculate-per-token-loss"):
+        validate_bert_args(args)
+    args.calculate_per_token_loss = False
+    validate_bert_args(args)

@@ -44,6 +44,9 @@ def validate_bert_args(args) -> None:
     if args.mock_data:
         raise ValueError("BERT has no synthetic data: pass --data-path with a sentence-level "
                          "dataset (tools/preprocess_data.py --split-sentences)")
+    if getattr(args, "calculate_per_token_loss", False):
+        raise ValueError("--calculate-per-token-loss is for GPT's next-token loss (pretrain_gpt_moe.py); "
+                         "BERT's loss here is the masked-LM mean (+ the per-sequence order loss)")
     if args.seq_length < 4:
         raise ValueError(f"--seq-length ({args.seq_length}) must leave room for [CLS] and two "
                          f"[SEP] tokens")
