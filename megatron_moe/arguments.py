@@ -859,6 +859,10 @@ def _validate_lr_schedule(args):
         raise ValueError("--lr-warmup-fraction excludes --lr-warmup-iters / --lr-warmup-samples")
     steps = lr_schedule_steps(args)
     if args.lr_decay_style != "constant" and steps["lr_warmup_steps"] >= steps["lr_decay_steps"]:
+        if args.train_samples is None and args.lr_warmup_fraction is None:
+            # iteration-based: name the flags and values the user gave
+            raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
+                             f"--lr-decay-iters ({args.lr_decay_iters}; defaults to --train-iters)")
         raise ValueError(f"the LR warmup ({steps['lr_warmup_steps']} samples) must be shorter than "
                          f"the decay ({steps['lr_decay_steps']} samples): check --lr-warmup-* "
                          f"against --lr-decay-* (defaults to the run's length)")

@@ -185,6 +185,17 @@ class _Stack(torch.autograd.Function):
         return grad.unbind(0)
 
 
+def _run_forward_pre_hooks(experts):
+    """The grouped call reads the experts' weights without calling their linear modules, so the
+    forward pre-hooks registered on those modules must run here: megatron-core's DDP waits for a
+    bucket's parameter all-gather in one (--overlap-param-gather with the distributed optimizer);
+    skipped, the grouped call would read parameters still being gathered."""
+    for expert in experts:
+        for linear in (expert.linear_fc1, expert.linear_fc2):
+            for hook in list(linear._forward_pre_hooks.values()):
+                hook(linear, ())
+
+
 def stacked(experts, name: str):
     """One parameter (``linear_fc1.weight``, ...) of each expert MLP (a module, or a balance
     replica's name -> tensor dict); None when the experts have none (no bias)."""
@@ -212,6 +223,7 @@ class GroupedSequentialMLP(SequentialMLP):
         if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward
             x = (permuted_probs.unsqueeze(-1) * x).to(x.dtype)
             permuted_probs = torch.ones_like(permuted_probs)
+        _run_forward_pre_hooks(self.local_experts)
         return self.run_groups(list(self.local_experts), x, permuted_probs, tokens_per_expert), None
 
     def run_groups(self, experts, x, probs, counts):
@@ -246,7 +258,6 @@ def customize_spec(args, spec):
 
     from megatron_moe.compat import replace_spec, spec_module, spec_submodules
 
-    swapped = 0
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         mlp = getattr(getattr(layer, "submodules", None), "mlp", None)
         sub = spec_submodules(mlp)
@@ -254,7 +265,6 @@ def customize_spec(args, spec):
         if experts is None:
             continue  # a dense layer
         if spec_module(experts) is GroupedSequentialMLP:  # a spec shared with a previous layer
-            swapped += 1
             continue
         if spec_module(experts) is not SequentialMLP:
             raise ValueError(f"{FLAG}: the experts are {spec_module(experts)}, not megatron-core's "
@@ -262,7 +272,4 @@ def customize_spec(args, spec):
         params = {"recompute_activation": True} if recompute_activation(args) else {}
         layer.submodules.mlp = replace_spec(mlp, submodules=dataclasses.replace(
             sub, experts=replace_spec(experts, module=GroupedSequentialMLP, **params)))
-        swapped += 1
-    if not swapped:
-        raise ValueError(f"{FLAG}: the model has no MoE layer")
-    return spec
+    return spec   # a pipeline or virtual stage may hold dense layers only: nothing to swap
