@@ -109,29 +109,26 @@ def fetch(root: str, dest: str, limit_mib: float = LIMIT_MIB, log=print) -> list
         os.remove(old)
     todo = missing(project_dependencies(os.path.join(root, "pyproject.toml")))
     done, wheels = set(), []
+    from packaging.requirements import Requirement
+
+    def fetch(req, why):
+        """One requirement's wheel, unless a wheel of that name is already in; its path or None."""
+        name = canonical(Requirement(req).name)
+        if name in done:
+            return None
+        done.add(name)
+        path = pip_download(req, dest)
+        wheels.append(path)
+        log(f"  {os.path.basename(path)}  {os.path.getsize(path) / 2**20:.2f} MiB  ({why})")
+        return path
+
     while todo:
         req = todo.pop(0)
-        from packaging.requirements import Requirement
-
-        name = canonical(Requirement(req).name)
-        if name in done:
-            continue
-        done.add(name)
-        path = pip_download(req, dest)
-        wheels.append(path)
-        log(f"  {os.path.basename(path)}  {os.path.getsize(path) / 2**20:.2f} MiB  (for {req})")
-        todo += missing(wheel_requirements(path))
+        path = fetch(req, f"for {req}")
+        if path is not None:
+            todo += missing(wheel_requirements(path))
     for req in PERF_WHEELS:  # pinned, their own requirements not followed (above)
-        from packaging.requirements import Requirement
-
-        name = canonical(Requirement(req).name)
-        if name in done:
-            continue
-        done.add(name)
-        path = pip_download(req, dest)
-        wheels.append(path)
-        log(f"  {os.path.basename(path)}  {os.path.getsize(path) / 2**20:.2f} MiB  "
-            f"(performance section: {req})")
+        fetch(req, f"performance section: {req}")
     total = sum(os.path.getsize(w) for w in wheels) / 2**20
     log(f"{len(wheels)} wheels, {total:.2f} MiB in all, in {dest}")
     if total > limit_mib:
