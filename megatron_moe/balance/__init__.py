@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from megatron_moe.flags.exclusions import Exclusion
+from megatron_moe.flags.exclusions import Exclusion, te_grouped_gemm
 
 __all__ = ["add_arguments", "validate_args", "setting", "EXCLUDES", "install", "customize_spec",
            "run_hooks", "BalanceManager"]
@@ -111,11 +111,6 @@ def setting(args):
     return f"--moe-balance-policy {policy}" if policy != "none" else "--moe-routing-trace-dir"
 
 
-def _te_grouped_gemm(args) -> bool:
-    return bool(getattr(args, "moe_grouped_gemm", False)) and \
-        getattr(args, "transformer_impl", None) == "transformer_engine"
-
-
 _WHOLE_TOKENS = "the balanced layer exchanges whole tokens over the expert-parallel group"
 _OWN_EXCHANGE = "the balanced layer needs its own token exchange over whole expert inputs"
 # the configurations the balanced layer cannot run, which it would otherwise hand silently to the
@@ -125,7 +120,7 @@ EXCLUDES = (
     Exclusion("--expert-tensor-parallel-size", _WHOLE_TOKENS, needs_one=True),
     # on the local path the grouped experts run the replicas as extra groups; TE's TEGroupedMLP cannot
     Exclusion("--moe-grouped-gemm", "on Transformer Engine (TEGroupedMLP); --transformer-impl local "
-              "runs the replicas as extra groups", is_set=_te_grouped_gemm),
+              "runs the replicas as extra groups", is_set=te_grouped_gemm),
     Exclusion("--moe-pad-expert-input-to-capacity", _OWN_EXCHANGE),
     Exclusion("--moe-shared-expert-overlap", _OWN_EXCHANGE),
     Exclusion("--moe-latent-size", _OWN_EXCHANGE),

@@ -45,6 +45,13 @@ class Exclusion:
         return f"{setting} cannot be combined with {self.flag} ({self.reason})"
 
 
+def te_grouped_gemm(args) -> bool:
+    """--moe-grouped-gemm as megatron-core's Transformer Engine TEGroupedMLP (on the local path
+    the flag selects this package's grouped experts, which run under every feature)."""
+    return bool(getattr(args, "moe_grouped_gemm", False)) and \
+        getattr(args, "transformer_impl", None) == "transformer_engine"
+
+
 def check(setting: str | None, exclusions, args) -> None:
     """Raise ValueError for the first violated exclusion of an active feature (``setting`` is the
     feature's flag as given, e.g. ``--moe-balance-policy proprophet``; None when it is off)."""

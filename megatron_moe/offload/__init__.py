@@ -14,7 +14,7 @@ The copy link and slot arena shared with ring-memory inference are in ``offload/
 
 from __future__ import annotations
 
-from megatron_moe.flags.exclusions import Exclusion
+from megatron_moe.flags.exclusions import Exclusion, te_grouped_gemm
 
 __all__ = ["add_arguments", "validate_args", "setting", "EXCLUDES", "run_hooks", "install"]
 
@@ -107,8 +107,7 @@ EXCLUDES = (
               "offload moves"),
     Exclusion("--moe-grouped-gemm", "on Transformer Engine, TEGroupedMLP fuses gradient "
               "accumulation into the device main_grad; --transformer-impl local runs grouped experts",
-              is_set=lambda a: bool(getattr(a, "moe_grouped_gemm", False))
-              and getattr(a, "transformer_impl", None) == "transformer_engine"),
+              is_set=te_grouped_gemm),
     Exclusion("--moe-balance-policy", "replicas would need their own tiering"),
 )
 

@@ -24,6 +24,7 @@ from megatron_moe.compat import install_megatron_core_stubs, quiet_known_warning
 quiet_known_warnings()
 install_megatron_core_stubs()
 from megatron_moe.arguments import parse_args
+from megatron_moe.features import RunHooks
 
 _LOSS_KEY = "lm loss"
 
@@ -240,14 +241,13 @@ def _iterator(args, dataset, consumed):
                                parallel_state.get_data_parallel_world_size(), args.num_workers)
 
 
-class TrainingHooks:
-    """What acts around a training step: the features' run hooks (megatron_moe/features.py), the
-    expert-load tracker (telemetry for the log line) and the writers (TensorBoard, W&B)."""
+class TrainingHooks(RunHooks):
+    """What acts around a training step: the features' run hooks (megatron_moe/features.py), plus
+    the expert-load tracker (telemetry for the log line) and the writers (TensorBoard, W&B)."""
 
     def __init__(self, args, model, optimizer=None):
         from megatron.core import parallel_state
 
-        from megatron_moe import features
         from megatron_moe.models.builder import unwrap
         from megatron_moe.moe.telemetry import ExpertLoadTracker
 
@@ -258,7 +258,7 @@ class TrainingHooks:
                                              args.expert_model_parallel_size,
                                              mtp_num_layers=getattr(args, "mtp_num_layers", None))
             self.tracker.attach([unwrap(m) for m in model])
-        self.features = features.RunHooks(args, model, optimizer, tracker=self.tracker)
+        super().__init__(args, model, optimizer, tracker=self.tracker)
         self.writer = None
         if dist.get_rank() == dist.get_world_size() - 1:  # the rank with the loss (Megatron's)
             from megatron_moe.training.wandb_writer import build_writer
@@ -272,35 +272,14 @@ class TrainingHooks:
 
     @property
     def balance(self):
-        return self.features.get("balance")
+        return self.get("balance")
 
     @property
     def offload(self):
-        return self.features.get("offload")
-
-    def checkpoint_io(self, load=False):
-        return self.features.checkpoint_io(load)
-
-    def after_optimizer_step(self, update_successful, grad_norm):
-        self.features.after_optimizer_step(update_successful, grad_norm)
-
-    def after_step(self, iteration):
-        self.features.after_step(iteration)
-
-    def metrics(self) -> dict:
-        return self.features.metrics()
-
-    def log_lines(self) -> list:
-        return self.features.log_lines()
-
-    def state_dict(self):
-        return self.features.state_dict()
-
-    def load_state_dict(self, state):
-        self.features.load_state_dict(state)
+        return self.get("offload")
 
     def close(self):
-        self.features.close()
+        super().close()
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
