@@ -64,10 +64,20 @@ def wheel_requirements(path: str) -> list:
     with zipfile.ZipFile(path) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         msg = email.parser.Parser().parsestr(z.read(meta).decode("utf-8"))
+    return for_gpu_machine(msg.get_all("Requires-Dist") or [])
+
+
+def for_gpu_machine(requirements) -> list:
+    """The requirements whose markers hold on the GPU machine, markers removed: pip download
+    evaluates a marker against the interpreter running it (here possibly not 3.12) and would
+    silently fetch nothing for ``emerging-optimizers; python_version >= "3.12"``."""
+    from packaging.requirements import Requirement
+
     out = []
-    for line in msg.get_all("Requires-Dist") or []:
+    for line in requirements:
         req = Requirement(line)
         if req.marker is None or req.marker.evaluate(MARKER_ENV):
+            req.marker = None
             out.append(str(req))
     return out
 
@@ -107,7 +117,7 @@ def fetch(root: str, dest: str, limit_mib: float = LIMIT_MIB, log=print) -> list
     os.makedirs(dest, exist_ok=True)
     for old in glob.glob(os.path.join(dest, "*.whl")):  # one version of each: two stop the install
         os.remove(old)
-    todo = missing(project_dependencies(os.path.join(root, "pyproject.toml")))
+    todo = missing(for_gpu_machine(project_dependencies(os.path.join(root, "pyproject.toml"))))
     done, wheels = set(), []
     from packaging.requirements import Requirement
 
