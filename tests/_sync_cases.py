@@ -58,6 +58,12 @@ def _mutate_chunked_two_reads(counter):
     return lambda: setattr(chunked, "split_counts", orig)
 
 
+def _l2_norm_impl():
+    from megatron.core.optimizer import clip_grads
+
+    return getattr(clip_grads.l2_norm_impl, "__name__", str(clip_grads.l2_norm_impl))
+
+
 MUTATIONS = {"telemetry_item": _mutate_telemetry_item, "loss_per_step": _mutate_loss_per_step,
              "chunked_two_reads": _mutate_chunked_two_reads}
 
@@ -99,5 +105,7 @@ def run_counted(rank, world, runs):
         out.append({"reads": {owner: dict(counter.by_phase(owner))
                               for owner in ("ours", "megatron-core", "other")},
                     "history": result["history"],
-                    "grouped_calls": GroupedSequentialMLP.grouped_calls - grouped_before})
+                    "grouped_calls": GroupedSequentialMLP.grouped_calls - grouped_before,
+                    # the gradient norm megatron-core's optimizer ran (compat/multi_tensor.py)
+                    "l2_norm_impl": _l2_norm_impl()})
     return out

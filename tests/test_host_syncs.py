@@ -107,6 +107,10 @@ def test_balanced_layer_and_grouped_experts_read_only_their_splits():
         assert unexpected == {} and not allowed, (unexpected, allowed)
         _assert_counter_is_live(grp)
         assert grp["grouped_calls"] == ITERS * LAYERS * MICRO_BATCHES   # the grouped path ran
+        # megatron-core's no-apex norm reads every parameter's norm on the host; on the CPU those
+        # reads happen inside torch.tensor(), below the counter (tests/test_multi_tensor.py
+        # counts them with the profiler): here, that the foreach norm is what the run used
+        assert grp["l2_norm_impl"] == "foreach_l2_norm"
 
 
 @pytest.mark.parametrize("mutate", [None, "chunked_two_reads"])

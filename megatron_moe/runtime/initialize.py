@@ -37,9 +37,10 @@ def initialize_distributed(args):
         dist.init_process_group(
             backend=args.distributed_backend, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
-    from megatron_moe.compat import apply_cpu_shims
+    from megatron_moe.compat import apply_cpu_shims, multi_tensor
 
     apply_cpu_shims()
+    multi_tensor.install()   # gradient norm and scaling without a host read per parameter
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
