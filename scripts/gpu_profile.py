@@ -57,7 +57,9 @@ def main():
     wall = time.perf_counter() - t["start"]
     prof.stop()
     ka = prof.key_averages()
-    dev = sum(e.self_device_time_total for e in ka) / 1e6
+    from megatron_moe.gpucheck.perf import device_seconds
+
+    dev = device_seconds(ka)   # device-side events only (aten rows repeat their kernels' time)
     its = a.iters - a.warmup
     lines = [f"profiled {its} iterations of BIG ({a.layers} layers) {a.extra}: wall {wall:.3f} s "
              f"({wall / its * 1e3:.0f} ms/it), summed self device time {dev:.3f} s "

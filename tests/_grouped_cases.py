@@ -6,7 +6,9 @@ planted faults in the grouped path that the equality must catch:
 * ``detach_replicas``: the balance replicas' weights stacked detached, so their gradients never
   reach the Trans'd tensors (and Agg sums zeros into the owners);
 * ``skip_rebind``: the expert offload's backward re-bind of a layer's parameters left out;
-* ``one_bias``: every group adds the first expert's biases.
+* ``one_bias``: every group adds the first expert's biases;
+* ``wgrad_not_added``: the grouped backward marks the weight gradients as added to DDP's
+  ``main_grad`` without adding them.
 
 A run with a planted fault may stop (a NaN loss exits 1): its exit code or error is returned.
 """
@@ -73,6 +75,20 @@ def _planted(name):
         finally:
             G.stacked = orig_stacked
         return
+    if name == "wgrad_not_added":
+        orig_acc = G._accumulate_into_main_grads
+
+        def not_added(weights, dw):
+            for w in weights:
+                if G._into_main_grad(w):
+                    w.grad_added_to_main_grad = True
+            return list(dw.unbind(0))
+        G._accumulate_into_main_grads = not_added
+        try:
+            yield
+        finally:
+            G._accumulate_into_main_grads = orig_acc
+        return
     assert name == "detach_replicas", name
     orig_stacked = G.stacked
 
@@ -103,6 +119,7 @@ def run_counted(rank, world, argvs, plant_shift=None, mutations=None, skew=None)
     out = []
     for k, argv in enumerate(argvs):
         calls, replicas = GroupedSequentialMLP.grouped_calls, GroupedSequentialMLP.replica_groups
+        wgrads = GroupedSequentialMLP.wgrads_into_main_grad
         with _planted(mutations.get(k)):
             try:
                 res = run(rank, world, argv)
@@ -116,6 +133,7 @@ def run_counted(rank, world, argvs, plant_shift=None, mutations=None, skew=None)
                 res = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         res["grouped_calls"] = GroupedSequentialMLP.grouped_calls - calls
         res["replica_groups"] = GroupedSequentialMLP.replica_groups - replicas
+        res["wgrads_into_main_grad"] = GroupedSequentialMLP.wgrads_into_main_grad - wgrads
         out.append({k2: v for k2, v in res.items() if k2 != "lines"})
     return out
 

@@ -1,7 +1,9 @@
 """--moe-grouped-gemm on the local path (megatron_moe/moe/grouped_experts.py; alias
 --moe-torch-grouped-gemm): the experts as two torch grouped GEMMs per layer. In the real pretrain()
 loop on 2 gloo ranks with EP=2 (2 local experts each), SwiGLU, bf16: losses and grad norms equal
-megatron-core's SequentialMLP loop bit for bit, the grouped path ran (its call counter), a
+megatron-core's SequentialMLP loop bit for bit, the grouped path ran (its call counter) and added
+the expert weight gradients into DDP's main_grad itself (a counter; marking them added without
+adding breaks the equality), a
 checkpoint written by the grouped run resumes under the loop with the straight run's numbers and one
 written by the loop resumes under the grouped experts (same parameters and layout), the same holds inside the
 chunked MoE layer (--moe-a2a-overlap-degree 2), and a planted fault (each expert's token group
@@ -34,8 +36,10 @@ def test_grouped_experts_equal_the_loop_and_share_its_checkpoints(tmp_path):
             _argv(2, "--moe-a2a-overlap-degree", "2"),                 # 5 chunked layer, loop
             _argv(2, g, "--moe-a2a-overlap-degree", "2"),              # 6 chunked layer, grouped
             _argv(4, "--save", ck2, "--exit-interval", "2"),           # 7 loop 1-2, saved
-            _argv(4, "--moe-torch-grouped-gemm", "--load", ck2)]       # 8 grouped (alias) 3-4 from it
-    out = run_distributed(G.run_counted, 2, runs, 4, timeout_s=500)
+            _argv(4, "--moe-torch-grouped-gemm", "--load", ck2),       # 8 grouped (alias) 3-4 from it
+            _argv(3, g)]                                               # 9 wgrads marked, not added
+    out = run_distributed(G.run_counted, 2, runs, None, {4: "shift", 9: "wgrad_not_added"},
+                          timeout_s=560)
     r = out[-1]
     h = lambda k, key="lm_loss": r[k]["history"][key]
     assert len(h(0)) == 4 and all(x == x for x in h(0))
@@ -49,8 +53,18 @@ def test_grouped_experts_equal_the_loop_and_share_its_checkpoints(tmp_path):
         assert rank_out[1]["grouped_calls"] == 2 * 2 * 4
         assert rank_out[2]["grouped_calls"] == 2 * 2 * 2 and rank_out[4]["grouped_calls"] > 0
         assert rank_out[8]["grouped_calls"] == 2 * 2 * 2
+        # the weight gradients went into DDP's main_grad from the grouped backward (2 local
+        # experts x 2 linears x 2 layers x 2 micro-batches x 4 steps), not through DDP's hook
+        assert rank_out[1]["wgrads_into_main_grad"] == 2 * 2 * 2 * 2 * 4
+    # marked as added but not added: the expert gradients are missing from the norm and the update
+    assert h(9, "grad_norm")[0] != h(0, "grad_norm")[0] and h(9)[2] != h(0)[2]
     assert h(4) != h(0)[:2]
-    assert h(6) == h(5) and h(6, "grad_norm") == h(5, "grad_norm") and r[6]["grouped_calls"] > 0
+    # the chunked layer calls the experts once per chunk: the loop's weight gradients of the two
+    # chunks are summed in bf16 by autograd before DDP adds them to the fp32 main_grad; the grouped
+    # backward adds each chunk's into main_grad itself (megatron-core's gradient-accumulation
+    # fusion does the same): equal within fp32 rounding, not bit for bit
+    assert h(6) == h(5) and r[6]["grouped_calls"] > 0
+    assert h(6, "grad_norm") == pytest.approx(h(5, "grad_norm"), rel=1e-6)
 
 
 def test_local_grouped_gemm_keeps_megatron_cores_config_flag_off():

@@ -74,7 +74,10 @@ def test_install_rebinds_only_megatron_cores_fallbacks(monkeypatch):
     monkeypatch.setattr(clip_grads, "multi_tensor_scale_impl", mcore_utils.local_multi_tensor_scale)
     monkeypatch.setattr(mcore_optimizer, "multi_tensor_scale_impl",
                         mcore_utils.local_multi_tensor_scale)
-    assert len(multi_tensor.install()) == 3
+    monkeypatch.setattr(mcore_optimizer, "_multi_tensor_copy_this_to_that",
+                        mcore_optimizer._multi_tensor_copy_this_to_that)
+    assert len(multi_tensor.install()) == 4
+    assert mcore_optimizer._multi_tensor_copy_this_to_that is multi_tensor.foreach_copy_this_to_that
     assert clip_grads.l2_norm_impl is multi_tensor.foreach_l2_norm
     assert clip_grads.multi_tensor_scale_impl is multi_tensor.foreach_scale
     assert mcore_optimizer.multi_tensor_scale_impl is multi_tensor.foreach_scale
@@ -84,3 +87,15 @@ def test_install_rebinds_only_megatron_cores_fallbacks(monkeypatch):
     monkeypatch.setattr(clip_grads, "l2_norm_impl", fused)
     multi_tensor.install()
     assert clip_grads.l2_norm_impl is fused
+
+
+def test_main_to_model_copy_is_bit_exact_and_one_foreach_call(monkeypatch):
+    main = _tensors(5)
+    model = [torch.empty_like(t, dtype=torch.bfloat16) for t in main]
+    calls = []
+    orig = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    buf = torch.ones(1, dtype=torch.int)
+    multi_tensor.foreach_copy_this_to_that(main, model, buf)
+    assert calls == [1] and buf.item() == 0
+    assert all(torch.equal(d, s.to(torch.bfloat16)) for s, d in zip(main, model))

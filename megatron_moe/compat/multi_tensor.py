@@ -9,12 +9,14 @@ megatron-core falls back to two helpers in ``megatron.core.utils``:
   ``cudaStreamSynchronize`` per parameter per step (1024 of the 1066 per iteration in the GPU
   kit's 128-expert model on the H200, docs/gpu_runs/2026-11-28-h200/), and every sync lets the
   device run dry while the host queues the next kernels.
-* ``local_multi_tensor_scale`` (gradient clipping and the fp32 main -> bf16 model parameter copy of
-  every step): a multiply and a copy per tensor, two launches per parameter.
+* ``local_multi_tensor_scale`` (gradient clipping, and fp16's main -> model parameter copy): a
+  multiply and a copy per tensor, two launches per parameter; under bf16 that copy is
+  ``optimizer._multi_tensor_copy_this_to_that``'s loop, one ``copy_`` per parameter, with or
+  without apex.
 
 ``torch._foreach_norm`` / ``_foreach_mul`` / ``_foreach_copy_`` do each list in a few launches and
-leave the result on the device. Installed only where megatron-core picked its local fallbacks, so
-with apex or TE its fused kernels stay. Same results: the norm within float rounding (each
+leave the result on the device. The norm and scale are installed only where megatron-core picked
+its local fallbacks, so with apex or TE its fused kernels stay. Same results: the norm within float rounding (each
 tensor's norm in fp32, then the norm of those, as megatron-core), the scale bit-exact.
 """
 
@@ -52,6 +54,16 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
     torch._foreach_copy_(dsts, srcs if scale == 1.0 else torch._foreach_mul(srcs, scale))
 
 
+def foreach_copy_this_to_that(this, that, overflow_buf=None):
+    """Drop-in for megatron-core's ``optimizer._multi_tensor_copy_this_to_that``, which copies the
+    fp32 main parameters into the bf16 model parameters after every step with one ``copy_`` per
+    parameter (its multi-tensor kernel serves fp16 only)."""
+    if overflow_buf is not None:
+        overflow_buf.fill_(0)
+    if this:
+        torch._foreach_copy_(list(that), list(this))
+
+
 def install() -> list:
     """Rebind megatron-core's optimizer modules from its local fallbacks to the foreach versions;
     the names rebound (none when apex or TE provided the fused kernels). Idempotent."""
@@ -64,6 +76,10 @@ def install() -> list:
         getattr(mcore_utils, "local_multi_tensor_scale", None): foreach_scale,
     }
     rebound = []
+    if getattr(mcore_optimizer, "_multi_tensor_copy_this_to_that", foreach_copy_this_to_that) \
+            is not foreach_copy_this_to_that:
+        mcore_optimizer._multi_tensor_copy_this_to_that = foreach_copy_this_to_that
+        rebound.append(f"{mcore_optimizer.__name__}._multi_tensor_copy_this_to_that")
     for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
                          (mcore_optimizer, "multi_tensor_scale_impl")):
         current = getattr(module, name, None)

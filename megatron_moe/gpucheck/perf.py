@@ -212,11 +212,31 @@ class Meter:
         if i == self.total - 1 and self.prof is not None:
             self.prof.stop()
             self.counts = count_events(self.prof, self.profiled, self.gpu)
+            if self.gpu:   # where the device time goes, into the section's log (stderr)
+                ka = self.prof.key_averages()
+                # device busy per iteration (kernels' self time summed), against the timed
+                # iteration: how far the host keeps the device fed
+                self.counts["device_s_per_iter"] = device_seconds(ka) / self.profiled
+                print(f"device busy {self.counts['device_s_per_iter'] * 1e3:.1f} ms per "
+                      f"iteration", file=sys.stderr, flush=True)
+                print(ka.table(sort_by="self_device_time_total", row_limit=25,
+                               max_name_column_width=70),
+                      file=sys.stderr, flush=True)
         return loss
 
     def figures(self):
         return dict(iter_s=statistics.median(self.times) if self.times else None,
                     iter_s_all=self.times, losses=self.losses, **self.counts)
+
+
+def device_seconds(key_averages):
+    """Seconds the device ran kernels and copies: the device-side events only (an aten op's row
+    also carries its kernels' time, so summing every row counts them twice), as the profiler's
+    own "Self CUDA time total"."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in key_averages
+               if e.device_type == DeviceType.CUDA) / 1e6
 
 
 def count_events(prof, iters, gpu):

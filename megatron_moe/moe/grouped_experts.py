@@ -169,7 +169,38 @@ class _GroupedLinear(torch.autograd.Function):
         # [G, out, in] directly (not the transpose of [G, in, out]): each expert's gradient is then
         # a contiguous slice, which autograd takes as the parameter's grad without a copy
         dw = torch.nn.functional.grouped_mm(grad.t(), x, offs=offs)
-        return (dx, None, *dw.unbind(0))
+        return (dx, None, *_accumulate_into_main_grads(weights, dw))
+
+
+def _into_main_grad(w) -> bool:
+    """A parameter megatron-core's DDP gave a ``main_grad`` (it sets ``grad_added_to_main_grad``
+    on each); not with ``zero_out_wgrad`` (its hook then adds the returned grad)."""
+    return getattr(w, "main_grad", None) is not None and hasattr(w, "grad_added_to_main_grad") \
+        and not getattr(w, "zero_out_wgrad", False)
+
+
+def _accumulate_into_main_grads(weights, dw):
+    """The weight gradients ``dw`` [G, out, in] added to the parameters' DDP ``main_grad`` with
+    one foreach add, as megatron-core's linear layers do with --gradient-accumulation-fusion
+    (apex's wgrad GEMM, absent on the local path): DDP's per-parameter hook then skips its
+    ``main_grad.add_(grad)``, one launch per expert weight per micro-batch (1024 per iteration in
+    the GPU kit's 128-expert model). Autograd still gets every slice of ``dw`` (no allocation;
+    ``grad_added_to_main_grad`` tells the hook not to add it again, as with megatron-core's
+    placeholder gradients); balance replicas and weights outside DDP are left to autograd."""
+    grads = list(dw.unbind(0))
+    fused = [i for i, w in enumerate(weights) if _into_main_grad(w)]
+    if not fused:
+        return grads
+    by_dtype = {}
+    for i in fused:
+        by_dtype.setdefault(weights[i].main_grad.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        src = (dw if dw.dtype == dtype else dw.to(dtype)).unbind(0)   # add_'s promotion
+        torch._foreach_add_([weights[i].main_grad for i in idx], [src[i] for i in idx])
+    for i in fused:
+        weights[i].grad_added_to_main_grad = True
+    GroupedSequentialMLP.wgrads_into_main_grad += len(fused)
+    return grads
 
 
 class _Stack(torch.autograd.Function):
@@ -208,6 +239,7 @@ def stacked(experts, name: str):
 class GroupedSequentialMLP(SequentialMLP):
     grouped_calls = 0   # grouped calls made (tests: proof the grouped path ran)
     replica_groups = 0  # groups of those calls that ran a balance replica (not a local expert)
+    wgrads_into_main_grad = 0   # weight gradients added to DDP's main_grad by the grouped backward
 
     def __init__(self, *args, recompute_activation: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
