@@ -189,6 +189,12 @@ def _add_training_args(p):
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    # gradients are always accumulated and reduced in fp32 here (DDP grad_reduce_in_fp32, what
+    # Megatron-LM turns on for --bf16): the flag is accepted with that meaning
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Accumulate and all-reduce gradients in fp32 (always on here).")
+    g.add_argument("--main-grads-dtype", default="fp32",
+                   help="dtype of the main gradients: fp32 (bf16 is refused).")
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
     g.add_argument("--use-cpu-initialization", action="store_true")
@@ -373,6 +379,11 @@ def validate_args(args, check_data_paths=True, training=True):
                          f"({args.max_position_embeddings})")
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
+    if args.main_grads_dtype != "fp32":
+        raise ValueError(f"--main-grads-dtype {args.main_grads_dtype}: only fp32 (gradients are "
+                         "accumulated and reduced in fp32 here)" + (
+                             "" if args.main_grads_dtype == "bf16" else "; Megatron's choices: fp32, bf16"))
+    args.accumulate_allreduce_grads_in_fp32 = True
     if args.recompute_activations:
         args.recompute_granularity = "selective"
     if args.recompute_granularity == "full" and (args.recompute_method is None

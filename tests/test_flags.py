@@ -155,12 +155,21 @@ def test_refusal_on_the_cli_before_any_process_group():
     ("--rotary-percent 1.5", "--rotary-percent (1.5) must be in (0, 1]"),
     ("--hidden-size 30", "--hidden-size (30) must be divisible by --num-attention-heads (4)"),
     ("--overlap-param-gather", "--overlap-param-gather needs --use-distributed-optimizer"),
-], ids=["fused-local", "no-pos-emb", "inference-impl", "rotary-percent", "heads", "param-gather"])
+    ("--main-grads-dtype bf16", "--main-grads-dtype bf16: only fp32"),
+    ("--main-grads-dtype fp8", "Megatron's choices: fp32, bf16"),
+], ids=["fused-local", "no-pos-emb", "inference-impl", "rotary-percent", "heads", "param-gather",
+        "main-grads-bf16", "main-grads-fp8"])
 def test_bad_model_flags_fail_at_parse_time(extra, message, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(BASE + extra.split(), world_size=1)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_gradients_in_fp32_is_accepted_and_always_on():
+    for extra in ([], ["--accumulate-allreduce-grads-in-fp32"], ["--main-grads-dtype", "fp32"]):
+        args = parse_args(BASE + extra + ["--bf16"], world_size=1)
+        assert args.accumulate_allreduce_grads_in_fp32 is True and args.main_grads_dtype == "fp32"
 
 
 def test_context_parallel_with_local_attention_fails_at_parse_time(capsys):
