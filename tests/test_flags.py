@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_moe import flags
 from megatron_moe.arguments import build_parser, parse_args
@@ -131,6 +132,26 @@ def test_fusion_selectors_reach_megatron_core_only_with_transformer_engine():
     args.masked_softmax_fusion = False                        # --no-masked-softmax-fusion
     assert _fusion_selectors(args, te=True)["masked_softmax_fusion"] is False
     assert not any(_fusion_selectors(args, te=False).values())   # local/CPU: unfused kernels
+
+
+def test_local_path_on_cuda_takes_megatron_cores_compiled_fusions(monkeypatch):
+    """Local path on CUDA: the selectors whose fused version is megatron-core's own torch.compile
+    region reach megatron-core (SwiGLU, bias-dropout-add, native cross-entropy); the TE/apex
+    kernels' selectors stay off."""
+    from megatron_moe.models.builder import _fusion_selectors
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = parse_args(BASE + ["--position-embedding-type", "rope", "--swiglu",
+                              "--cross-entropy-loss-fusion"], world_size=1)
+    sel = _fusion_selectors(args, te=False)
+    assert sel["bias_activation_fusion"] and sel["bias_dropout_fusion"]
+    assert sel["cross_entropy_loss_fusion"]
+    assert not (sel["masked_softmax_fusion"] or sel["apply_rope_fusion"] or sel["moe_router_fusion"])
+    args.bias_swiglu_fusion = args.bias_dropout_fusion = False   # --no-bias-swiglu-fusion ...
+    args.cross_entropy_fusion_impl = "te"                        # TE's kernel: not on this path
+    assert not any(_fusion_selectors(args, te=False).values())
+    args = parse_args(BASE + ["--position-embedding-type", "rope"], world_size=1)   # GeLU
+    assert _fusion_selectors(args, te=False)["bias_activation_fusion"] is False
 
 
 def test_refusal_on_the_cli_before_any_process_group():

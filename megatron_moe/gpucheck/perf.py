@@ -47,7 +47,7 @@ import traceback
 from megatron_moe.gpucheck.process import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SYSTEMS = ("ours", "stock", "torchtitan", "transformers")
+SYSTEMS = ("ours", "ours-eager", "stock", "torchtitan", "transformers")
 # Megatron-style (layers, hidden, heads, query groups, head dim, expert FFN, experts, top-k,
 # vocabulary, sequence, micro-batch = global batch, q/k RMSNorm as Qwen3). Every layer is MoE, no
 # shared experts, untied embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, SwiGLU, no biases.
@@ -69,7 +69,7 @@ SHAPES = {
 ITERS = {"gpu": dict(warmup=3, timed=5, profiled=2), "cpu": dict(warmup=1, timed=2, profiled=1)}
 # seconds each row may take at most (GPU, CPU), start-up included; the runner also keeps the whole
 # section inside its budget (on the GPU 540 s: the section fits one 10-minute device call)
-ROW_CAP_S = {"ours": (60, 300), "stock": (100, 300), "torchtitan": (70, 300),
+ROW_CAP_S = {"ours": (90, 300), "ours-eager": (60, 300), "stock": (100, 300), "torchtitan": (70, 300),
              "transformers": (70, 300)}
 SECTION_BUDGET_S = {"gpu": 540.0, "cpu": 1500.0}
 # the speed options of "ours", in order; in each group the first set the parser accepts is used
@@ -79,7 +79,12 @@ SECTION_BUDGET_S = {"gpu": 540.0, "cpu": 1500.0}
 # (docs/gpu_runs/2026-11-28-h200, the kit's training-fusion check) it trained the kit's model at
 # x0.86 of megatron-core's unfused permute (22165 vs 25684 tokens/s)
 SPEED_CANDIDATES = ((("--moe-grouped-gemm",), ("--moe-torch-grouped-gemm",)),
-                    (("--attention-backend", "flash"),))
+                    (("--attention-backend", "flash"),),
+                    (("--cross-entropy-loss-fusion",),))
+# "ours-eager": ours with megatron-core's torch.compile fusions off (on CUDA the local path takes
+# them by Megatron's defaults: bias + SwiGLU, bias-dropout-add; and the fused cross-entropy asked
+# for above), so the report measures what they bring (models/builder.py _fusion_selectors)
+EAGER_OPTIONS = ("--no-bias-swiglu-fusion", "--no-bias-dropout-fusion")
 TARGETS = {"mixtral": dict(mfu=0.40), "finegrained": dict(mfu=0.25),
            "vs_torchtitan": 1.0, "vs_stock": 5.0}
 LR, MIN_LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 3e-5, 0.1, (0.9, 0.95), 1.0
@@ -288,7 +293,7 @@ def _init_dist(gpu):
     dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
 
 
-def row_megatron(s, gpu, meter, stock):
+def row_megatron(s, gpu, meter, stock, eager=False):
     """``pretrain()`` of pretrain_gpt_moe.py on the synthetic batch, each iteration through the
     meter (its ``Trainer.train_step`` wrapped)."""
     import torch
@@ -300,6 +305,8 @@ def row_megatron(s, gpu, meter, stock):
 
     argv = megatron_argv(s, gpu, meter.total)
     options, refused = ([], []) if stock else speed_options(argv)
+    if eager:
+        options = [o for o in options if o != "--cross-entropy-loss-fusion"] + list(EAGER_OPTIONS)
     # stock names megatron-core's local attention: auto is this package's SDPA on CUDA
     stock_attention = ["--attention-backend", "local"] if stock else []
     batch = synthetic_batch(s)
@@ -506,6 +513,10 @@ def run_row(system, shape, mode):
     meter = Meter(gpu, n["warmup"], n["timed"], n["profiled"])
     if system in ("ours", "stock"):
         out = row_megatron(s, gpu, meter, stock=system == "stock")
+    elif system == "ours-eager":
+        if not gpu:
+            raise RowSkipped("the compiled fusions apply on CUDA only: on the CPU ours is eager")
+        out = row_megatron(s, gpu, meter, stock=False, eager=True)
     elif system == "torchtitan":
         out = row_torchtitan(s, gpu, meter)
     elif system == "transformers":
@@ -571,7 +582,7 @@ def verdict(shape, mode, rows, peak_tflops):
             problems.append(f"{name}: non-finite loss {r.get('losses')}")
     ratios = {}
     ours = (rows.get("ours") or {}).get("tokens_per_s")
-    for peer in ("torchtitan", "stock", "transformers"):
+    for peer in ("torchtitan", "stock", "transformers", "ours-eager"):
         theirs = (rows.get(peer) or {}).get("tokens_per_s")
         ratios[f"ours/{peer}"] = ours / theirs if ours and theirs else None
     for name, r in rows.items():
@@ -641,6 +652,10 @@ def run_section(cpu, work, log, budget_s, shapes=None, systems=None):
         if left - reserve < 5:
             rows[shape][system] = dict(error=f"not run: the section's {budget_s:.0f} s budget "
                                              "was spent")
+            continue
+        if cpu and system == "ours-eager":   # no process: nothing differs from ours there
+            rows[shape][system] = dict(skipped="the compiled fusions apply on CUDA only: on the "
+                                               "CPU ours is eager")
             continue
         limit = min(ROW_CAP_S[system][1 if cpu else 0], left - reserve)
         result = os.path.join(work, f"perf_{shape}_{system}.json")

@@ -39,14 +39,14 @@ def default_sections(cpu):
     return list(SECTIONS) if cpu else GPU_DEFAULT_SECTIONS
 
 
-def run_section(name, cpu, work, log, budget_s):
+def run_section(name, cpu, work, log, budget_s, perf_systems=None):
     """The section in a child process; returns (its result dict or None, why it ended)."""
     if name == "perf":  # one child process per row (megatron_moe/gpucheck/perf.py)
         from megatron_moe.gpucheck import perf
 
         t0 = time.monotonic()
         try:
-            data, why = perf.run_section(cpu, work, log, budget_s), "ok"
+            data, why = perf.run_section(cpu, work, log, budget_s, systems=perf_systems), "ok"
         except Exception as exc:  # reported as the section's missing checks
             import traceback
 
@@ -155,12 +155,23 @@ def main(argv=None):
                    help="comma-separated subset of: " + ", ".join(SECTIONS) + " (default: all "
                         "but perf on the GPU, which runs in a device call of its own; all with "
                         "--cpu)")
+    p.add_argument("--perf-systems", default=None,
+                   help="the perf section's rows, comma-separated subset of its systems "
+                        "(default: all)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="the whole run's time limit (default on the GPU: 470 s for the checks, "
                         "their 8 minutes, plus 540 s for perf; 1800 s with --cpu)")
     a = p.parse_args(argv)
     names = [s.strip() for s in (a.sections or ",".join(default_sections(a.cpu))).split(",")
              if s.strip()]
+    perf_systems = None
+    if a.perf_systems:
+        from megatron_moe.gpucheck.perf import SYSTEMS
+
+        perf_systems = [s.strip() for s in a.perf_systems.split(",") if s.strip()]
+        bad = [s for s in perf_systems if s not in SYSTEMS]
+        if bad:
+            p.error(f"--perf-systems: unknown {bad}; choose from {list(SYSTEMS)}")
     unknown = [s for s in names if s not in SECTIONS]
     if unknown:
         p.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
@@ -182,7 +193,8 @@ def main(argv=None):
             # keep a little for every section still to come
             reserve = sum(10.0 for _ in names[i + 1:])
             cap = SECTION_CAP_S[name][1 if a.cpu else 0]
-            data, why, took = run_section(name, a.cpu, work, log, min(cap, left - reserve))
+            data, why, took = run_section(name, a.cpu, work, log, min(cap, left - reserve),
+                                          perf_systems)
             got = {c["name"]: c for c in (data or {}).get("checks", [])}
             info.update((data or {}).get("info", {}))
             for check in SECTIONS[name]:

@@ -124,19 +124,38 @@ def apply_yarn_config(config, args):
 
 
 def _fusion_selectors(args, te: bool) -> dict:
-    """Megatron's fusion selectors (--no-masked-softmax-fusion, --no-rope-fusion, ...: no-ops in
-    flags/status.txt): with Transformer Engine on GPU their values reach megatron-core; the local
-    (CPU) path runs the unfused kernels, which compute the same math."""
+    """Megatron's fusion selectors (--no-masked-softmax-fusion, --no-bias-swiglu-fusion, ...:
+    no-ops in flags/status.txt), as megatron-core takes them:
+
+    * with Transformer Engine every selector reaches megatron-core;
+    * on the local path on CUDA, the three whose fused version is megatron-core's own
+      ``torch.compile`` region (``megatron.core.jit.jit_fuser``), no apex or TE kernel: bias +
+      SwiGLU (``bias_swiglu_impl``, and its per-token-weighted form inside the experts),
+      bias + dropout + residual add, and the native fused cross-entropy
+      (``--cross-entropy-loss-fusion`` with ``--cross-entropy-fusion-impl native``). Megatron's
+      defaults turn the first two on; the GPU kit's perf section measures them against the eager
+      ops ("ours-eager");
+    * on a CPU (tests) none: the unfused ops compute the same math without compiling."""
     def on(dest):
         return te and getattr(args, dest, True)
 
+    compiled = te or torch.cuda.is_available()
+
+    def compiled_on(dest):
+        return compiled and getattr(args, dest, True)
+
     swiglu = args.swiglu  # Megatron-LM: the gelu selector for --quick-geglu too
+    ce_native = getattr(args, "cross_entropy_fusion_impl", "native") == "native"
     return dict(
         masked_softmax_fusion=on("masked_softmax_fusion"),
         apply_rope_fusion=on("apply_rope_fusion") and args.position_embedding_type == "rope",
-        bias_dropout_fusion=on("bias_dropout_fusion"),
-        bias_activation_fusion=on("bias_swiglu_fusion" if swiglu else "bias_gelu_fusion"),
-        cross_entropy_loss_fusion=te and getattr(args, "cross_entropy_loss_fusion", False),
+        bias_dropout_fusion=compiled_on("bias_dropout_fusion"),
+        # the local path fuses SwiGLU only (what MoE models use): megatron-core's other fused
+        # activations have conditions of their own (a bias, the gate's form) it checks by raising
+        bias_activation_fusion=on("bias_swiglu_fusion" if swiglu else "bias_gelu_fusion")
+        or (compiled and swiglu and getattr(args, "bias_swiglu_fusion", True)),
+        cross_entropy_loss_fusion=(te or (compiled and ce_native))
+        and getattr(args, "cross_entropy_loss_fusion", False),
         moe_router_fusion=te and getattr(args, "moe_router_fusion", False),
         moe_shared_expert_overlap=te and getattr(args, "moe_shared_expert_overlap", False),
     )
