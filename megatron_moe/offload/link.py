@@ -240,6 +240,12 @@ class SlotArena:
                               for d, n in self.slot_numel.items()}
             if self.nan_fill:
                 self._fill(i)
+            if self.device.type == "cuda":
+                # the first copy into a new slot (on the link's stream) waits for the compute
+                # stream too: for the fill above, and because the caching allocator may hand out
+                # a block that kernels still queued on the compute stream use
+                self._events[i] = torch.cuda.Event()
+                self._events[i].record()
         return i
 
     def slot(self, i: int) -> dict:
