@@ -741,11 +741,11 @@ def plant_skip_bind(layer_index=1):
     orig = manager._Layer.bind
     state = {"skipped": 0}
 
-    def bind(self, tensors):
+    def bind(self, tensors, *rest):
         if self.index == layer_index and tensors is self.slot_views and not state["skipped"]:
             state["skipped"] += 1
             return None
-        return orig(self, tensors)
+        return orig(self, tensors, *rest)
     manager._Layer.bind = bind
 
     def undo():
@@ -788,7 +788,13 @@ def section_offload(rec, mode, work):
         diff = max((abs(x - y) for x, y in zip(a, b)), default=float("nan"))
         pr = r.get("probe", {})
         good = same and pr.get("calls", 0) > 0 and pr.get("violations", 1) == 0
-        return good, (f"losses {'equal' if same else f'DIFFER (max |diff| {diff:.3g})'}, "
+        # grad norms: the first sign of a gradient lost on its way to the optimizer (the second
+        # GPU run's were lower from iteration 2, its losses equal until iteration 3)
+        ga, gb = r["history"].get("grad_norm", []), ref["history"].get("grad_norm", [])
+        first = next((i for i, (x, y) in enumerate(zip(ga, gb), 1) if x != y), None)
+        norms = "grad norms equal" if first is None else \
+            f"grad norms DIFFER from iteration {first} ({ga[first - 1]:.4g} vs {gb[first - 1]:.4g})"
+        return good, (f"losses {'equal' if same else f'DIFFER (max |diff| {diff:.3g})'}, {norms}, "
                       f"probe {pr.get('calls')} binds "
                       f"checked, {pr.get('violations')} outside the arena")
 

@@ -28,7 +28,9 @@ API (stable; other packages import it)::
         # nan_fill (or MEGATRON_MOE_OFFLOAD_NAN_FILL=1): a released slot is filled with NaN
         # (integer dtypes: -1) so that compute reading a slot whose copy it did not wait for
         # produces NaN instead of passing by luck.
-    i = arena.acquire()          # a free slot index (RuntimeError if none is free)
+    i = arena.acquire()          # a free slot index (RuntimeError if none is free); on CUDA a
+                                 # newly allocated slot's ready_event is recorded on the
+                                 # compute stream (pass it to the first link.copy(after=))
     arena.slot(i) -> {dtype: flat tensor}
     arena.release(i, after=None) # back to the free list (NaN-filled in debug mode); on CUDA,
                                  # `after` is the event after which the slot may be refilled,
