@@ -693,9 +693,9 @@ class ExpertTrace:
                 return
             if i == 0:
                 self.weights.append({})
-            with torch.no_grad():
-                self.weights[-1][i] = torch.cat([p.detach().reshape(-1)[:self.SAMPLE].float().cpu()
-                                                 for p in module.parameters()])
+            with torch.no_grad():  # one host read per layer
+                self.weights[-1][i] = torch.cat([p.detach().reshape(-1)[:self.SAMPLE].float()
+                                                 for p in module.parameters()]).cpu()
             if i == len(self._layers) - 1:
                 self._want_weights = False
         return hook
