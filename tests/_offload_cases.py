@@ -78,6 +78,7 @@ def _mutation(name):
         "skip_unbind": lambda: _skip(ExpertOffload, "_release_after_backward"),
         "skip_host_step_bind": lambda: _skip(ExpertOffload, "_host_step_hook"),
         "skip_writeback": lambda: _skip(HostCache, "_write_back"),
+        "skip_renew_grad_hooks": lambda: _skip(ExpertOffload, "_renew_grad_hooks"),
     }[name]()
 
 
@@ -127,3 +128,66 @@ def run_many_spying_masters(rank, world, argvs, mutations=None):
         return run_many(rank, world, argvs, mutations), seen
     finally:
         manager.ExpertOffload._host_step_hook = orig
+
+
+def emulate_cuda_device_changes():
+    """On CUDA, binding an expert parameter to host memory (``p.data = host tensor``) changes its
+    device, and torch then drops the parameter's AccumulateGrad node (``VariableHooks::set_data``),
+    the node megatron-core's DDP hooked to add grads into ``main_grad``. On the CPU the host copies
+    and the device slots share one device, so nothing is dropped and the loss of DDP's hook cannot
+    show. This patch of the manager's one ``.data`` seam (``manager.set_data``) makes the CPU do
+    what CUDA does: each time a parameter moves between host-tier memory and device-tier memory
+    (the arena's slots, the placeholders, the stand-ins: read from the manager's storages) it first
+    passes through another dtype, the one change of ``.data`` that makes torch drop the node on
+    the CPU. Returns (counters, undo)."""
+    import torch
+
+    from megatron_moe.offload import manager as M
+
+    managers, tier, counts = [], {}, dict(drops=0)
+    orig_set, orig_init = M.set_data, M.ExpertOffload.__init__
+
+    def device_storages(mgr):
+        out = set()
+        for i in range(mgr.arena.slots):
+            try:
+                out |= {t.untyped_storage().data_ptr() for t in mgr.arena.slot(i).values()}
+            except RuntimeError:  # never acquired: no storage yet
+                pass
+        for layer in mgr.layers:
+            out |= {t.untyped_storage().data_ptr() for t in layer.poison + layer.stand_ins}
+        return out
+
+    def set_data(p, data):
+        mgr = next((m for m in managers if p in m._param_layer), None)
+        if mgr is not None:
+            where = "device" if data.untyped_storage().data_ptr() in device_storages(mgr) else "host"
+            if tier.get(p, "device") != where:
+                other = torch.float64 if p.dtype != torch.float64 else torch.float32
+                orig_set(p, torch.empty(0, dtype=other))  # torch drops the node, as on CUDA
+                counts["drops"] += 1
+            tier[p] = where
+        orig_set(p, data)
+
+    def init(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        managers.append(self)
+
+    M.set_data, M.ExpertOffload.__init__ = set_data, init
+
+    def undo():
+        M.set_data, M.ExpertOffload.__init__ = orig_set, orig_init
+    return counts, undo
+
+
+def run_many_on_emulated_cuda(rank, world, argvs, mutations=None):
+    """run_many with emulate_cuda_device_changes() on; returns (runs, drops per run)."""
+    out, drops = [], []
+    for k, argv in enumerate(argvs):
+        counts, undo = emulate_cuda_device_changes()
+        try:
+            out += run_many(rank, world, [argv], {0: mutations[k]} if k in (mutations or {}) else None)
+        finally:
+            undo()
+        drops.append(counts["drops"])
+    return out, drops

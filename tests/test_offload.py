@@ -5,7 +5,9 @@ resumes in every direction (resident -> host, host -> ssd, ssd -> resident) and 
 layer, each left bound until the optimizer step; the [offload] line's device peak, read from the arena's storage, is K/L of the resident
 weights' storage (and K = L breaks the K = 2 bound); leaving out one forward bind, one copy wait,
 one backward re-bind or one host-cache write-back (monkeypatched out) breaks the run, so
-the equality is not luck. Plus parse-time refusals and the SSD host cache (LFU vs LRU,
+the equality is not luck. CUDA's drop of a parameter's grad-accumulator node on a change of
+device (which cost DDP's grad hook on the GPU) is emulated on the CPU, with and without the
+manager's renewal of DDP's hooks. Plus parse-time refusals and the SSD host cache (LFU vs LRU,
 write-back)."""
 
 import re
@@ -239,3 +241,78 @@ def test_offload_cost_model():
     assert abs(at.t_copy() - at.layer_forward_s) < 1e-12 * at.t_copy()
     assert OffloadCost.from_cost_model(cm, 2 * inputs, 4, 8, 25e9).is_free()
     assert not OffloadCost.from_cost_model(cm, inputs / 2, 4, 8, 25e9).is_free()
+
+
+def test_ddp_grad_hooks_survive_the_host_binds_of_a_cuda_run(tmp_path):
+    """On CUDA, binding the experts' parameters to host memory (the host tier's step, the ssd
+    tier's layer-wise step, checkpoints) changes their device, and torch then drops their
+    AccumulateGrad nodes, on which megatron-core's DDP hooked the add of each grad into its buffer
+    (main_grad). The second GPU run showed it: iteration 1 equal to resident, then a lower grad
+    norm (the experts' grads stayed zero) and a slowly drifting loss, under host (bf16) and ssd
+    (fp32) alike. The CPU shares one device, so the test makes every move between host and device
+    memory drop the node as CUDA does (tests/_offload_cases.emulate_cuda_device_changes): with
+    DDP's hook renewed after each host bind, losses and grad norms equal resident's bit for bit;
+    with the renewal left out the run has resident's first iteration and then a lower grad norm."""
+    runs = [_argv(3), _argv(3, *_off("host", tmp_path)), _argv(3, *_off("ssd", tmp_path)),
+            _argv(3, "--bf16"), _argv(3, "--bf16", *_off("host", tmp_path)),
+            _argv(3, *_off("host", tmp_path))]
+    out = run_distributed(C.run_many_on_emulated_cuda, 2, runs, {5: "skip_renew_grad_hooks"},
+                          timeout_s=400)
+    r, drops = out[-1]
+    loss = lambda k: r[k]["history"]["lm_loss"]
+    norm = lambda k: r[k]["history"]["grad_norm"]
+    assert len(loss(0)) == 3 and all(x == x for x in loss(0) + loss(3))
+    for k, ref in ((1, 0), (2, 0), (4, 3)):
+        assert loss(k) == loss(ref) and norm(k) == norm(ref), (k, r[k]["history"], r[ref]["history"])
+        for rank_out, rank_drops in out:
+            # the emulation ran (nodes dropped) and the manager renewed DDP's hooks
+            assert rank_drops[k] > 0 and rank_out[k]["stats"]["grad_hooks_renewed"] > 0
+            assert rank_out[k]["stats"]["steps"] == 3
+    assert drops[0] == drops[3] == 0  # resident runs: nothing offloaded, nothing emulated
+    # mutation: the drop is emulated, the renewal left out -> the experts' grads stop reaching DDP
+    assert drops[5] > 0 and r[5]["stats"]["grad_hooks_renewed"] == 0
+    assert norm(5)[0] == norm(0)[0] and loss(5)[:2] == loss(0)[:2]
+    assert norm(5)[1] < norm(0)[1], (norm(5), norm(0))
+
+
+def test_rehook_moves_ddps_hook_to_the_node_autograd_uses_after_the_drop():
+    """torch drops a parameter's AccumulateGrad node when .data changes device or dtype (a dtype
+    change here, the CPU's only way): DDP's hook on the old node then never fires again (the
+    GPU's lost expert grads); compat.ddp.rehook gives the new node DDP's hook, once, in place of
+    the old one in grad_accs, and leaves an intact node alone."""
+    from megatron_moe.compat import ddp as D
+
+    class FakeDDP(torch.nn.Module):  # megatron-core DDP's two members that rehook uses
+        def __init__(self, module):
+            super().__init__()
+            self.module, self.calls, self.grad_accs = module, 0, []
+            for p in module.parameters():
+                node = D.grad_accumulator(p)
+                node.register_hook(self._make_backward_post_hook(p))
+                self.grad_accs.append(node)
+
+        def _make_backward_post_hook(self, param):
+            def hook(*unused):
+                self.calls += 1
+            return hook
+
+    lin = torch.nn.Linear(3, 2, bias=False)
+    ddp = FakeDDP(lin)
+    p = lin.weight
+    (node,) = ddp.grad_accs
+    assert D.hooked_accumulators([ddp], [p]) == {p: (ddp, node)}
+    backward = lambda: lin(torch.ones(1, 3)).sum().backward()
+    backward()
+    assert ddp.calls == 1
+    assert D.rehook(ddp, p, node) is node   # intact: nothing added
+    backward()
+    assert ddp.calls == 2
+    keep = p.data
+    p.data = keep.double()                  # what p.data = host tensor does on CUDA
+    p.data = keep
+    backward()
+    assert ddp.calls == 2                   # the hook is lost
+    new = D.rehook(ddp, p, node)
+    assert new is not node and ddp.grad_accs == [new]
+    backward()
+    assert ddp.calls == 3

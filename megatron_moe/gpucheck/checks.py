@@ -197,10 +197,11 @@ def _field(line, name):
     return float(m.group(1)) if m else None
 
 
-def train(argv, probe=None):
+def train(argv, probe=None, trace=None):
     """One pretrain() of pretrain_gpt_moe.py in this process. Returns history, per-iteration times
     (the log line's), its TFLOP/s field, loss scales, the allocator's peak over the run (CUDA), the
-    offload manager's stats (when offloading) and the probe's counters."""
+    offload manager's stats (when offloading), the probe's counters and the trace's records
+    (ExpertTrace: the experts' grads and weights per iteration)."""
     import torch
     from megatron.core.enums import ModelType
 
@@ -239,6 +240,7 @@ def train(argv, probe=None):
         base = torch.cuda.memory_allocated()
     tee = _Lines(sys.stdout)
     offload_mod.install = install
+    undo_trace = trace.patch(T.TrainingHooks) if trace is not None else (lambda: None)
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(tee):
@@ -247,6 +249,7 @@ def train(argv, probe=None):
                              pretrain_gpt_moe.forward_step, argv=argv)
     finally:
         offload_mod.install = orig_install
+        undo_trace()
     wall = time.perf_counter() - t0
     its = [l for l in tee.lines if "elapsed time per iteration (ms):" in l]
     out = dict(history=res["history"], wall_s=wall,
@@ -261,6 +264,8 @@ def train(argv, probe=None):
         out["peak_allocated_abs"] = torch.cuda.max_memory_allocated()
     if probe is not None:
         out["probe"] = probe.counts()
+    if trace is not None:
+        out["trace"] = trace.records()
     return out
 
 
@@ -631,6 +636,103 @@ class ArenaProbe:
         return dict(calls=self.calls, violations=self.violations)
 
 
+class ExpertTrace:
+    """Where an offloaded run leaves resident training, per iteration (the offload check's
+    diagnosis when losses differ): after each optimizer step, the norm of each MoE layer's expert
+    grads in DDP's buffer (main_grad, what the step read); at the first experts forward of each
+    iteration, a sample of each layer's expert weights as that forward sees them (the first
+    ``SAMPLE`` elements of every expert parameter: after the offload manager's bind and copy
+    wait, so a stale copy or a lost update shows). Installed for one run through the training
+    loop's hooks (``patch``); the same in resident and offloaded runs."""
+
+    SAMPLE = 256
+
+    def __init__(self):
+        self.grad_norms, self.weights, self._hooks, self._layers = [], [], [], []
+        self._want_weights = True
+
+    def patch(self, hooks_cls):
+        """Wrap ``hooks_cls`` (the loop's TrainingHooks) for one run; returns the undo."""
+        names = ("__init__", "after_optimizer_step")
+        own = {k: hooks_cls.__dict__.get(k) for k in names}  # None: inherited
+        orig_init, orig_after = hooks_cls.__init__, hooks_cls.after_optimizer_step
+        trace = self
+
+        def init(hooks, args, model, optimizer=None):
+            orig_init(hooks, args, model, optimizer)
+            trace.attach(model)
+
+        def after(hooks, update_successful, grad_norm):
+            trace.after_step()
+            return orig_after(hooks, update_successful, grad_norm)
+        hooks_cls.__init__, hooks_cls.after_optimizer_step = init, after
+
+        def undo():
+            for k in names:
+                if own[k] is None:
+                    delattr(hooks_cls, k)
+                else:
+                    setattr(hooks_cls, k, own[k])
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+        return undo
+
+    def attach(self, model):
+        from megatron_moe.offload.manager import moe_layers
+
+        self._layers = [list(experts.parameters()) for _, experts in moe_layers(model)]
+        for i, (_, experts) in enumerate(moe_layers(model)):
+            self._hooks.append(experts.register_forward_pre_hook(self._weights_hook(i)))
+
+    def _weights_hook(self, i):
+        import torch
+
+        def hook(module, args):
+            if not self._want_weights:
+                return
+            if i == 0:
+                self.weights.append({})
+            with torch.no_grad():  # one host read per layer
+                self.weights[-1][i] = torch.cat([p.detach().reshape(-1)[:self.SAMPLE].float()
+                                                 for p in module.parameters()]).cpu()
+            if i == len(self._layers) - 1:
+                self._want_weights = False
+        return hook
+
+    def after_step(self):
+        import torch
+
+        with torch.no_grad():  # one host read per layer
+            self.grad_norms.append([
+                float(torch.stack([p.main_grad.float().norm() for p in ps
+                                   if getattr(p, "main_grad", None) is not None]).norm())
+                for ps in self._layers])
+        self._want_weights = True
+
+    def records(self):
+        return dict(grad_norms=self.grad_norms,
+                    weights=[[w[i] for i in sorted(w)] for w in self.weights])
+
+    @staticmethod
+    def compare(run, ref):
+        """Short figures: the first iteration whose expert grads (any layer) differ from the
+        reference run's, and the largest |weight difference| the forward of each iteration sees."""
+        a, b = run.get("trace"), ref.get("trace")
+        if not a or not b:
+            return None
+        first_grad, layers = None, []
+        for it, (ga, gb) in enumerate(zip(a["grad_norms"], b["grad_norms"]), 1):
+            differ = [i for i, (x, y) in enumerate(zip(ga, gb)) if x != y]
+            if differ:
+                first_grad = dict(iteration=it, layers=differ,
+                                  norms=[round(x, 5) for x in ga], resident=[round(y, 5) for y in gb])
+                break
+        w_diff = [max(float((x - y).abs().max()) for x, y in zip(wa, wb))
+                  for wa, wb in zip(a["weights"], b["weights"])]
+        return dict(first_expert_grad_diff=first_grad, max_weight_diff_per_forward=w_diff)
+
+
 def plant_skip_bind(layer_index=1):
     """The planted fault: MoE layer ``layer_index`` skips its bind to the device slot once (its
     experts then compute on the host buffer, or on an ssd placeholder). Returns an undo."""
@@ -639,11 +741,11 @@ def plant_skip_bind(layer_index=1):
     orig = manager._Layer.bind
     state = {"skipped": 0}
 
-    def bind(self, tensors):
+    def bind(self, tensors, *rest):
         if self.index == layer_index and tensors is self.slot_views and not state["skipped"]:
             state["skipped"] += 1
             return None
-        return orig(self, tensors)
+        return orig(self, tensors, *rest)
     manager._Layer.bind = bind
 
     def undo():
@@ -668,7 +770,8 @@ def section_offload(rec, mode, work):
         probe = ArenaProbe() if "--moe-expert-offload" in extra else None
         undo = plant_skip_bind() if plant else None
         try:
-            out = train(_argv(mode, MID, n, *precision, *extra), probe=probe)
+            out = train(_argv(mode, MID, n, *precision, *extra), probe=probe,
+                        trace=None if plant else ExpertTrace())
             out["error"] = None
         except BaseException as exc:  # a crash is an outcome here (SystemExit from a NaN loss too)
             out = dict(error=_last(traceback.format_exc()) or repr(exc))
@@ -685,7 +788,13 @@ def section_offload(rec, mode, work):
         diff = max((abs(x - y) for x, y in zip(a, b)), default=float("nan"))
         pr = r.get("probe", {})
         good = same and pr.get("calls", 0) > 0 and pr.get("violations", 1) == 0
-        return good, (f"losses {'equal' if same else f'DIFFER (max |diff| {diff:.3g})'}, "
+        # grad norms: the first sign of a gradient lost on its way to the optimizer (the second
+        # GPU run's were lower from iteration 2, its losses equal until iteration 3)
+        ga, gb = r["history"].get("grad_norm", []), ref["history"].get("grad_norm", [])
+        first = next((i for i, (x, y) in enumerate(zip(ga, gb), 1) if x != y), None)
+        norms = "grad norms equal" if first is None else \
+            f"grad norms DIFFER from iteration {first} ({ga[first - 1]:.4g} vs {gb[first - 1]:.4g})"
+        return good, (f"losses {'equal' if same else f'DIFFER (max |diff| {diff:.3g})'}, {norms}, "
                       f"probe {pr.get('calls')} binds "
                       f"checked, {pr.get('violations')} outside the arena")
 
@@ -706,14 +815,26 @@ def section_offload(rec, mode, work):
         caught, why_p = verdict(planted, resident)
         caught = not caught and planted.get("planted_skips", 0) == 1
         fig = dict(resident_losses=resident["history"]["lm_loss"])
-        for name, r in (("host", h), ("ssd", s)):
+        diagnosis = []
+        for name, r, ref in (("host", h, resident), ("ssd", s, resident32)):
             st = r.get("stats", {})
+            trace = ExpertTrace.compare(r, ref)
             fig[name] = dict(losses=r.get("history", {}).get("lm_loss"), error=r.get("error"),
+                             grad_norms=r.get("history", {}).get("grad_norm"),
+                             resident_grad_norms=ref.get("history", {}).get("grad_norm"),
                              manager_device_peak=st.get("device_peak"),
                              resident_expert_bytes=st.get("resident"),
                              hidden_copy_fraction=st.get("hidden"), copy_s=st.get("copy_s"),
                              wait_s=st.get("wait_s"), probe=r.get("probe"),
+                             grad_hooks_renewed=st.get("grad_hooks_renewed"), trace=trace,
                              peak_allocated=r.get("peak_allocated"))
+            if trace and (trace["first_expert_grad_diff"] or any(trace["max_weight_diff_per_forward"])):
+                g = trace["first_expert_grad_diff"]
+                diagnosis.append(
+                    f"{name}: expert grads first differ at iteration "
+                    f"{g['iteration'] if g else '-'} (layers {g['layers'] if g else '-'}), "
+                    "max |expert weight diff| seen by each iteration's forward "
+                    f"{[float(f'{x:.2g}') for x in trace['max_weight_diff_per_forward']]}")
         fig["resident_peak_allocated"] = resident.get("peak_allocated")
         fig["resident_fp32_losses"] = resident32["history"]["lm_loss"]
         fig["resident_fp32_peak_allocated"] = resident32.get("peak_allocated")
@@ -729,6 +850,8 @@ def section_offload(rec, mode, work):
                    f"{100 * hid:.0f}% (host)" if hid is not None else
                    f"host K=2: {why_h}; ssd K=2: {why_s}{mem}")
         summary += f"; planted skipped bind {'DETECTED' if caught else 'NOT DETECTED'} ({why_p})"
+        if diagnosis:
+            summary += "; " + "; ".join(diagnosis)
         if plant_all:
             summary += f"; {PLANT_ENV}=skip-bind planted into the host run"
         rec.record("offload", ok_h and ok_s and caught, summary, fig,

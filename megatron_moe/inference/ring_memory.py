@@ -167,7 +167,8 @@ class RingMemory:
         self.last_active = {}  # layer -> experts that received tokens at its last forward
         self.counters = dict(copies=0, bytes_copied=0, expert_misses=0, miss_bytes=0)
         for i in range(self.k):  # the first K layers fill the K slots (allocated here)
-            self._load(i, self.arena.acquire())
+            slot = self.arena.acquire()  # on CUDA its first copy waits for the compute stream
+            self._load(i, slot, after=self.arena.ready_event(slot))
         # parameter views into each slot, made once (not inside the engine's inference mode)
         self._views = {(i, s): layout.views(self.arena.slot(s))
                        for i, layout in enumerate(self.layouts) for s in range(self.k)}

@@ -28,7 +28,9 @@ API (stable; other packages import it)::
         # nan_fill (or MEGATRON_MOE_OFFLOAD_NAN_FILL=1): a released slot is filled with NaN
         # (integer dtypes: -1) so that compute reading a slot whose copy it did not wait for
         # produces NaN instead of passing by luck.
-    i = arena.acquire()          # a free slot index (RuntimeError if none is free)
+    i = arena.acquire()          # a free slot index (RuntimeError if none is free); on CUDA a
+                                 # newly allocated slot's ready_event is recorded on the
+                                 # compute stream (pass it to the first link.copy(after=))
     arena.slot(i) -> {dtype: flat tensor}
     arena.release(i, after=None) # back to the free list (NaN-filled in debug mode); on CUDA,
                                  # `after` is the event after which the slot may be refilled,
@@ -240,6 +242,12 @@ class SlotArena:
                               for d, n in self.slot_numel.items()}
             if self.nan_fill:
                 self._fill(i)
+            if self.device.type == "cuda":
+                # the first copy into a new slot (on the link's stream) waits for the compute
+                # stream too: for the fill above, and because the caching allocator may hand out
+                # a block that kernels still queued on the compute stream use
+                self._events[i] = torch.cuda.Event()
+                self._events[i].record()
         return i
 
     def slot(self, i: int) -> dict:

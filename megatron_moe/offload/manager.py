@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from megatron_moe.compat import ddp as ddp_compat
 from megatron_moe.offload.link import CopyLink, SlotArena, storage_bytes
 from megatron_moe.offload.store import HostCache, SsdFile
 
@@ -50,6 +51,23 @@ def moe_layers(model_chunks):
             if experts is not None and any(True for _ in experts.parameters()):
                 out.append((mlp, experts))
     return out
+
+
+def set_data(p, data):
+    """``p.data = data``. Every ``.data`` the manager sets goes through here: on the CPU the tests
+    emulate here what a change of device does on CUDA (megatron_moe/compat/ddp.py)."""
+    p.data = data
+
+
+def set_data_with_grad(p, data):
+    """set_data, carrying ``p.grad`` to data's device (torch checks .grad against .data)."""
+    g = p.grad
+    if g is not None and g.device != data.device:
+        p.grad = None
+        set_data(p, data)
+        p.grad = g.to(data.device)
+    else:
+        set_data(p, data)
 
 
 def _leaf_optimizers(optimizer):
@@ -95,15 +113,17 @@ class _Layer:
         self.handle = None
         self.version = -1
         self.bound = False
+        self.on_host = False      # bound to host tensors (a host step, a checkpoint): see _unbind
         self.last_bound = 0
         self.bwd_left = 0
 
     def views(self, flat):
         return [flat[o:o + n].view(shape) for shape, o, n in zip(self.shapes, self.offsets, self.numels)]
 
-    def bind(self, tensors):
+    def bind(self, tensors, carry_grads=False):
+        put = set_data_with_grad if carry_grads else set_data
         for p, t in zip(self.params, tensors):
-            p.data = t
+            put(p, t)
 
 
 class ExpertOffload:
@@ -135,6 +155,11 @@ class ExpertOffload:
         for layer in self.layers:
             for p in layer.params:
                 self._param_layer[p] = layer
+        # DDP's grad hook sits on each parameter's AccumulateGrad node, which autograd drops when
+        # .data changes device (binding host copies on CUDA): found now, renewed in _unbind
+        self._ddp_nodes = ddp_compat.hooked_accumulators(model_chunks, self._param_layer)
+        self.grad_hooks_renewed = 0
+        for layer in self.layers:
             # between uses: NaN (debug; a missed bind computes NaN) or a zero-element tensor (a
             # missed bind fails on the shape); never the host copy, which would pass silently
             layer.stand_ins = [torch.full((), float("nan"), dtype=p.dtype, device=self.device)
@@ -173,7 +198,7 @@ class ExpertOffload:
                 for mp_, main in zip(model_group, main_group):
                     if mp_ in self._param_layer:
                         if main.device.type != "cpu":
-                            main.data = main.data.cpu().pin_memory() if pin else main.data.cpu()
+                            set_data(main, main.data.cpu().pin_memory() if pin else main.data.cpu())
                         self._masters[main] = (main.data, torch.full(
                             (), float("nan"), dtype=main.dtype, device=self.device
                         ).expand(main.shape))
@@ -294,8 +319,34 @@ class ExpertOffload:
         self._unbind(layer)
 
     def _unbind(self, layer):
+        if layer.on_host:
+            self._renew_grad_hooks(layer)
         layer.bind(layer.poison)
         layer.bound = False
+
+    def _bind_host(self, layer, tensors, carry_grads=False):
+        """The layer's parameters -> host tensors: the host tier's copies for its step and for
+        checkpoints, the ssd tier's cache entries. On CUDA a change of device: _unbind renews
+        DDP's grad hooks afterwards (megatron_moe/compat/ddp.py)."""
+        layer.bind(tensors, carry_grads)
+        layer.on_host = True
+        layer.bound = False
+
+    def _renew_grad_hooks(self, layer):
+        """Back from host tensors: autograd dropped each parameter's AccumulateGrad node, which
+        carried megatron-core DDP's hook (the add of the grad into main_grad); without a new
+        one the parameters' grads never reach DDP's buffer and the step sees zeros (the second
+        GPU run: grad norm below resident's from iteration 2). The new node is made while the
+        parameters are their shape-true device stand-ins (it records shape, dtype, device)."""
+        layer.bind(layer.stand_ins)
+        for p in layer.params:
+            if p in self._ddp_nodes:
+                ddp, node = self._ddp_nodes[p]
+                new = ddp_compat.rehook(ddp, p, node)
+                if new is not node:
+                    self._ddp_nodes[p] = (ddp, new)
+                    self.grad_hooks_renewed += 1
+        layer.on_host = False
 
     def _bind_step_views(self):
         """Start of megatron-core's step: every offloaded parameter and master -> a shape-true
@@ -305,31 +356,19 @@ class ExpertOffload:
         host copies (host tier, _host_step_hook) or each layer's states (ssd tier)."""
         self.link.drain()  # no copy may read a master weight while the step writes it
         for layer in self.layers:
+            self._unbind(layer)
             layer.bind(layer.stand_ins)
-            layer.bound = False
         for main, (_, stand_in) in self._masters.items():
-            main.data = stand_in
-
-    @staticmethod
-    def _rebind(p, data):
-        """p.data = data, carrying p.grad to data's device (torch checks .grad against .data)."""
-        g = p.grad
-        if g is not None and g.device != data.device:
-            p.grad = None
-            p.data = data
-            p.grad = g.to(data.device)
-        else:
-            p.data = data
+            set_data(main, stand_in)
 
     def _bind_host_copies(self):
         """Host tier: every layer's .data -> its host copy (a layer still bound is updated there,
         not in its slot), every master -> its host storage."""
+        self.link.drain()  # no copy in flight reads a host copy that the step or a load writes
         for layer in self.layers:
-            for p, v in zip(layer.params, layer.host_views):
-                self._rebind(p, v)
-            layer.bound = False
+            self._bind_host(layer, layer.host_views, carry_grads=True)
         for main, (host, _) in self._masters.items():
-            self._rebind(main, host)
+            set_data_with_grad(main, host)
 
     def _host_step_hook(self, opt, args, kwargs):
         self._bind_host_copies()
@@ -392,7 +431,7 @@ class ExpertOffload:
             finally:  # the masters' home is the host, also when the step was skipped (fp16)
                 for main, (host, _) in self._masters.items():
                     main.grad = None
-                    main.data = host
+                    set_data(main, host)
                 self._weights_changed()
                 self.steps += 1
                 self._interval["steps"] += 1
@@ -443,7 +482,7 @@ class ExpertOffload:
         return layer.views(m[:n]), layer.views(m[n:])
 
     def _bind_states(self, layer, w, m):
-        layer.bind(layer.views(w))
+        self._bind_host(layer, layer.views(w))
         avg, sq = self._state_views(layer, m)
         for opt in self.torch_opts:
             for p, a, s in zip(layer.params, avg, sq):
@@ -545,7 +584,8 @@ class ExpertOffload:
                    expert_param_bytes=sum(l.nbytes for l in self.layers), slots=self.k,
                    layers=len(self.layers), host=self.host_bytes(), ssd=self.ssd_bytes(),
                    hidden=link["hidden_fraction"], copy_s=link["copy_s"], wait_s=link["wait_s"],
-                   link_bytes=link["bytes"], steps=self.steps)
+                   link_bytes=link["bytes"], steps=self.steps,
+                   grad_hooks_renewed=self.grad_hooks_renewed)
         if self.cache is not None:
             out.update(cache_hit_rate=self.cache.hit_rate(), cache_peak=self.cache.peak_bytes,
                        ssd_read=self.cache.ssd.bytes_read, ssd_written=self.cache.ssd.bytes_written)
