@@ -11,8 +11,9 @@ trained for a few iterations by
   ``SequentialMLP``, the unfused local attention),
 * ``torchtitan``: its Qwen3 MoE model (``_build_qwen3_moe_layers``; Mixtral-like is that model
   without the q/k norms), its FSDP2 mixed-precision wrapping at world size 1, its loss, optimizer
-  container, LR scheduler and grad clipping, in the order of its ``Trainer.train_step``, on our
-  synthetic batch instead of its data stack,
+  container, LR scheduler and grad clipping, in the order of its ``Trainer.train_step`` with its
+  defaults (on CUDA the forward and backward replayed as one CUDA graph), on our synthetic batch
+  instead of its data stack,
 * ``transformers``: ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` from a config, fp32 weights
   under bf16 autocast (what its Trainer does with ``bf16=True``), AdamW, grad clipping,
 
@@ -81,9 +82,12 @@ SPEED_CANDIDATES = ((("--moe-grouped-gemm",), ("--moe-torch-grouped-gemm",)),
 TARGETS = {"mixtral": dict(mfu=0.40), "finegrained": dict(mfu=0.25),
            "vs_torchtitan": 1.0, "vs_stock": 5.0}
 LR, MIN_LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 3e-5, 0.1, (0.9, 0.95), 1.0
-# profiler event names: CUDA runtime/driver calls that launch a kernel or block the host
+# profiler event names: CUDA runtime/driver calls that launch a kernel or block the host. A CUDA
+# graph replay (torchtitan's default forward and backward) is one launch call for all the kernels
+# it captured: counted here as one, and reported apart as graph launches
+GRAPH_LAUNCH_EVENTS = ("cudaGraphLaunch",)
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-                 "cudaLaunchCooperativeKernel")
+                 "cudaLaunchCooperativeKernel") + GRAPH_LAUNCH_EVENTS
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 # aten ops that read a device value on the host (they block the host on CUDA)
 HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
@@ -238,6 +242,7 @@ def count_events(prof, iters, gpu):
     out = dict(aten_ops_per_iter=per(ops), host_reads_per_iter=per(reads))
     if gpu:
         out.update(launches_per_iter=per(sum(by.get(k, 0) for k in LAUNCH_EVENTS)),
+                   graph_launches_per_iter=per(sum(by.get(k, 0) for k in GRAPH_LAUNCH_EVENTS)),
                    syncs_per_iter=per(sum(by.get(k, 0) for k in SYNC_EVENTS)))
     return out
 
@@ -334,21 +339,28 @@ def _titan_cpu_device():
 
 def row_torchtitan(s, gpu, meter):
     """torchtitan's Qwen3 MoE model and training step (torchtitan/trainer.py ``train_step`` and
-    ``_forward_backward_body`` at world size 1 without pipeline parallelism), our batch."""
+    ``_forward_backward_body`` at world size 1 without pipeline parallelism, its defaults: the
+    forward and backward captured in one CUDA graph on CUDA, gradients zeroed in place), our
+    batch."""
     import torch
 
     if importlib.util.find_spec("torchtitan") is None:
         raise RowSkipped(f"torchtitan is not installed here: scripts/gpu_wheels.sh carries "
                          f"torchtitan=={TORCHTITAN} and its imported dependencies to the GPU "
                          f"machine; for the CPU mode install them (docs/gpu.md)")
+    from megatron_moe.compat.torchtitan import bridge_fsdp_mesh_dims
+
+    bridged = bridge_fsdp_mesh_dims()   # before any torchtitan module: torch 2.11 (see there)
     _init_dist(gpu)
     _titan_cpu_device()
+    import spmd_types as spmd
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.cudagraph import cudagraph_teardown, wrap_with_cuda_graph
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers,
@@ -377,47 +389,69 @@ def row_torchtitan(s, gpu, meter):
         layers=layers)
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     parallelism = ParallelismConfig()
+    training = TrainingConfig()   # bf16 params / fp32 reduce, CUDA graphs on: its defaults
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     with torch.device("meta"):
         model = config.build()
     # its FSDP2 wrapping: bf16 compute copies of fp32 parameters (training.mixed_precision_param)
-    model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(),
+    model = parallelize_qwen3(model, parallel_dims=dims, training=training,
                               parallelism=parallelism, compile_config=CompileConfig(),
                               ac_config=None, dump_folder=os.environ.get("TMPDIR", "/tmp"))
     device = torch.device("cuda" if gpu else "cpu")
     model.to_empty(device=device)
+    torch.manual_seed(1234)   # the seed of the other rows (its Trainer leaves it unset)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
     optimizers = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
         pattern=".*", optimizer_name="AdamW", optimizer_kwargs=dict(
             lr=LR, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY))]).build(model_parts=[model])
-    schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers,
-                                                      training_steps=meter.total)
-    loss_fn = CrossEntropyLoss.Config().build()
+    # the Megatron rows' schedule: one warm-up step, cosine decay to MIN_LR over the run
+    schedulers = LRSchedulersContainer.Config(
+        warmup_steps=1, decay_type="cosine", min_lr_factor=MIN_LR / LR).build(
+        optimizers=optimizers, training_steps=meter.total)
+    loss_fn = CrossEntropyLoss.Config().build(compile_config=CompileConfig())
     context = dist_utils.get_spmd_context(parallel_dims=dims)
     batch = synthetic_batch(s)
     inputs, labels = batch[:, :-1].to(device), batch[:, 1:].to(device)
     valid = torch.tensor(labels.numel(), device=device)
     params = list(model.parameters())
 
-    def one():
-        optimizers.zero_grad()
+    def forward_backward(inputs, labels, global_valid_tokens, extra_kwargs):
         with context():
-            pred = model(inputs)
-            loss, _ = loss_fn(pred, labels, valid)
+            pred = model(inputs, **extra_kwargs)
+            loss, _ = loss_fn(pred, labels, global_valid_tokens)
             del pred
-            loss.backward()
+            with spmd.no_typecheck():
+                loss.backward()
+        return loss
+    # its Trainer: on CUDA the first call runs eagerly on a side stream, the second captures the
+    # graph, later calls replay it (on the CPU it warns and stays eager)
+    graphed = not training.disable_cuda_graphs and gpu
+    fwd_bwd = wrap_with_cuda_graph(forward_backward) if graphed else forward_backward
+
+    def one():
+        # gradients must keep their addresses for a captured graph: zeroed, not freed
+        optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)
+        loss = fwd_bwd(inputs, labels, valid, {})
         dist_utils.clip_grad_norm_(params, CLIP, foreach=True)
         optimizers.step()
         schedulers.step()
-        return loss.item()   # its train_step reads the loss for logging every step as well
-    for _ in range(meter.total):
-        meter.step(one)
-    return dict(params=sum(p.numel() for p in params),
-                how=f"torchtitan {importlib.metadata.version('torchtitan')} Qwen3 MoE, FSDP2 "
-                    "bf16 params / fp32 reduce at world size 1, SDPA, grouped_mm experts, fused "
-                    "AdamW")
+        return loss.item()   # its train_step reads the loss for logging as well
+    try:
+        for _ in range(meter.total):
+            meter.step(one)
+    finally:
+        if graphed:
+            cudagraph_teardown()
+    how = (f"torchtitan {importlib.metadata.version('torchtitan')} Qwen3 MoE, FSDP2 bf16 params "
+           "/ fp32 reduce at world size 1, SDPA, grouped_mm experts, fused AdamW, forward and "
+           + ("backward in one CUDA graph (its default)" if graphed else "backward eager")
+           + f"; torch {torch.__version__}"
+           + (" without DataParallelMeshDims (bridged: megatron_moe/compat/torchtitan.py)"
+              if bridged else ""))
+    return dict(params=sum(p.numel() for p in params), how=how, cuda_graph=graphed,
+                bridged_fsdp_mesh_dims=bridged)
 
 
 def row_transformers(s, gpu, meter):
@@ -663,8 +697,10 @@ def write_reports(outdir, checks, mode):
                 mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
                 mem = (f"{r['peak_allocated'] / 2**30:.2f}" if r.get("peak_allocated")
                        else "-")
+                graphs = (f" ({r['graph_launches_per_iter']:.0f} CUDA graph)"
+                          if r.get("graph_launches_per_iter") else "")
                 lines.append(f"| {name} | {tok} | {mfu} | {mem} | "
-                             f"{r.get('launches_per_iter', 0):.0f} | "
+                             f"{r.get('launches_per_iter', 0):.0f}{graphs} | "
                              f"{r.get('syncs_per_iter', 0):.0f} | "
                              f"{r.get('host_reads_per_iter', 0):.0f} | {r.get('same_model')} | "
                              f"{how} |")
