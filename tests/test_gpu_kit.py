@@ -234,3 +234,44 @@ def test_torchtitan_imports_on_a_torch_without_fsdp_mesh_dims(bridge):
     else:
         assert p.returncode != 0
         assert "cannot import name 'DataParallelMeshDims'" in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["graph_fails_eager_runs", "both_fail", "cpu"])
+def test_torchtitan_row_runs_eager_once_more_when_its_cuda_graph_run_fails(case, tmp_path,
+                                                                           monkeypatch):
+    """On the GPU the torchtitan row runs with its default CUDA graph; if that row fails the
+    runner runs it once more eager (its training.disable_cuda_graphs) and reports why. Other rows
+    and the CPU mode are never run twice; a failing retry keeps both errors."""
+    import io
+
+    from megatron_moe.gpucheck import perf
+
+    cpu = case == "cpu"
+    s = perf.SHAPES["mixtral"]["cpu" if cpu else "gpu"]
+    calls = []
+
+    def fake_row(system, shape, cpu_, result, log, limit_s, eager=False):
+        calls.append((system, eager))
+        if system == "torchtitan" and not eager or case == "both_fail":
+            return dict(error=f"{system}: RuntimeError: operation not permitted when stream is "
+                              "capturing", wall_s=1.0, ended="ok")
+        return dict(params=perf.expected_params(s), how=f"{system} row", losses=[2.0, 1.0],
+                    iter_s=0.5, iter_s_all=[0.5], wall_s=1.0, ended="ok")
+    monkeypatch.setattr(perf, "_row_process", fake_row)
+    data = perf.run_section(cpu, str(tmp_path), io.StringIO(), 540, shapes=["mixtral"],
+                            systems=["ours", "torchtitan"])
+    (check,) = data["checks"]
+    titan = check["figures"]["rows"]["torchtitan"]
+    if case == "cpu":
+        assert calls == [("ours", False), ("torchtitan", False)] and check["status"] == "FAIL"
+        assert "eager retry" not in titan["error"]
+    elif case == "both_fail":
+        assert calls == [("ours", False), ("torchtitan", False), ("torchtitan", True)]
+        assert check["status"] == "FAIL" and "| eager retry: torchtitan: Runtime" in titan["error"]
+    else:
+        assert calls == [("ours", False), ("torchtitan", False), ("torchtitan", True)]
+        assert check["status"] == "PASS" and titan["same_model"], check["summary"]
+        assert "stream is capturing" in titan["cuda_graph_error"]
+        assert "ran eager because its default CUDA graph run failed" in titan["how"]
+        assert "torchtitan (eager: its CUDA graph run failed)" in check["summary"]
+        assert check["figures"]["ratios"]["ours/torchtitan"] == 1.0

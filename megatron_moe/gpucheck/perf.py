@@ -337,11 +337,11 @@ def _titan_cpu_device():
         tu.device_type, tu.device_module = "cpu", torch.cpu
 
 
-def row_torchtitan(s, gpu, meter):
+def row_torchtitan(s, gpu, meter, eager=False):
     """torchtitan's Qwen3 MoE model and training step (torchtitan/trainer.py ``train_step`` and
     ``_forward_backward_body`` at world size 1 without pipeline parallelism, its defaults: the
     forward and backward captured in one CUDA graph on CUDA, gradients zeroed in place), our
-    batch."""
+    batch. ``eager``: its ``training.disable_cuda_graphs`` (the runner's retry, ``run_section``)."""
     import torch
 
     if importlib.util.find_spec("torchtitan") is None:
@@ -389,7 +389,8 @@ def row_torchtitan(s, gpu, meter):
         layers=layers)
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     parallelism = ParallelismConfig()
-    training = TrainingConfig()   # bf16 params / fp32 reduce, CUDA graphs on: its defaults
+    # its defaults: bf16 params / fp32 reduce, CUDA graphs on
+    training = TrainingConfig(disable_cuda_graphs=eager)
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     with torch.device("meta"):
         model = config.build()
@@ -504,8 +505,9 @@ def row_transformers(s, gpu, meter):
                     "under bf16 autocast, AdamW")
 
 
-def run_row(system, shape, mode):
-    """One row in this process: the figures of ``system`` training ``shape``."""
+def run_row(system, shape, mode, eager=False):
+    """One row in this process: the figures of ``system`` training ``shape`` (``eager``: see
+    ``row_torchtitan``)."""
     gpu = mode == "gpu"
     s = SHAPES[shape][mode]
     n = ITERS[mode]
@@ -513,7 +515,7 @@ def run_row(system, shape, mode):
     if system in ("ours", "stock"):
         out = row_megatron(s, gpu, meter, stock=system == "stock")
     elif system == "torchtitan":
-        out = row_torchtitan(s, gpu, meter)
+        out = row_torchtitan(s, gpu, meter, eager=eager)
     elif system == "transformers":
         out = row_transformers(s, gpu, meter)
     else:
@@ -524,9 +526,9 @@ def run_row(system, shape, mode):
 
 
 # --- the runner ---------------------------------------------------------------------------------
-def _row_process(system, shape, cpu, result, log, limit_s):
+def _row_process(system, shape, cpu, result, log, limit_s, eager=False):
     cmd = [sys.executable, "-m", "megatron_moe.gpucheck.perf", "row", system, shape,
-           "--result", result] + (["--cpu"] if cpu else [])
+           "--result", result] + (["--cpu"] if cpu else []) + (["--eager"] if eager else [])
     log.write(f"\n===== perf row {shape}/{system} (limit {limit_s:.0f}s): {' '.join(cmd)}\n")
     log.flush()
     why, took = run_bounded(cmd, log, limit_s, ROOT, cpu)
@@ -591,7 +593,8 @@ def verdict(shape, mode, rows, peak_tflops):
               if gpu and r.get("launches_per_iter") is not None else
               f", {r.get('aten_ops_per_iter', 0):.0f} aten ops, "
               f"{r.get('host_reads_per_iter', 0):.0f} host reads/it")
-        parts.append(f"{name} {r['tokens_per_s']:.0f} tok/s{mfu}{mem}{ev}")
+        fell_back = " (eager: its CUDA graph run failed)" if r.get("cuda_graph_error") else ""
+        parts.append(f"{name}{fell_back} {r['tokens_per_s']:.0f} tok/s{mfu}{mem}{ev}")
     rs = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if v is not None)
     summary = (f"{s['experts']} experts top-{s['topk']}, {_count(want)} params, "
                f"{s['batch']}x{s['seq']} tokens: " + "; ".join(parts) + (f"; {rs}" if rs else ""))
@@ -650,7 +653,21 @@ def run_section(cpu, work, log, budget_s, shapes=None, systems=None):
             continue
         limit = min(ROW_CAP_S[system][1 if cpu else 0], left - reserve)
         result = os.path.join(work, f"perf_{shape}_{system}.json")
-        rows[shape][system] = _row_process(system, shape, cpu, result, log, limit)
+        row = _row_process(system, shape, cpu, result, log, limit)
+        left = budget_s - (time.monotonic() - t0)
+        if system == "torchtitan" and not cpu and row.get("error") and left - reserve >= limit:
+            # its default CUDA graph of the forward and backward failed (or something else did):
+            # once more without it, reported as such, rather than no torchtitan figure at all
+            retry = _row_process(system, shape, cpu, result.replace(".json", "_eager.json"),
+                                 log, limit, eager=True)
+            if not retry.get("error"):
+                retry["cuda_graph_error"] = row["error"]
+                retry["how"] = (f"{retry.get('how', '')}; ran eager because its default CUDA "
+                                f"graph run failed: {row['error']}")
+                row = retry
+            else:
+                row["error"] += f" | eager retry: {retry['error']}"
+        rows[shape][system] = row
     for shape in shapes:
         ok, summary, figures, skipped = verdict(shape, mode, rows[shape], peak)
         checks.append(dict(name=f"perf-{shape}", status="PASS" if ok else "FAIL",
@@ -731,11 +748,13 @@ def main(argv=None):
     r.add_argument("shape", choices=list(SHAPES))
     r.add_argument("--result", required=True)
     r.add_argument("--cpu", action="store_true")
+    r.add_argument("--eager", action="store_true",
+                   help="torchtitan: its training.disable_cuda_graphs (forward and backward eager)")
     a = p.parse_args(argv)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     try:
-        out = run_row(a.system, a.shape, "cpu" if a.cpu else "gpu")
+        out = run_row(a.system, a.shape, "cpu" if a.cpu else "gpu", eager=a.eager)
     except RowSkipped as exc:
         out = dict(skipped=str(exc))
     except BaseException:  # a crash is this row's result; the runner goes on with the others
