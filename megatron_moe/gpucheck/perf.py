@@ -439,12 +439,10 @@ def row_torchtitan(s, gpu, meter, eager=False):
         optimizers.step()
         schedulers.step()
         return loss.item()   # its train_step reads the loss for logging as well
-    try:
-        for _ in range(meter.total):
-            meter.step(one)
-    finally:
-        if graphed:
-            cudagraph_teardown()
+    for _ in range(meter.total):
+        meter.step(one)
+    if graphed:   # its graphs go before the process group does (a failed run just exits)
+        cudagraph_teardown()
     how = (f"torchtitan {importlib.metadata.version('torchtitan')} Qwen3 MoE, FSDP2 bf16 params "
            "/ fp32 reduce at world size 1, SDPA, grouped_mm experts, fused AdamW, forward and "
            + ("backward in one CUDA graph (its default)" if graphed else "backward eager")
