@@ -24,7 +24,8 @@ if [ -x "$VENV/bin/python" ]; then
       exit 1
     fi
   fi
-  if [ -f "$STAMP" ] && [ "$STAMP" -nt "$ROOT/pyproject.toml" ]; then
+  if [ -f "$STAMP" ] && [ "$STAMP" -nt "$ROOT/pyproject.toml" ] \
+     && [ "$STAMP" -nt "$ROOT/megatron_moe/gpucheck/wheels.py" ]; then
     exit 0
   fi
 else
@@ -37,6 +38,12 @@ fi
 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
 # lm-evaluation-harness without its metric-only dependencies (pyproject's `eval` extra has the rest)
 "$VENV/bin/python" -m pip install -q --no-deps "lm-eval==0.4.13"
+# the performance section's torchtitan row (tests/test_gpu_check.py runs it): the kit's pinned
+# PERF_WHEELS, without their own requirements (torchtitan's name its data stack, unused)
+perf="$(cd "$ROOT" && "$VENV/bin/python" -c 'from megatron_moe.gpucheck.wheels import PERF_WHEELS
+print(" ".join(PERF_WHEELS))')"
+# shellcheck disable=SC2086  # one word per requirement
+"$VENV/bin/python" -m pip install -q --no-deps $perf
 "$VENV/bin/python" -W ignore -c 'import sys, torch, megatron.core as m
 print(f"{sys.argv[1]}: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")' "$VENV"
 touch "$STAMP"

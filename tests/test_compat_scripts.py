@@ -42,8 +42,11 @@ def test_setup_env_refuses_a_venv_built_with_another_python(tmp_path):
 def test_run_tests_fails_when_pytest_collects_nothing():
     venv = sys.prefix
     stamp = os.path.join(venv, ".megatron-moe-installed")
+    # what setup_env.sh compares its stamp with (newer than both: nothing to install)
+    inputs = [os.path.join(ROOT, "pyproject.toml"),
+              os.path.join(ROOT, "megatron_moe", "gpucheck", "wheels.py")]
     if not (os.path.exists(stamp) and
-            os.path.getmtime(stamp) > os.path.getmtime(os.path.join(ROOT, "pyproject.toml"))):
+            all(os.path.getmtime(stamp) > os.path.getmtime(f) for f in inputs)):
         pytest.skip(f"{venv} is not a current scripts/setup_env.sh venv (it would reinstall)")
     out = _run(["bash", os.path.join(SCRIPTS, "run_tests.sh"), "--collect-only",
                 "-k", "no_test_has_this_name_zzz", os.path.join("tests", "test_compat_scripts.py")],

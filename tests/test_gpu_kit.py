@@ -3,6 +3,7 @@ FLOP count (megatron_moe/flops.py) and the planted offload fault that must fail 
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -34,8 +35,10 @@ def test_wheels_are_the_runtime_dependencies_the_gpu_machine_lacks(tmp_path):
                    "Requires-Dist: pywin32; sys_platform == \"win32\"\n"
                    "Requires-Dist: psutil; python_version >= \"3.12\"\n")
     reqs = wheels.wheel_requirements(str(w))
-    assert reqs == ["torch>=2.6.0", "packaging>=24.2", 'psutil; python_version >= "3.12"']
-    assert wheels.missing(reqs) == ["packaging>=24.2", 'psutil; python_version >= "3.12"']
+    # markers evaluated for the GPU machine (Python 3.12, Linux), whatever runs this, and removed:
+    # pip download would evaluate them against its own interpreter
+    assert reqs == ["torch>=2.6.0", "packaging>=24.2", "psutil"]
+    assert wheels.missing(reqs) == ["packaging>=24.2", "psutil"]
 
 
 def _args(**kw):
@@ -169,3 +172,106 @@ def test_perf_failing_row_reports_and_the_others_run(tmp_path, monkeypatch):
     md = (tmp_path / "perf_report.md").read_text()
     assert "| stock | FAILED: no result: timed out after 1s |" in md
     assert "| transformers |" in md and "say nothing about GPU speed" in md
+
+
+# --- torchtitan 0.3.0 on the GPU machine's torch 2.11 (megatron_moe/compat/torchtitan.py) --------
+def test_fsdp_mesh_dims_stand_in_only_where_torch_lacks_the_class(monkeypatch):
+    """Where torch has no DataParallelMeshDims the bridge registers a stand-in that refuses to be
+    built (torchtitan builds one only for multi-rank FSDP, which the row never runs); where torch
+    has the class it is left alone."""
+    import torch
+    import torch.distributed.fsdp as fsdp
+
+    from megatron_moe.compat import torchtitan as bridge
+
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims", raising=False)
+    assert bridge.bridge_fsdp_mesh_dims() is True
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"torch {torch.__version__} has no torch.distributed.fsdp.DataParallelMeshDims")):
+        DataParallelMeshDims(shard="dp_shard")
+    assert bridge.bridge_fsdp_mesh_dims() is True    # idempotent: still the stand-in
+
+    class Real:   # a torch that has the class (2.13)
+        pass
+    monkeypatch.setattr(fsdp, "DataParallelMeshDims", Real)
+    assert bridge.bridge_fsdp_mesh_dims() is False and fsdp.DataParallelMeshDims is Real
+
+
+TITAN_IMPORT = """
+import sys
+import torch.distributed.fsdp as fsdp
+if hasattr(fsdp, "DataParallelMeshDims"):   # as on torch 2.11, the GPU machine's
+    del fsdp.DataParallelMeshDims
+if sys.argv[1] == "bridge":
+    from megatron_moe.compat.torchtitan import bridge_fsdp_mesh_dims
+    assert bridge_fsdp_mesh_dims()
+from torchtitan.models.qwen3 import _build_qwen3_moe_layers, parallelize_qwen3
+print("imported", parallelize_qwen3.__module__)
+"""
+
+
+@pytest.mark.parametrize("bridge", [True, False])
+def test_torchtitan_imports_on_a_torch_without_fsdp_mesh_dims(bridge):
+    """The GPU machine's failure (torch 2.11: ``cannot import name 'DataParallelMeshDims'`` from
+    torchtitan/distributed/fsdp.py) reproduced on any torch by removing the class; with the bridge
+    the row's torchtitan modules import. Mutation: without the bridge the import fails."""
+    import importlib.util
+
+    from megatron_moe.gpucheck import perf
+
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip(f"torchtitan is not installed here (the kit carries torchtitan=="
+                    f"{perf.TORCHTITAN}: pip install --no-deps --target DIR the PERF_WHEELS of "
+                    "megatron_moe/gpucheck/wheels.py and put DIR on PYTHONPATH)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", TITAN_IMPORT, "bridge" if bridge else "none"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    if bridge:
+        assert p.returncode == 0 and "imported torchtitan.models.qwen3.parallelize" in p.stdout, \
+            p.stderr[-3000:]
+    else:
+        assert p.returncode != 0
+        assert "cannot import name 'DataParallelMeshDims'" in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["graph_fails_eager_runs", "both_fail", "cpu"])
+def test_torchtitan_row_runs_eager_once_more_when_its_cuda_graph_run_fails(case, tmp_path,
+                                                                           monkeypatch):
+    """On the GPU the torchtitan row runs with its default CUDA graph; if that row fails the
+    runner runs it once more eager (its training.disable_cuda_graphs) and reports why. Other rows
+    and the CPU mode are never run twice; a failing retry keeps both errors."""
+    import io
+
+    from megatron_moe.gpucheck import perf
+
+    cpu = case == "cpu"
+    s = perf.SHAPES["mixtral"]["cpu" if cpu else "gpu"]
+    calls = []
+
+    def fake_row(system, shape, cpu_, result, log, limit_s, eager=False):
+        calls.append((system, eager))
+        if system == "torchtitan" and not eager or case == "both_fail":
+            return dict(error=f"{system}: RuntimeError: operation not permitted when stream is "
+                              "capturing", wall_s=1.0, ended="ok")
+        return dict(params=perf.expected_params(s), how=f"{system} row", losses=[2.0, 1.0],
+                    iter_s=0.5, iter_s_all=[0.5], wall_s=1.0, ended="ok")
+    monkeypatch.setattr(perf, "_row_process", fake_row)
+    data = perf.run_section(cpu, str(tmp_path), io.StringIO(), 540, shapes=["mixtral"],
+                            systems=["ours", "torchtitan"])
+    (check,) = data["checks"]
+    titan = check["figures"]["rows"]["torchtitan"]
+    if case == "cpu":
+        assert calls == [("ours", False), ("torchtitan", False)] and check["status"] == "FAIL"
+        assert "eager retry" not in titan["error"]
+    elif case == "both_fail":
+        assert calls == [("ours", False), ("torchtitan", False), ("torchtitan", True)]
+        assert check["status"] == "FAIL" and "| eager retry: torchtitan: Runtime" in titan["error"]
+    else:
+        assert calls == [("ours", False), ("torchtitan", False), ("torchtitan", True)]
+        assert check["status"] == "PASS" and titan["same_model"], check["summary"]
+        assert "stream is capturing" in titan["cuda_graph_error"]
+        assert "ran eager because its default CUDA graph run failed" in titan["how"]
+        assert "torchtitan (eager: its CUDA graph run failed)" in check["summary"]
+        assert check["figures"]["ratios"]["ours/torchtitan"] == 1.0

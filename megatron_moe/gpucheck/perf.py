@@ -11,8 +11,9 @@ trained for a few iterations by
   ``SequentialMLP``, the unfused local attention),
 * ``torchtitan``: its Qwen3 MoE model (``_build_qwen3_moe_layers``; Mixtral-like is that model
   without the q/k norms), its FSDP2 mixed-precision wrapping at world size 1, its loss, optimizer
-  container, LR scheduler and grad clipping, in the order of its ``Trainer.train_step``, on our
-  synthetic batch instead of its data stack,
+  container, LR scheduler and grad clipping, in the order of its ``Trainer.train_step`` with its
+  defaults (on CUDA the forward and backward replayed as one CUDA graph), on our synthetic batch
+  instead of its data stack,
 * ``transformers``: ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` from a config, fp32 weights
   under bf16 autocast (what its Trainer does with ``bf16=True``), AdamW, grad clipping,
 
@@ -88,9 +89,12 @@ EAGER_OPTIONS = ("--no-bias-swiglu-fusion", "--no-bias-dropout-fusion")
 TARGETS = {"mixtral": dict(mfu=0.40), "finegrained": dict(mfu=0.25),
            "vs_torchtitan": 1.0, "vs_stock": 5.0}
 LR, MIN_LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 3e-5, 0.1, (0.9, 0.95), 1.0
-# profiler event names: CUDA runtime/driver calls that launch a kernel or block the host
+# profiler event names: CUDA runtime/driver calls that launch a kernel or block the host. A CUDA
+# graph replay (torchtitan's default forward and backward) is one launch call for all the kernels
+# it captured: counted here as one, and reported apart as graph launches
+GRAPH_LAUNCH_EVENTS = ("cudaGraphLaunch",)
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-                 "cudaLaunchCooperativeKernel")
+                 "cudaLaunchCooperativeKernel") + GRAPH_LAUNCH_EVENTS
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 # aten ops that read a device value on the host (they block the host on CUDA)
 HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
@@ -265,6 +269,7 @@ def count_events(prof, iters, gpu):
     out = dict(aten_ops_per_iter=per(ops), host_reads_per_iter=per(reads))
     if gpu:
         out.update(launches_per_iter=per(sum(by.get(k, 0) for k in LAUNCH_EVENTS)),
+                   graph_launches_per_iter=per(sum(by.get(k, 0) for k in GRAPH_LAUNCH_EVENTS)),
                    syncs_per_iter=per(sum(by.get(k, 0) for k in SYNC_EVENTS)))
     return out
 
@@ -367,23 +372,30 @@ def _titan_cpu_device():
         tu.device_type, tu.device_module = "cpu", torch.cpu
 
 
-def row_torchtitan(s, gpu, meter):
+def row_torchtitan(s, gpu, meter, eager=False):
     """torchtitan's Qwen3 MoE model and training step (torchtitan/trainer.py ``train_step`` and
-    ``_forward_backward_body`` at world size 1 without pipeline parallelism), our batch."""
+    ``_forward_backward_body`` at world size 1 without pipeline parallelism, its defaults: the
+    forward and backward captured in one CUDA graph on CUDA, gradients zeroed in place), our
+    batch. ``eager``: its ``training.disable_cuda_graphs`` (the runner's retry, ``run_section``)."""
     import torch
 
     if importlib.util.find_spec("torchtitan") is None:
         raise RowSkipped(f"torchtitan is not installed here: scripts/gpu_wheels.sh carries "
                          f"torchtitan=={TORCHTITAN} and its imported dependencies to the GPU "
                          f"machine; for the CPU mode install them (docs/gpu.md)")
+    from megatron_moe.compat.torchtitan import bridge_fsdp_mesh_dims
+
+    bridged = bridge_fsdp_mesh_dims()   # before any torchtitan module: torch 2.11 (see there)
     _init_dist(gpu)
     _titan_cpu_device()
+    import spmd_types as spmd
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.cudagraph import cudagraph_teardown, wrap_with_cuda_graph
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers,
@@ -412,47 +424,68 @@ def row_torchtitan(s, gpu, meter):
         layers=layers)
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     parallelism = ParallelismConfig()
+    # its defaults: bf16 params / fp32 reduce, CUDA graphs on
+    training = TrainingConfig(disable_cuda_graphs=eager)
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     with torch.device("meta"):
         model = config.build()
     # its FSDP2 wrapping: bf16 compute copies of fp32 parameters (training.mixed_precision_param)
-    model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(),
+    model = parallelize_qwen3(model, parallel_dims=dims, training=training,
                               parallelism=parallelism, compile_config=CompileConfig(),
                               ac_config=None, dump_folder=os.environ.get("TMPDIR", "/tmp"))
     device = torch.device("cuda" if gpu else "cpu")
     model.to_empty(device=device)
+    torch.manual_seed(1234)   # the seed of the other rows (its Trainer leaves it unset)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
     optimizers = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
         pattern=".*", optimizer_name="AdamW", optimizer_kwargs=dict(
             lr=LR, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY))]).build(model_parts=[model])
-    schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers,
-                                                      training_steps=meter.total)
-    loss_fn = CrossEntropyLoss.Config().build()
+    # the Megatron rows' schedule: one warm-up step, cosine decay to MIN_LR over the run
+    schedulers = LRSchedulersContainer.Config(
+        warmup_steps=1, decay_type="cosine", min_lr_factor=MIN_LR / LR).build(
+        optimizers=optimizers, training_steps=meter.total)
+    loss_fn = CrossEntropyLoss.Config().build(compile_config=CompileConfig())
     context = dist_utils.get_spmd_context(parallel_dims=dims)
     batch = synthetic_batch(s)
     inputs, labels = batch[:, :-1].to(device), batch[:, 1:].to(device)
     valid = torch.tensor(labels.numel(), device=device)
     params = list(model.parameters())
 
-    def one():
-        optimizers.zero_grad()
+    def forward_backward(inputs, labels, global_valid_tokens, extra_kwargs):
         with context():
-            pred = model(inputs)
-            loss, _ = loss_fn(pred, labels, valid)
+            pred = model(inputs, **extra_kwargs)
+            loss, _ = loss_fn(pred, labels, global_valid_tokens)
             del pred
-            loss.backward()
+            with spmd.no_typecheck():
+                loss.backward()
+        return loss
+    # its Trainer: on CUDA the first call runs eagerly on a side stream, the second captures the
+    # graph, later calls replay it (on the CPU it warns and stays eager)
+    graphed = not training.disable_cuda_graphs and gpu
+    fwd_bwd = wrap_with_cuda_graph(forward_backward) if graphed else forward_backward
+
+    def one():
+        # gradients must keep their addresses for a captured graph: zeroed, not freed
+        optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)
+        loss = fwd_bwd(inputs, labels, valid, {})
         dist_utils.clip_grad_norm_(params, CLIP, foreach=True)
         optimizers.step()
         schedulers.step()
-        return loss.item()   # its train_step reads the loss for logging every step as well
+        return loss.item()   # its train_step reads the loss for logging as well
     for _ in range(meter.total):
         meter.step(one)
-    return dict(params=sum(p.numel() for p in params),
-                how=f"torchtitan {importlib.metadata.version('torchtitan')} Qwen3 MoE, FSDP2 "
-                    "bf16 params / fp32 reduce at world size 1, SDPA, grouped_mm experts, fused "
-                    "AdamW")
+    if graphed:   # its graphs go before the process group does (a failed run just exits)
+        cudagraph_teardown()
+    how = (f"torchtitan {importlib.metadata.version('torchtitan')} Qwen3 MoE, FSDP2 bf16 params "
+           "/ fp32 reduce at world size 1, SDPA, grouped_mm experts, fused AdamW, forward and "
+           + ("backward in one CUDA graph (its default)" if graphed else "backward eager")
+           + f"; torch {torch.__version__}"
+           + (" without DataParallelMeshDims (bridged: megatron_moe/compat/torchtitan.py)"
+              if bridged else ""))
+    return dict(params=sum(p.numel() for p in params), how=how, cuda_graph=graphed,
+                bridged_fsdp_mesh_dims=bridged)
 
 
 def row_transformers(s, gpu, meter):
@@ -505,8 +538,9 @@ def row_transformers(s, gpu, meter):
                     "under bf16 autocast, AdamW")
 
 
-def run_row(system, shape, mode):
-    """One row in this process: the figures of ``system`` training ``shape``."""
+def run_row(system, shape, mode, eager=False):
+    """One row in this process: the figures of ``system`` training ``shape`` (``eager``: see
+    ``row_torchtitan``)."""
     gpu = mode == "gpu"
     s = SHAPES[shape][mode]
     n = ITERS[mode]
@@ -518,7 +552,7 @@ def run_row(system, shape, mode):
             raise RowSkipped("the compiled fusions apply on CUDA only: on the CPU ours is eager")
         out = row_megatron(s, gpu, meter, stock=False, eager=True)
     elif system == "torchtitan":
-        out = row_torchtitan(s, gpu, meter)
+        out = row_torchtitan(s, gpu, meter, eager=eager)
     elif system == "transformers":
         out = row_transformers(s, gpu, meter)
     else:
@@ -529,9 +563,9 @@ def run_row(system, shape, mode):
 
 
 # --- the runner ---------------------------------------------------------------------------------
-def _row_process(system, shape, cpu, result, log, limit_s):
+def _row_process(system, shape, cpu, result, log, limit_s, eager=False):
     cmd = [sys.executable, "-m", "megatron_moe.gpucheck.perf", "row", system, shape,
-           "--result", result] + (["--cpu"] if cpu else [])
+           "--result", result] + (["--cpu"] if cpu else []) + (["--eager"] if eager else [])
     log.write(f"\n===== perf row {shape}/{system} (limit {limit_s:.0f}s): {' '.join(cmd)}\n")
     log.flush()
     why, took = run_bounded(cmd, log, limit_s, ROOT, cpu)
@@ -596,7 +630,8 @@ def verdict(shape, mode, rows, peak_tflops):
               if gpu and r.get("launches_per_iter") is not None else
               f", {r.get('aten_ops_per_iter', 0):.0f} aten ops, "
               f"{r.get('host_reads_per_iter', 0):.0f} host reads/it")
-        parts.append(f"{name} {r['tokens_per_s']:.0f} tok/s{mfu}{mem}{ev}")
+        fell_back = " (eager: its CUDA graph run failed)" if r.get("cuda_graph_error") else ""
+        parts.append(f"{name}{fell_back} {r['tokens_per_s']:.0f} tok/s{mfu}{mem}{ev}")
     rs = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if v is not None)
     summary = (f"{s['experts']} experts top-{s['topk']}, {_count(want)} params, "
                f"{s['batch']}x{s['seq']} tokens: " + "; ".join(parts) + (f"; {rs}" if rs else ""))
@@ -659,7 +694,21 @@ def run_section(cpu, work, log, budget_s, shapes=None, systems=None):
             continue
         limit = min(ROW_CAP_S[system][1 if cpu else 0], left - reserve)
         result = os.path.join(work, f"perf_{shape}_{system}.json")
-        rows[shape][system] = _row_process(system, shape, cpu, result, log, limit)
+        row = _row_process(system, shape, cpu, result, log, limit)
+        left = budget_s - (time.monotonic() - t0)
+        if system == "torchtitan" and not cpu and row.get("error") and left - reserve >= limit:
+            # its default CUDA graph of the forward and backward failed (or something else did):
+            # once more without it, reported as such, rather than no torchtitan figure at all
+            retry = _row_process(system, shape, cpu, result.replace(".json", "_eager.json"),
+                                 log, limit, eager=True)
+            if not retry.get("error"):
+                retry["cuda_graph_error"] = row["error"]
+                retry["how"] = (f"{retry.get('how', '')}; ran eager because its default CUDA "
+                                f"graph run failed: {row['error']}")
+                row = retry
+            else:
+                row["error"] += f" | eager retry: {retry['error']}"
+        rows[shape][system] = row
     for shape in shapes:
         ok, summary, figures, skipped = verdict(shape, mode, rows[shape], peak)
         checks.append(dict(name=f"perf-{shape}", status="PASS" if ok else "FAIL",
@@ -706,8 +755,10 @@ def write_reports(outdir, checks, mode):
                 mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
                 mem = (f"{r['peak_allocated'] / 2**30:.2f}" if r.get("peak_allocated")
                        else "-")
+                graphs = (f" ({r['graph_launches_per_iter']:.0f} CUDA graph)"
+                          if r.get("graph_launches_per_iter") else "")
                 lines.append(f"| {name} | {tok} | {mfu} | {mem} | "
-                             f"{r.get('launches_per_iter', 0):.0f} | "
+                             f"{r.get('launches_per_iter', 0):.0f}{graphs} | "
                              f"{r.get('syncs_per_iter', 0):.0f} | "
                              f"{r.get('host_reads_per_iter', 0):.0f} | {r.get('same_model')} | "
                              f"{how} |")
@@ -738,11 +789,13 @@ def main(argv=None):
     r.add_argument("shape", choices=list(SHAPES))
     r.add_argument("--result", required=True)
     r.add_argument("--cpu", action="store_true")
+    r.add_argument("--eager", action="store_true",
+                   help="torchtitan: its training.disable_cuda_graphs (forward and backward eager)")
     a = p.parse_args(argv)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     try:
-        out = run_row(a.system, a.shape, "cpu" if a.cpu else "gpu")
+        out = run_row(a.system, a.shape, "cpu" if a.cpu else "gpu", eager=a.eager)
     except RowSkipped as exc:
         out = dict(skipped=str(exc))
     except BaseException:  # a crash is this row's result; the runner goes on with the others

@@ -26,11 +26,15 @@ GPU_MACHINE_HAS = frozenset({
     "regex", "tqdm", "matplotlib", "tensorboard", "pytest"})
 LIMIT_MIB = 48
 # The performance section's torchtitan row (megatron_moe/gpucheck/perf.py): the pinned release and
-# exactly the packages its model, FSDP2 wrapping, loss, optimizer and LR scheduler import, at the
-# versions that ran it here (torch 2.13 CPU), fetched without their own requirements: its
-# Requires-Dist also names its data stack (datasets, torchdata, wandb, pillow, ...), which the row
-# does not use and whose pyarrow alone would not fit the carry. typing-extensions: typeguard needs
-# a newer one than torch does. 1.8 MiB in all.
+# exactly the packages its model, FSDP2 wrapping, loss, optimizer and LR scheduler import, fetched
+# without their own requirements: its Requires-Dist also names its data stack (datasets, torchdata,
+# wandb, pillow, ...), which the row does not use and whose pyarrow alone would not fit the carry.
+# typing-extensions: typeguard needs a newer one than torch does. 1.7 MiB in all. These versions
+# ran the row on the GPU machine's torch 2.11.0 (Python 3.12, the PyPI build run on the CPU, from
+# this offline --target install) and on torch 2.13 (Python 3.11 and 3.12). torchtitan 0.3.0 is the
+# one release that fits: 0.2.x's model packages import its data stack at import and 0.1.0 has no
+# MoE model; on torch 2.11 its one missing name (torch.distributed.fsdp.DataParallelMeshDims, used
+# only for multi-rank FSDP) is bridged in megatron_moe/compat/torchtitan.py.
 PERF_WHEELS = ("torchtitan==0.3.0", "tyro==1.0.17", "docstring-parser==0.18.0",
                "typeguard==4.6.1", "spmd-types==0.2.3", "einops==0.8.2",
                "typing-extensions==4.16.0")
