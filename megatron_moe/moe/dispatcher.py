@@ -84,12 +84,19 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
     ``sorted_idxs`` order: one slice per chunk, and a backward that slices the gradient per chunk.
     Here one row index is built on the device from the chunk sizes (no host read: the total is
     ``input``'s row count, the repeat's ``output_size``) and applied with one ``index_select`` per
-    tensor, whose backward is one ``index_add``. Written by hand because megatron-core's only
-    constant-launch version is Transformer Engine's fused kernel (``fused=True``, passed on)."""
+    tensor; its backward is one ``index_select`` with the inverse permutation (each row receives
+    exactly one gradient row: a gather, where autograd's own backward of ``index_select`` is an
+    atomic ``index_add``, 14% of the device time in the H200 profile). With one source rank
+    (expert and tensor parallel size 1) megatron-core's order is the identity and nothing moves:
+    the tensors are returned as they are (megatron-core copies them). Written by hand because
+    megatron-core's only constant-launch version is Transformer Engine's fused kernel
+    (``fused=True``, passed on)."""
     from megatron.core.transformer.moe import moe_utils
 
     if fused:
         return moe_utils.sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs, fused=True)
+    if _identity_order(sorted_idxs):
+        return input, probs
     # the sizes and order are host tensors (megatron-core's dtoh copy): one small host-to-device copy
     meta = torch.stack([torch.as_tensor(split_sizes, dtype=torch.int64).reshape(-1),
                         torch.as_tensor(sorted_idxs, dtype=torch.int64).reshape(-1)])
@@ -98,10 +105,37 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
     # output chunk j is input chunk order[j]: its rows shift by (input start - output start)
     shift = (sizes.cumsum(0) - sizes).index_select(0, order) - (new_sizes.cumsum(0) - new_sizes)
     rows = input.shape[0]
-    index = torch.arange(rows, device=input.device) + torch.repeat_interleave(
-        shift, new_sizes, output_size=rows)
-    out = input.index_select(0, index)
-    return out, (probs.index_select(0, index) if probs is not None else None)
+    positions = torch.arange(rows, device=input.device)
+    index = positions + torch.repeat_interleave(shift, new_sizes, output_size=rows)
+    inverse = torch.empty_like(index).scatter_(0, index, positions)
+    out = _PermuteRows.apply(input, index, inverse)
+    return out, (_PermuteRows.apply(probs, index, inverse) if probs is not None else None)
+
+
+def _identity_order(order) -> bool:
+    """Whether a chunk order (megatron-core's host tensor) keeps every chunk in place. Read only
+    from the host (a device tensor is never inspected here)."""
+    if torch.is_tensor(order):
+        if order.device.type != "cpu":
+            return False
+        flat = order.reshape(-1)
+        return torch.equal(flat, torch.arange(flat.numel(), dtype=flat.dtype))
+    flat = list(order)
+    return flat == list(range(len(flat)))
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index`` of the rows; backward ``grad[inverse]``."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 def _pluggable_all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None, *,
