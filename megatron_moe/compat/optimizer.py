@@ -38,3 +38,63 @@ def emerging_optimizer_kwargs(args) -> dict:
     kwargs = {name: getattr(args, name) for name in MUON_FIELDS}
     kwargs["use_layer_wise_distributed_optimizer"] = args.use_layer_wise_distributed_optimizer
     return kwargs
+
+
+def torch_adams(megatron_optimizer) -> list:
+    """The torch.optim.Adam / AdamW instances inside megatron-core's optimizer (its fallback without
+    Transformer Engine or apex), through ChainedOptimizer and the mixed-precision wrappers."""
+    import torch
+
+    out, todo = [], [megatron_optimizer]
+    while todo:
+        opt = todo.pop()
+        if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            out.append(opt)
+            continue
+        todo += list(getattr(opt, "chained_optimizers", None) or [])
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and inner is not opt:
+            todo.append(inner)
+    return out
+
+
+def fusable(param) -> bool:
+    """Parameters torch's fused Adam runs on here: CUDA (the CPU keeps its per-tensor path, as
+    every CPU test's numbers were made with it)."""
+    return param.is_cuda
+
+
+def fuse_torch_adam(megatron_optimizer) -> int:
+    """megatron-core's torch Adam fallback on torch's fused kernel (``fused=True``: one pass over
+    parameter, gradient and both moments) instead of its default foreach path on CUDA (a dozen
+    passes: the optimizer step was 18% of the H200 profile's device time); what Transformer
+    Engine's or apex's FusedAdam give megatron-core where installed. Set in a step pre-hook, so a
+    checkpoint load (which restores the saved param groups and host ``step`` counters, e.g. through
+    compat/distrib_optimizer.py) is followed: before each step the groups are marked fused and each
+    ``step`` counter is moved to its parameter's device as float32 (the fused kernel's layout).
+    Returns the number of torch optimizers hooked (0 with TE or apex)."""
+    import torch
+
+    hooked = 0
+    for opt in torch_adams(megatron_optimizer):
+        if getattr(opt, "_megatron_moe_fused", False):
+            continue
+
+        def pre_step(opt, args, kwargs):
+            for group in opt.param_groups:
+                if not group["params"] or not all(fusable(p) for p in group["params"]):
+                    continue
+                if group.get("differentiable") or group.get("capturable"):
+                    continue   # torch refuses fused with these; megatron-core's choice stands
+                group["fused"], group["foreach"] = True, False
+                for p in group["params"]:
+                    state = opt.state.get(p)
+                    step = state.get("step") if state else None
+                    if torch.is_tensor(step) and (step.device != p.device
+                                                  or step.dtype != torch.float32):
+                        state["step"] = step.to(device=p.device, dtype=torch.float32)
+            return None
+        opt.register_step_pre_hook(pre_step)
+        opt._megatron_moe_fused = True
+        hooked += 1
+    return hooked

@@ -137,6 +137,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     optimizer_config = _optimizer_config(args, OptimizerConfig)
     optimizer_config.timers = timers               # the optimizer's phases (level 1)
     optimizer = get_megatron_optimizer(optimizer_config, model)
+    from megatron_moe.compat.optimizer import fuse_torch_adam
+
+    fuse_torch_adam(optimizer)   # torch's fused Adam kernel on CUDA (without TE or apex)
     # Megatron-LM's train(): the schedule multiplies each micro-batch loss by the optimizer's
     # loss scale before backward (fp16 dynamic scaling; 1.0 for bf16/fp32), which the
     # optimizer divides out of the grads again
