@@ -51,7 +51,10 @@ def torch_adams(megatron_optimizer) -> list:
         if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
             out.append(opt)
             continue
-        todo += list(getattr(opt, "chained_optimizers", None) or [])
+        chained = getattr(opt, "chained_optimizers", None)
+        if chained is not None:   # its .optimizer asserts that it chains exactly one
+            todo += list(chained)
+            continue
         inner = getattr(opt, "optimizer", None)
         if inner is not None and inner is not opt:
             todo.append(inner)
