@@ -108,13 +108,15 @@ def _async_rank(rank, world, work_s):
     group = dist.group.WORLD
     x = torch.ones(2 * 64, 1024)                 # 64 rows (256 KB) to the peer
     dist.barrier()
+    t_issue = time.perf_counter()
     h = comm.all_to_all_async(x, [64, 64], [64, 64], group)
     time.sleep(work_s)
     t0 = time.perf_counter()
     h.wait()
     st = link.stats()
     link.configure(None)
-    return {"wait_s": time.perf_counter() - t0, "stats": st}
+    # gap_s: issue to wait (on a loaded host more than the sleep: that much of the window passed)
+    return {"wait_s": time.perf_counter() - t0, "gap_s": t0 - t_issue, "stats": st}
 
 
 def test_async_all_to_all_window_runs_from_its_issue():
@@ -124,8 +126,9 @@ def test_async_all_to_all_window_runs_from_its_issue():
         assert r["stats"]["a2a_windows"] == 1 and r["stats"]["a2a_bytes"] == 64 * 4096
         assert r["stats"]["exposed_s"] < window * 0.9    # the work between issue and wait hid it
     out = run_distributed(_async_rank, 2, 0.0, timeout_s=120, collective_timeout_s=60)
-    for r in out:                                          # nothing to hide behind: the wait pays it
-        assert r["wait_s"] >= window * 0.9 and r["stats"]["exposed_s"] >= window * 0.9
+    for r in out:   # nothing to hide behind: the wait pays what the issue-to-wait gap did not
+        left = window - r["gap_s"]
+        assert r["wait_s"] >= left * 0.9 and r["stats"]["exposed_s"] >= left * 0.9, (r, window)
 
 
 def test_send_lands_after_its_window_and_windows_queue():
