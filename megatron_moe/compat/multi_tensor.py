@@ -16,8 +16,9 @@ megatron-core falls back to two helpers in ``megatron.core.utils``:
 
 ``torch._foreach_norm`` / ``_foreach_mul`` / ``_foreach_copy_`` do each list in a few launches and
 leave the result on the device. The norm and scale are installed only where megatron-core picked
-its local fallbacks, so with apex or TE its fused kernels stay. Same results: the norm within float rounding (each
-tensor's norm in fp32, then the norm of those, as megatron-core), the scale bit-exact.
+its local fallbacks, so with apex or TE its fused kernels stay. Same results: the norm within float
+rounding (each tensor's norm in fp32, then the norm of those, as megatron-core), the scale and the
+copy bit-exact.
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from __future__ import annotations
 import torch
 
 
-def _result_device(tensors):
-    if tensors:
-        return tensors[0].device
+def _default_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
 
@@ -37,7 +36,7 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     per-tensor norms): ``(tensor([norm]), None)`` on the tensors' device, no host read."""
     tensors = [t for tensor_list in tensor_lists for t in tensor_list]
     if not tensors:
-        return torch.zeros(1, dtype=torch.float, device=_result_device(tensors)), None
+        return torch.zeros(1, dtype=torch.float, device=_default_device()), None
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 

@@ -70,7 +70,8 @@ SHAPES = {
 ITERS = {"gpu": dict(warmup=3, timed=5, profiled=2), "cpu": dict(warmup=1, timed=2, profiled=1)}
 # seconds each row may take at most (GPU, CPU), start-up included; the runner also keeps the whole
 # section inside its budget (on the GPU 540 s: the section fits one 10-minute device call)
-ROW_CAP_S = {"ours": (90, 300), "ours-eager": (60, 300), "stock": (100, 300), "torchtitan": (70, 300),
+ROW_CAP_S = {"ours": (90, 300), "ours-eager": (60, 300), "stock": (100, 300),
+             "torchtitan": (70, 300),
              "transformers": (70, 300)}
 SECTION_BUDGET_S = {"gpu": 540.0, "cpu": 1500.0}
 # the speed options of "ours", in order; in each group the first set the parser accepts is used
@@ -86,6 +87,7 @@ SPEED_CANDIDATES = ((("--moe-grouped-gemm",), ("--moe-torch-grouped-gemm",)),
 # them by Megatron's defaults: bias + SwiGLU, bias-dropout-add; and the fused cross-entropy asked
 # for above), so the report measures what they bring (models/builder.py _fusion_selectors)
 EAGER_OPTIONS = ("--no-bias-swiglu-fusion", "--no-bias-dropout-fusion")
+EAGER_ON_CPU = "the compiled fusions apply on CUDA only: on the CPU ours is eager"
 TARGETS = {"mixtral": dict(mfu=0.40), "finegrained": dict(mfu=0.25),
            "vs_torchtitan": 1.0, "vs_stock": 5.0}
 LR, MIN_LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 3e-5, 0.1, (0.9, 0.95), 1.0
@@ -344,19 +346,27 @@ def row_megatron(s, gpu, meter, stock, eager=False):
         return out[0]
     T.Trainer.train_step = train_step
     from megatron_moe.compat import multi_tensor
+    from megatron_moe.compat import optimizer as optimizer_compat
 
-    install = multi_tensor.install
-    if stock:   # megatron-core's own no-apex gradient norm and scaling, as it comes
-        multi_tensor.install = lambda: []
+    # stock keeps megatron-core's no-apex optimizer fallbacks as they come: the gradient norm,
+    # scale and copy loops (compat/multi_tensor.py) and torch Adam's foreach path (fuse_torch_adam)
+    replaced = ((multi_tensor, "install", lambda: []),
+                (optimizer_compat, "fuse_torch_adam", lambda optimizer: 0))
+    originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
+    if stock:
+        for module, name, stand_in in replaced:
+            setattr(module, name, stand_in)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the training log goes to the section log
             T.pretrain(datasets, pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
                        pretrain_gpt_moe.forward_step, argv=argv + stock_attention + options)
     finally:
         T.Trainer.train_step = orig
-        multi_tensor.install = install
+        for module, name, original in originals:
+            setattr(module, name, original)
     how = ("megatron-core local path as it comes: SequentialMLP expert loop, unfused local "
-           "attention, its no-apex gradient norm" if stock else "speed options: " + (" ".join(options) or "none")
+           "attention, its no-apex gradient norm and torch Adam's foreach path" if stock
+           else "speed options: " + (" ".join(options) or "none")
            + ("; refused by the parser: " + ", ".join(refused) if refused else ""))
     return dict(params=params.get("n"), how=how, options=options, refused_options=refused)
 
@@ -549,7 +559,7 @@ def run_row(system, shape, mode, eager=False):
         out = row_megatron(s, gpu, meter, stock=system == "stock")
     elif system == "ours-eager":
         if not gpu:
-            raise RowSkipped("the compiled fusions apply on CUDA only: on the CPU ours is eager")
+            raise RowSkipped(EAGER_ON_CPU)
         out = row_megatron(s, gpu, meter, stock=False, eager=True)
     elif system == "torchtitan":
         out = row_torchtitan(s, gpu, meter, eager=eager)
@@ -689,8 +699,7 @@ def run_section(cpu, work, log, budget_s, shapes=None, systems=None):
                                              "was spent")
             continue
         if cpu and system == "ours-eager":   # no process: nothing differs from ours there
-            rows[shape][system] = dict(skipped="the compiled fusions apply on CUDA only: on the "
-                                               "CPU ours is eager")
+            rows[shape][system] = dict(skipped=EAGER_ON_CPU)
             continue
         limit = min(ROW_CAP_S[system][1 if cpu else 0], left - reserve)
         result = os.path.join(work, f"perf_{shape}_{system}.json")

@@ -153,7 +153,7 @@ def _fusion_selectors(args, te: bool) -> dict:
         # the local path fuses SwiGLU only (what MoE models use): megatron-core's other fused
         # activations have conditions of their own (a bias, the gate's form) it checks by raising
         bias_activation_fusion=on("bias_swiglu_fusion" if swiglu else "bias_gelu_fusion")
-        or (compiled and swiglu and getattr(args, "bias_swiglu_fusion", True)),
+        or (swiglu and compiled_on("bias_swiglu_fusion")),
         cross_entropy_loss_fusion=(te or (compiled and ce_native))
         and getattr(args, "cross_entropy_loss_fusion", False),
         moe_router_fusion=te and getattr(args, "moe_router_fusion", False),
