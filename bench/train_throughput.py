@@ -83,27 +83,30 @@ def _batches(args, rank):
                "loss_mask": torch.ones(b, s), "position_ids": pos}
 
 
-_TD_ORIGINAL = {}
+def _moe_layers(model):
+    from megatron_moe.moe.layer import MoELayer
+
+    return [m for chunk in model for m in chunk.modules() if isinstance(m, MoELayer)]
 
 
 def _activate(run, timer):
-    """Make ``run``'s process-wide choices current: args, dispatcher rebinding, buffer pool."""
-    from megatron.core.transformer.moe import token_dispatcher as td
-
+    """Make ``run``'s process-wide choices current (args, buffer pool) and time its layers'
+    permute / unpermute (each layer's exchange binds them while its stages run)."""
     from kernels import ops as kops
     from megatron_moe.runtime import global_vars
-    from megatron_moe.moe import dispatcher
 
     global_vars.set_args(run["args"])
-    if not _TD_ORIGINAL:                              # megatron-core's own functions, once
-        _TD_ORIGINAL.update({n: getattr(td, n) for n in ("permute", "unpermute", "all_to_all")})
-    for name, fn in _TD_ORIGINAL.items():             # drop the previous configuration's wrappers
-        setattr(td, name, fn)
-    dispatcher.restore_defaults()
-    dispatcher.customize_spec(run["args"], None)     # rebinding only (no spec to change)
-    for name in ("permute", "unpermute"):
-        setattr(td, name, timer.wrap(getattr(td, name)))
+    for layer, base in run["permutes"]:
+        layer.exchange_scope.names.update({n: timer.wrap(fn) for n, fn in base.items()})
     kops.set_cpu_pool(run["pool"])
+
+
+def _layer_permutes(model):
+    """[(layer, {name: the permute / unpermute its stages run})]: the exchange's, or megatron-core's."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    return [(layer, {n: layer.exchange_scope.names.get(n, getattr(td, n))
+                     for n in ("permute", "unpermute")}) for layer in _moe_layers(model)]
 
 
 def bench_rank(rank, world, names, iters, repeats, warmup, profile=()):
@@ -143,7 +146,7 @@ def bench_rank(rank, world, names, iters, repeats, warmup, profile=()):
         hooks = TrainingHooks(args, model, opt)
         trainer = Trainer(args, model, opt, sched, pretrain_gpt_moe.forward_step, hooks)
         runs[name] = dict(args=args, pool=pool, trainer=trainer, hooks=hooks, data=_batches(args, rank),
-                          rates=[], dispatch_share=[], losses=[])
+                          permutes=_layer_permutes(model), rates=[], dispatch_share=[], losses=[])
     tokens_per_step = args.global_batch_size * args.seq_length
     order = list(names)
     for rep in range(warmup + repeats):
@@ -176,9 +179,6 @@ def bench_rank(rank, world, names, iters, repeats, warmup, profile=()):
         rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
         total = sum(e.self_cpu_time_total for e in rows) or 1
         out[name]["profile"] = [(e.key, e.self_cpu_time_total / total) for e in rows[:12]]
-    from megatron_moe.moe import dispatcher
-
-    dispatcher.restore_defaults()
     return out
 
 

@@ -47,6 +47,11 @@ def _build(name, o):
     spec = get_gpt_layer_local_spec(num_experts=o["experts"])
     mgr = None
     args = add_arguments(argparse.ArgumentParser()).parse_args([])
+    args.num_experts, args.moe_ep_link_gbps = o["experts"], o.get("link_gbps")
+    if args.moe_ep_link_gbps is not None:   # megatron-core's dispatcher sends through comm/ too
+        from megatron_moe.moe import dispatcher
+
+        spec = dispatcher.customize_spec(args, spec)
     if name in BALANCED:
         args.moe_balance_policy = BALANCED[name]
         args.moe_balance_overlap = name.endswith("overlap")
@@ -78,12 +83,11 @@ def _average_dense_grads(model, world):
 
 def _use_link(o):
     """Every config's MoE transfers behind the emulated link (comm/link.py): ours go through comm/,
-    megatron-core's dispatcher is rebound to comm's all-to-all as training does with the flag."""
+    megatron-core's dispatcher sends through comm's all-to-all inside our layer (_build), as training
+    does with the flag."""
     from megatron_moe.comm import link
-    from megatron_moe.moe import dispatcher
 
     link.configure(o["link_gbps"])
-    dispatcher.customize_spec(argparse.Namespace(num_experts=o["experts"], moe_ep_link_gbps=o["link_gbps"]), None)
 
 
 def bench_rank(rank, world, o):

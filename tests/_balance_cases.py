@@ -24,7 +24,9 @@ def _args(**kw):
     return a
 
 
-def _build(topk, balanced, dtype, seed=1234, num_layers=2, skew=0.0):
+def _build(topk, balanced, dtype, seed=1234, num_layers=2, skew=0.0, exchange=None):
+    """``exchange``: the exchange flags as args attributes (``moe_a2a_algorithm``, ...), injected
+    into the MoE layers as in training (moe/dispatcher.customize_spec)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -41,8 +43,13 @@ def _build(topk, balanced, dtype, seed=1234, num_layers=2, skew=0.0):
                             use_cpu_initialization=True, params_dtype=dtype, add_bias_linear=False,
                             hidden_dropout=0.0, attention_dropout=0.0, moe_grouped_gemm=False)
     spec = get_gpt_layer_local_spec(num_experts=E)
+    args = _args(num_experts=E, **(exchange or {}))
+    if exchange:
+        from megatron_moe.moe import dispatcher
+
+        spec = dispatcher.customize_spec(args, spec)
     if balanced:
-        spec = install(_args(), spec, force=True)
+        spec = install(args, spec, force=True)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
     model = model.to(dtype)
     return model

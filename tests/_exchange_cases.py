@@ -10,7 +10,6 @@ that compression and the fused permute ran under the policy too.
 
 from __future__ import annotations
 
-import argparse
 import collections
 
 import numpy as np
@@ -22,13 +21,10 @@ POLICIES = ("none", "proprophet", "fastermoe", "flexmoe")
 ALGORITHMS = ("flat", "hierarchical", "pipe")
 
 
-def _configure_exchange(algorithm, compression="none", fusion=False):
-    from megatron_moe.moe import dispatcher
-
-    a = argparse.Namespace(num_experts=bc.E, moe_permute_fusion=fusion, moe_a2a_algorithm=algorithm,
-                           moe_a2a_compression=compression, moe_a2a_overlap_degree=1,
-                           moe_a2a_schedule="schemoe")
-    dispatcher.customize_spec(a, None)     # process-wide: the stock dispatcher's rebinding + exchange config
+def _exchange(algorithm, compression="none", fusion=False):
+    """The exchange flags (args attributes) the model's MoE layers are built with."""
+    return dict(moe_permute_fusion=fusion, moe_a2a_algorithm=algorithm,
+                moe_a2a_compression=compression, moe_a2a_overlap_degree=1, moe_a2a_schedule="schemoe")
 
 
 def _forced_placement(policy, world, seed):
@@ -52,8 +48,7 @@ def _run(rank, world, policy, algorithm, compression="none", fusion=False, iters
     from megatron_moe import comm
     from megatron_moe.balance import BalanceManager
 
-    _configure_exchange(algorithm, compression, fusion)
-    model = bc._build(2, True, torch.float32)
+    model = bc._build(2, True, torch.float32, exchange=_exchange(algorithm, compression, fusion))
     mgr = BalanceManager(bc._args(moe_balance_policy=policy, moe_balance_alpha=0.0), [model],
                          num_microbatches=1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -93,7 +88,7 @@ def exchange_path_rank(rank, world):
     topology.configure(ranks_per_node=2)
     ps.initialize_model_parallel(expert_model_parallel_size=world)
     topology.init_hierarchy_groups(ps.get_expert_model_parallel_group())
-    # count the fused permute's calls (the dispatcher's rebinding calls kernels.permute by name)
+    # count the fused permute's calls (the exchange's binding calls kernels.permute by name)
     calls = collections.Counter()
     orig_permute, orig_unpermute = kernels.permute, kernels.unpermute
 
@@ -132,5 +127,4 @@ def exchange_path_rank(rank, world):
         out["fused"] = dict(permute_calls=dict(calls), equal=_same(r, ref), param_diff=_maxdiff(r, ref))
     finally:
         kernels.permute, kernels.unpermute = orig_permute, orig_unpermute
-        _configure_exchange("flat")
     return out

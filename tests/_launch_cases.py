@@ -15,13 +15,12 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe import token_dispatcher
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe import moe_utils
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_moe.compat import replace_spec, spec_submodules
-    from megatron_moe.compat.dispatch import rebind_token_dispatcher, restore_token_dispatcher
-    from megatron_moe.moe import dispatcher, grouped_experts
+    from megatron_moe.moe import grouped_experts
+    from megatron_moe.moe.layer import MoELayer
     from tests._sync_counter import _caller
 
     if mutate == "stack":   # the experts' weights stacked by torch.stack: a select per expert back
@@ -44,12 +43,13 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
     layer = MoELayer(cfg, submodules=sub)
     x = torch.randn(128, 2, 16)
 
-    # the chunk sort megatron-core's dispatcher calls: ours (moe/dispatcher.py, rebound as in
-    # training), or megatron-core's own (the mutation)
-    if mutate != "mcore_chunk_sort":
-        rebind_token_dispatcher("sort_chunks_by_idxs", dispatcher.sort_chunks_by_idxs)
+    # the chunk sort megatron-core's dispatcher calls inside our layer: ours (its exchange's,
+    # moe/dispatcher.py, as in training), or megatron-core's own (the mutation)
+    names = layer.exchange_scope.names
+    if mutate == "mcore_chunk_sort":
+        names["sort_chunks_by_idxs"] = moe_utils.sort_chunks_by_idxs
     sort_nodes = set()
-    orig_sort = token_dispatcher.sort_chunks_by_idxs
+    orig_sort = names["sort_chunks_by_idxs"]
 
     def sort_chunks(*args, **kwargs):
         out = orig_sort(*args, **kwargs)
@@ -64,7 +64,7 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
                                   if n is not None and n.name().startswith("Split"))
         return out
 
-    token_dispatcher.sort_chunks_by_idxs = sort_chunks
+    names["sort_chunks_by_idxs"] = sort_chunks
 
     def step():
         xi = x.clone().requires_grad_()
@@ -91,7 +91,5 @@ def count_layer_ops(rank, world, num_experts, grouped, mutate=None):
     calls = grouped_experts.GroupedSequentialMLP.grouped_calls
     with Count() as c:
         step()
-    token_dispatcher.sort_chunks_by_idxs = orig_sort
-    restore_token_dispatcher()
     return {"total": c.total, "chunk_sort": c.chunk_sort, "ops": dict(c.ops),
             "grouped_calls": grouped_experts.GroupedSequentialMLP.grouped_calls - calls}

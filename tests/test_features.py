@@ -23,7 +23,8 @@ def _parsed(feature):
 
 # settings that violate an exclusion beyond "the flag is set"
 VIOLATIONS = {"--moe-grouped-gemm": dict(moe_grouped_gemm=True, transformer_impl="transformer_engine"),
-              "--moe-balance-policy": dict(moe_balance_policy="proprophet")}
+              "--moe-balance-policy": dict(moe_balance_policy="proprophet"),
+              "--recompute-modules": dict(recompute_modules=["moe"], recompute_granularity="selective")}
 
 
 def _violate(args, ex: Exclusion):

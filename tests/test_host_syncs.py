@@ -32,12 +32,12 @@ ALLOWED = {
     # --moe-balance-policy: the balanced layer replaces megatron-core's dispatcher and reads its
     # all-gathered [source rank x expert] count matrix once: the host needs it for the all-to-all
     # split sizes and the replica routing, as megatron-core's alltoall dispatcher does its splits
-    ("megatron_moe/balance/layer.py", "_experts"): "the balanced all-to-all's split sizes",
+    ("megatron_moe/balance/layer.py", "_plan"): "the balanced all-to-all's split sizes",
     # --moe-a2a-overlap-degree: the chunked exchange reads its send and receive counts per
     # (rank, local expert) in one read: the host slices them into chunks and split sizes
     ("megatron_moe/moe/chunked.py", "split_counts"): "the chunked all-to-all's split sizes",
 }
-BALANCE_READ = ("megatron_moe/balance/layer.py", "_experts")
+BALANCE_READ = ("megatron_moe/balance/layer.py", "_plan")
 CHUNKED_READ = ("megatron_moe/moe/chunked.py", "split_counts")
 
 _READ = re.compile(r"^(?P<what>\S+) at (?P<file>[^:]+):(?P<line>\d+) (?P<func>\S+)$")

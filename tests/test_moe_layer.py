@@ -86,8 +86,8 @@ def test_no_megatron_core_function_rebound_outside_compat():
 
 
 def test_the_spec_injects_exchange_and_placement():
-    """--moe-a2a-overlap-degree 2 -> the layer with a chunked exchange; a balance policy -> the same
-    class with the replica placement and the same exchange choice."""
+    """Every MoE layer becomes ours with the exchange of the flags (--moe-a2a-overlap-degree 2 -> a
+    chunked one); a balance policy adds the replica placement, the exchange still the flags'."""
     import argparse
     from types import SimpleNamespace
 
@@ -102,25 +102,23 @@ def test_the_spec_injects_exchange_and_placement():
     args = argparse.Namespace(num_experts=4, moe_a2a_overlap_degree=2, moe_a2a_schedule="schemoe",
                               moe_a2a_algorithm="pipe", moe_a2a_compression="none",
                               moe_permute_fusion=False, moe_ep_link_gbps=None)
-    try:
-        block = SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4)])
-        dispatcher.customize_spec(args, block)
-        mlp = block.layer_specs[0].submodules.mlp
-        assert spec_module(mlp) is MoELayer
-        exchange = spec_params(mlp)["exchange"]
-        assert exchange.chunked and exchange.overlap_degree == 2 and exchange.algorithm == "pipe"
-        assert "placement" not in spec_params(mlp)
+    block = SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4)])
+    dispatcher.customize_spec(args, block)
+    mlp = block.layer_specs[0].submodules.mlp
+    assert spec_module(mlp) is MoELayer
+    exchange = spec_params(mlp)["exchange"]
+    assert exchange.chunked and exchange.overlap_degree == 2 and exchange.algorithm == "pipe"
+    assert exchange.own_all_to_all and "placement" not in spec_params(mlp)
 
-        args.moe_a2a_overlap_degree = 1
-        block = SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4)])
-        dispatcher.customize_spec(args, block)
-        assert spec_module(block.layer_specs[0].submodules.mlp) is not MoELayer   # megatron-core's
-        bal = balance.add_arguments(argparse.ArgumentParser()).parse_args(
-            ["--moe-balance-policy", "proprophet"])
-        bal.num_experts = 4
-        balance.install(bal, block)
-        params = spec_params(block.layer_specs[0].submodules.mlp)
-        assert isinstance(params["placement"], ReplicaPlacement)
-        assert params["exchange"].algorithm == "pipe" and not params["exchange"].chunked
-    finally:
-        dispatcher.restore_defaults()
+    args.moe_a2a_overlap_degree = 1
+    block = SimpleNamespace(layer_specs=[get_gpt_layer_local_spec(num_experts=4)])
+    dispatcher.customize_spec(args, block)
+    assert spec_module(block.layer_specs[0].submodules.mlp) is MoELayer
+    assert not spec_params(block.layer_specs[0].submodules.mlp)["exchange"].chunked
+    bal = balance.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--moe-balance-policy", "proprophet"])
+    bal.num_experts, bal.moe_a2a_algorithm = 4, "pipe"
+    balance.install(bal, block)
+    params = spec_params(block.layer_specs[0].submodules.mlp)
+    assert isinstance(params["placement"], ReplicaPlacement)
+    assert params["exchange"].algorithm == "pipe" and not params["exchange"].chunked

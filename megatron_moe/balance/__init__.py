@@ -126,23 +126,29 @@ EXCLUDES = (
     Exclusion("--moe-latent-size", _OWN_EXCHANGE),
     Exclusion("--mtp-num-layers", "the balancer keys its plans by layer number; megatron-core "
               "numbers the MTP layer's inner layer from 1"),
+    # a recomputed layer would run its placement twice per micro-batch: counts, Trans and the
+    # scheduler's per-layer points are once-per-forward
+    Exclusion("--recompute-modules", "moe: the balanced layer's plan and statistics run once per "
+              "forward", is_set=lambda args: "moe" in (getattr(args, "recompute_modules", None) or ())),
+    Exclusion("--moe-layer-recompute", "the balanced layer's plan and statistics run once per "
+              "forward"),
 )
 
 
 def install(args, layer_spec, force: bool = False):
     """Inject the replica placement into every MoE layer of a GPT layer spec (0.16.x ModuleSpec or a
     TransformerBlockSubmodules with ``layer_specs``): megatron_moe.moe.layer.MoELayer with
-    ``placement=ReplicaPlacement()`` and the process's exchange choice. A no-op with policy none and
+    ``placement=ReplicaPlacement()`` and the exchange chosen by the flags. A no-op with policy none and
     no trace dir unless ``force``."""
     _check_args(args)
     if not force and args.moe_balance_policy == "none" and not args.moe_routing_trace_dir:
         return layer_spec
     from megatron_moe.balance.layer import ReplicaPlacement
-    from megatron_moe.moe.dispatcher import exchange_config
+    from megatron_moe.moe.dispatcher import exchange_from_args
     from megatron_moe.moe.layer import use_layer
 
     return use_layer(layer_spec, f"--moe-balance-policy {args.moe_balance_policy}",
-                     exchange=exchange_config(), placement=ReplicaPlacement())
+                     exchange=exchange_from_args(args), placement=ReplicaPlacement())
 
 
 def customize_spec(args, spec):

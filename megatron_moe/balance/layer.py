@@ -8,7 +8,7 @@ rank holds a replica of its expert must be computed there and never sent:
 1. route (megatron-core router, aux losses unchanged); all-gather the local per-expert counts over
    the EP group -> C[D, E] (the planner's statistics and the all-to-all split sizes); permute the
    (token, expert) pairs expert-major with the token dispatcher's ``permute`` (megatron-core's, or
-   ours with ``--moe-permute-fusion``: megatron_moe.moe.dispatcher rebinds it);
+   ours with ``--moe-permute-fusion``: the layer's exchange binds it);
 2. the placement's dispatch matrix ``send[e, src, dst]`` (``policies.base.dispatch_matrix``) says where
    every (token, expert) pair is computed: Pro-Prophet/FasterMoE placements keep pairs whose expert
    has a replica (or the owner) on this rank local and send the others to the owner; FlexMoE
@@ -26,11 +26,16 @@ rank holds a replica of its expert must be computed there and never sent:
 
 Every collective goes through megatron_moe/comm/ on the data's device (docs/comm.md).
 
+These are the layer's stages (megatron-core's names): 1 is ``preprocess`` (the plan stays on the
+layer's ``LayerBalance`` until ``postprocess``), 2 ``dispatch``, 3 ``routed_experts_compute``, 4
+``combine`` (the reverse all_to_all) and ``postprocess`` (unpermute, shared experts added).
+
 With an empty placement this is plain EP (tested against the stock layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -39,6 +44,7 @@ import torch
 from megatron_moe import comm
 from megatron_moe.balance.cost_model import a2a_crosses
 from megatron_moe.balance.placement import LayerBalance
+from megatron_moe.moe.dispatcher import permute_fns
 from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
 
 __all__ = ["ReplicaPlacement"]
@@ -67,42 +73,74 @@ class ReplicaPlacement:
         return LayerBalance(layer.experts, layer.layer_number, layer.config.num_moe_experts,
                             layer.ep_group)
 
-    def forward(self, layer, hidden_states, intermediate_tensors=None, padding_mask=None):
+    # --- the layer's stages (megatron_moe/moe/layer.py), each marked hot path for comm.strict ---
+    def begin(self, layer):
+        st = layer.balance
+        if st.layer_number is None:
+            st.layer_number = layer.layer_number
+        if st.scheduler is not None:
+            st.scheduler.on_layer_forward(st, layer.training)
+        else:
+            st.begin_forward(None, layer.training)
+
+    def preprocess(self, layer, hidden_states, probs, routing_map):
         with comm.strict.hot_path():
-            return _balanced_forward(layer, hidden_states, intermediate_tensors, padding_mask)
+            return _plan(layer, hidden_states, probs, routing_map)
+
+    def dispatch(self, layer, perm_x, pprobs):
+        with comm.strict.hot_path():
+            return _dispatch_pairs(layer, perm_x, pprobs)
+
+    def compute(self, layer, comp_x, comp_p):
+        with comm.strict.hot_path():
+            return _compute_pairs(layer, comp_x, comp_p), None
+
+    def combine(self, layer, all_y):
+        with comm.strict.hot_path():
+            return _combine_pairs(layer, all_y)
+
+    def postprocess(self, layer, perm_y, shared_expert_output):
+        with comm.strict.hot_path():
+            plan, layer.balance.plan = layer.balance.plan, None
+            out = plan.unpermute(perm_y, plan.sorted_idx, torch.Size((plan.rows, perm_y.shape[-1])))
+            out = out.to(plan.dtype).view(plan.shape)
+            if shared_expert_output is not None:
+                out = out + shared_expert_output
+            if layer.balance.scheduler is not None:
+                layer.balance.scheduler.after_layer_forward(layer.balance)
+            return out
 
 
-def _balanced_forward(layer, hidden_states, intermediate_tensors=None, padding_mask=None):
-    st = layer.balance
-    if st is None:
-        return layer.stock_forward(hidden_states, intermediate_tensors, padding_mask)
-    if st.layer_number is None:
-        st.layer_number = layer.layer_number
-    sched = st.scheduler
-    if sched is not None:
-        sched.on_layer_forward(st, layer.training)
-    else:
-        st.begin_forward(None, layer.training)
-    if padding_mask is not None:
-        padding_mask = padding_mask.transpose(0, 1).bool()
-    probs, routing_map = layer.route(hidden_states, padding_mask)
-    shared = layer.shared_experts_compute(hidden_states) if layer.use_shared_expert else None
-    out = _experts(layer, hidden_states, probs, routing_map)
-    if shared is not None:
-        out = out + shared
-    if sched is not None:
-        sched.after_layer_forward(st)
-    return out, None
+@dataclasses.dataclass
+class _Plan:
+    """One forward's plan of a layer, from ``preprocess`` to ``postprocess``: where each (token,
+    expert) pair is computed, on the host (split sizes) and as device index arrays."""
+    shape: torch.Size
+    dtype: torch.dtype       # the hidden states'
+    probs_dtype: torch.dtype # the router's: the permuted outputs are summed in it
+    rows: int                # tokens of this micro-batch
+    perm_rows: int           # (token, expert) pairs of this micro-batch
+    send: np.ndarray         # [E, src, dst] pairs computed on dst
+    in_splits: list
+    out_splits: list
+    lsel: torch.Tensor       # permuted rows computed here
+    rsel: torch.Tensor       # permuted rows sent, by destination then expert
+    index: torch.Tensor      # [local pairs ; received rows] -> compute order
+    segments: list           # (expert, rows) in compute order
+    nloc: int
+    exchange: bool           # whether any pair crosses ranks (else every rank skips the a2a)
+    sorted_idx: torch.Tensor
+    unpermute: object
+    owner: np.ndarray
 
 
-def _experts(layer, hidden_states, probs, routing_map):
-    from megatron_moe.moe.dispatcher import permute_fns
-
+def _plan(layer, hidden_states, probs, routing_map):
+    """Gather the counts, plan the dispatch, permute the pairs expert-major. Returns the permuted
+    rows and probs; the plan stays on the layer's balance runtime until ``postprocess``."""
     st = layer.balance
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     D, r, E, L = st.D, st.rank, st.num_experts, st.num_local
-    xc = layer.exchange
     local_counts = routing_map.sum(dim=0).to(torch.int64).reshape(1, E)
     # counts gathered on the data's device; the planner and the split sizes need them on the host
     C = (comm.all_gather_rows(local_counts, layer.ep_group) if D > 1 else local_counts).cpu()
@@ -111,9 +149,9 @@ def _experts(layer, hidden_states, probs, routing_map):
     send = st._active_placement.dispatch(C.numpy())     # [E, src, dst] inputs computed on dst
     owner = np.arange(E) // L
 
-    # (token, expert) pairs in expert-major order (the dispatcher's permute); of expert e's
+    # (token, expert) pairs in expert-major order (the exchange's permute); of expert e's
     # pairs the first send[e, r, r] stay here, the rest go to the other ranks in ascending order
-    permute, unpermute = permute_fns()
+    permute, unpermute = permute_fns()   # the layer's exchange scope is bound
     # num_out_tokens from the host counts: megatron-core >= 0.17's permute would read it back
     perm_x, pprobs, sorted_idx = permute(x, routing_map, probs=probs,
                                          num_out_tokens=int(C.numpy()[r].sum()))[:3]
@@ -124,37 +162,51 @@ def _experts(layer, hidden_states, probs, routing_map):
     lsel_np = np.nonzero(is_local)[0]
     rem = np.nonzero(~is_local)[0]
     rsel_np = rem[np.argsort(dst[rem], kind="stable")]   # by dst, then expert
-    dev = x.device
     segments, index_np = _compute_order(st, send, int(lsel_np.size), owner)
     # the three index arrays reach the device in one copy (non-blocking from pinned memory on CUDA)
-    lsel, rsel, index = _to_device([lsel_np, rsel_np, index_np], dev)
-    in_splits = [0 if d == r else int(row[:, d].sum()) for d in range(D)]
-    out_splits = [0 if d == r else int(send[:, d, r].sum()) for d in range(D)]
-    send_x = perm_x.index_select(0, rsel)   # index_select: its backward is a fast index_add
-    send_p = pprobs.index_select(0, rsel)
+    lsel, rsel, index = _to_device([lsel_np, rsel_np, index_np], x.device)
     # every rank holds the same all-gathered C, hence the same send matrix: when no pair crosses
     # ranks anywhere (every hot expert replicated where its inputs are) all ranks skip the
     # dispatch and combine exchanges and their backward together; the rows exchanged are empty
     # either way, so the result is identical, minus 3 collectives (6 with their backward) each a
     # synchronisation of every rank
-    exchange = D > 1 and crosses_ranks(send)
-    if exchange:
-        # issued asynchronously: the scheduler plans the next iteration while it is in flight
-        recv_x, recv_p = _dispatch(layer.ep_group, send_x, send_p, out_splits, in_splits, st, xc)
+    st.plan = _Plan(shape=shape, dtype=hidden_states.dtype, probs_dtype=probs.dtype, rows=x.shape[0],
+                    perm_rows=perm_x.shape[0], send=send,
+                    in_splits=[0 if d == r else int(row[:, d].sum()) for d in range(D)],
+                    out_splits=[0 if d == r else int(send[:, d, r].sum()) for d in range(D)],
+                    lsel=lsel, rsel=rsel, index=index, segments=segments, nloc=int(lsel_np.size),
+                    exchange=D > 1 and crosses_ranks(send), sorted_idx=sorted_idx,
+                    unpermute=unpermute, owner=owner)
+    return perm_x, pprobs
+
+
+def _dispatch_pairs(layer, perm_x, pprobs):
+    """Send the pairs computed elsewhere (asynchronously: the scheduler plans ahead while they are
+    in flight); returns this rank's pairs and probs in compute order."""
+    st, plan = layer.balance, layer.balance.plan
+    D, r, E, owner, send = st.D, st.rank, st.num_experts, plan.owner, plan.send
+    send_x = perm_x.index_select(0, plan.rsel)   # index_select: its backward is a fast index_add
+    send_p = pprobs.index_select(0, plan.rsel)
+    if plan.exchange:
+        recv_x, recv_p = _dispatch(layer.ep_group, send_x, send_p, plan.out_splits,
+                                   plan.in_splits, st, layer.exchange)
     else:
         if D > 1:
             st.a2a_skipped += 1
             _dispatch_skipped(st)
         recv_x, recv_p = send_x, send_p
-    st.a2a_rows_recv += int(sum(out_splits))
+    st.a2a_rows_recv += int(sum(plan.out_splits))
     st.a2a_rows_recv_replica += int(sum(send[e, d, r] for e in range(E) if owner[e] != r
                                         for d in range(D) if d != r))
+    all_x = torch.cat([perm_x.index_select(0, plan.lsel), recv_x])
+    all_p = torch.cat([pprobs.index_select(0, plan.lsel), recv_p])
+    return all_x.index_select(0, plan.index), all_p.index_select(0, plan.index)
 
-    nloc = int(lsel_np.size)
-    all_x = torch.cat([perm_x.index_select(0, lsel), recv_x])
-    all_p = torch.cat([pprobs.index_select(0, lsel), recv_p])
-    comp_x, comp_p = all_x.index_select(0, index), all_p.index_select(0, index)
 
+def _compute_pairs(layer, comp_x, comp_p):
+    """Every expert computed here on its pairs; the outputs back in [local pairs ; received rows]
+    order."""
+    st, plan = layer.balance, layer.balance.plan
     if st.scheduler is not None:
         st.scheduler.before_expert_compute(st)
     else:
@@ -162,23 +214,27 @@ def _experts(layer, hidden_states, probs, routing_map):
     if layer.config.moe_apply_probs_on_input:       # as SequentialMLP
         comp_x = (comp_p.unsqueeze(-1) * comp_x).to(comp_x.dtype)
         comp_p = torch.ones_like(comp_p)
-    comp_y = _compute(layer, segments, comp_x, comp_p, owner)
+    comp_y = _compute(layer, plan.segments, comp_x, comp_p, plan.owner)
     if comp_y is None:
-        comp_y = x.new_zeros(0, shape[-1])
-    # back to [local pairs ; received rows] order, then return the received rows to their source
-    all_y = torch.zeros(all_x.shape[0], comp_y.shape[-1], dtype=comp_y.dtype, device=comp_y.device)
-    all_y = all_y.index_copy(0, index, comp_y)
-    loc_y, back_y = all_y[:nloc], all_y[nloc:]
-    if exchange:
-        got_y = comm.all_to_all(back_y, in_splits, out_splits, layer.ep_group, algorithm=xc.algorithm,
-                                compression=xc.compression)
+        comp_y = comp_x.new_zeros(0, plan.shape[-1])
+    all_y = torch.zeros(comp_x.shape[0], comp_y.shape[-1], dtype=comp_y.dtype, device=comp_y.device)
+    return all_y.index_copy(0, plan.index, comp_y)
+
+
+def _combine_pairs(layer, all_y):
+    """Return the received rows' outputs to their source ranks; every pair's output back in the
+    permuted (expert-major) order, for the exchange's unpermute in ``postprocess``."""
+    plan = layer.balance.plan
+    loc_y, back_y = all_y[:plan.nloc], all_y[plan.nloc:]
+    if plan.exchange:
+        got_y = comm.all_to_all(back_y, plan.in_splits, plan.out_splits, layer.ep_group,
+                                algorithm=layer.exchange.algorithm,
+                                compression=layer.exchange.compression)
     else:
         got_y = back_y
-    # back to the permuted (expert-major) order, then the dispatcher's unpermute sums per token
-    perm_y = torch.zeros(perm_x.shape[0], comp_y.shape[-1], dtype=probs.dtype, device=dev)
-    perm_y = perm_y.index_copy(0, torch.cat([lsel, rsel]), torch.cat([loc_y, got_y]).to(probs.dtype))
-    out = unpermute(perm_y, sorted_idx, torch.Size((x.shape[0], perm_y.shape[-1])))
-    return out.to(hidden_states.dtype).view(shape)
+    perm_y = torch.zeros(plan.perm_rows, all_y.shape[-1], dtype=plan.probs_dtype, device=all_y.device)
+    return perm_y.index_copy(0, torch.cat([plan.lsel, plan.rsel]),
+                             torch.cat([loc_y, got_y]).to(plan.probs_dtype))
 
 
 def _compute(layer, segments, comp_x, comp_p, owner):

@@ -91,6 +91,7 @@ class LayerBalance:
         self.numel = sum(self.numels)
         self.placement = Placement.plain(num_experts, self.D)
         self.scheduler = None
+        self.plan = None   # the current forward's dispatch plan (balance/layer.py, preprocess -> postprocess)
         self.log = log
         self.counts = torch.zeros(self.D, num_experts, dtype=torch.float64)   # summed over micro-batches
         self.bytes_trans_sent = 0

@@ -103,14 +103,14 @@ def order_after_dispatcher_host_copy(td) -> None:
         torch.cuda.current_stream().wait_event(event)
 
 
-# --- the rebinding itself ---------------------------------------------------------------------------
+# --- the binding itself ---------------------------------------------------------------------------
 # megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher call permute, unpermute,
 # sort_chunks_by_idxs (moe_utils) and all_to_all (tensor_parallel) by module-level name inside
-# ``token_dispatcher``:
-# the one seam through which another implementation can run under megatron-core's own call sites
-# (splits bookkeeping, capacity, TP/EP grouping) without copying them. The rebinding is a version
-# concern (those names and contracts move between releases), so it lives here and only here.
-_ORIGINAL = {}
+# ``token_dispatcher``: the one seam through which another implementation can run under
+# megatron-core's own call sites (splits bookkeeping, capacity, TP/EP grouping) without copying
+# them. Those names are bound only while one of our MoE layers runs a stage (DispatcherScope, entered
+# by megatron_moe/moe/layer.py), so each layer runs its own exchange and nothing outside it sees a
+# change. The names and contracts move between releases: a version concern, so it lives here.
 
 
 def token_dispatcher_module():
@@ -119,17 +119,27 @@ def token_dispatcher_module():
     return token_dispatcher
 
 
-def rebind_token_dispatcher(name: str, fn) -> None:
-    """Bind ``fn`` (already adapted with adapt_permute / adapt_unpermute / adapt_all_to_all) to
-    ``name`` inside megatron-core's token_dispatcher module, remembering the original."""
-    td = token_dispatcher_module()
-    _ORIGINAL.setdefault(name, getattr(td, name))
-    setattr(td, name, fn)
+class DispatcherScope:
+    """``with scope:`` binds ``names`` (name -> function, adapted with adapt_permute /
+    adapt_unpermute / adapt_all_to_all) inside megatron-core's token_dispatcher module and puts back
+    what was there on exit (nesting restores in order). A plain class, not a contextlib generator:
+    it is entered five times per MoE layer per micro-batch."""
 
+    __slots__ = ("names", "_saved")
 
-def restore_token_dispatcher() -> None:
-    """Undo every rebinding (tests build several models in one process)."""
-    td = token_dispatcher_module()
-    for name, value in _ORIGINAL.items():
-        setattr(td, name, value)
-    _ORIGINAL.clear()
+    def __init__(self, names: dict):
+        self.names = dict(names)
+        self._saved = []
+
+    def __enter__(self):
+        td = token_dispatcher_module()
+        self._saved.append({name: getattr(td, name) for name in self.names})
+        for name, fn in self.names.items():
+            setattr(td, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        td = token_dispatcher_module()
+        for name, fn in self._saved.pop().items():
+            setattr(td, name, fn)
+        return False

@@ -1,7 +1,7 @@
 """The chunked middle of the MoE layer (``--moe-a2a-overlap-degree`` > 1, ``--moe-a2a-schedule fastermoe``).
 
 megatron-core's ``MoELayer`` runs one dispatch all-to-all, the local experts, and one combine
-all-to-all back to back. With a chunked exchange (megatron_moe/moe/layer.py ``ExchangeConfig``)
+all-to-all back to back. With a chunked exchange (megatron_moe/moe/dispatcher.py ``ExchangeConfig``)
 the layer keeps megatron-core's router, permutation (``dispatch_preprocess`` /
 ``combine_postprocess``) and expert modules, and replaces the middle with
 :func:`megatron_moe.comm.chunked_moe_exchange`: ScheMoE's OptSche order (or FasterMoE's group-wise
@@ -18,28 +18,44 @@ they are needed by every chunk's expert compute (megatron-core applies them insi
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer as CoreMoELayer
+
 from megatron_moe import comm
 from megatron_moe.compat.dispatch import order_after_dispatcher_host_copy
 
 
-def _chunkable(layer) -> bool:
-    td = layer.token_dispatcher
-    return (getattr(td, "ep_size", 1) > 1 and getattr(td, "tp_size", 1) == 1
-            and not getattr(td, "drop_and_pad", False) and hasattr(td, "input_splits"))
+class ChunkedMiddle:
+    """The layer's middle (megatron_moe/moe/layer.py) with a chunked exchange: megatron-core's
+    ``preprocess`` / ``postprocess`` (permutation, unpermutation), no exchange at ``dispatch``, the
+    chunked pipeline of dispatch -> experts -> combine at ``compute``, nothing left at ``combine``.
+    The routing map travels from ``preprocess`` to ``compute`` on the layer (``chunk_routing_map``):
+    the split sizes are read from it."""
 
+    @staticmethod
+    def applies(layer) -> bool:
+        td = layer.token_dispatcher
+        return (getattr(td, "ep_size", 1) > 1 and getattr(td, "tp_size", 1) == 1
+                and not getattr(td, "drop_and_pad", False) and hasattr(td, "input_splits"))
 
-def chunked_forward(layer, hidden_states, intermediate_tensors=None, padding_mask=None):
-    """The layer's forward with the chunked, overlapped dispatch -> experts -> combine (megatron-core's
-    own forward where the chunked pipeline does not apply)."""
-    if intermediate_tensors is not None or layer.moe_layer_recompute or not _chunkable(layer):
-        return layer.stock_forward(hidden_states, intermediate_tensors, padding_mask)
-    if padding_mask is not None:
-        padding_mask = padding_mask.transpose(0, 1).bool()
-    shared_out = layer.shared_experts_compute(hidden_states)
-    probs, routing_map = layer.route(hidden_states, padding_mask)
-    tokens, probs = layer.preprocess(hidden_states, probs, routing_map)
-    output = _chunked_experts(layer, tokens, probs, routing_map)
-    return layer.postprocess(output, shared_out), None
+    def begin(self, layer):
+        pass
+
+    def preprocess(self, layer, hidden_states, probs, routing_map):
+        layer.chunk_routing_map = routing_map
+        return CoreMoELayer.preprocess(layer, hidden_states, probs, routing_map)
+
+    def dispatch(self, layer, tokens, probs):
+        return tokens, probs
+
+    def compute(self, layer, tokens, probs):
+        routing_map, layer.chunk_routing_map = layer.chunk_routing_map, None
+        return _chunked_experts(layer, tokens, probs, routing_map), None
+
+    def combine(self, layer, output):
+        return output
+
+    def postprocess(self, layer, output, shared_expert_output):
+        return CoreMoELayer.postprocess(layer, output, shared_expert_output)
 
 
 def split_counts(td, routing_map):

@@ -3,48 +3,88 @@
 megatron-core's ``MoEAlltoAllTokenDispatcher`` / ``MoEAllGatherTokenDispatcher`` call four
 functions by module-level name: ``permute``, ``unpermute``, ``sort_chunks_by_idxs`` (moe_utils) and
 ``all_to_all`` (tensor_parallel). Their call sites (splits bookkeeping, capacity, TP/EP grouping)
-stay megatron-core's; this module chooses what those names run (the rebinding itself is
-megatron_moe/compat/dispatch.py):
+stay megatron-core's; an :class:`ExchangeConfig` chooses what those names run
+(:func:`dispatcher_bindings`), and every MoE layer (megatron_moe/moe/layer.py, ``exchange=``) binds
+them only while its own stages run (megatron_moe/compat/dispatch.py ``DispatcherScope``):
 
 * :func:`sort_chunks_by_idxs` for every MoE model: the chunk sort with a launch count that does not
   grow with the local experts (bit-identical to megatron-core's, tests/test_launch_counts.py),
-
 * ``kernels.permute`` / ``kernels.unpermute`` with ``--moe-permute-fusion`` (Triton on GPU, a fused
   index path on CPU; bit-identical to megatron-core's unfused path, see tests/test_dispatcher.py),
 * ``megatron_moe.comm.all_to_all`` with ``--moe-a2a-algorithm`` other than ``flat``, with
   ``--moe-a2a-compression`` (hierarchical / pipe all-to-all, compression), or with
   ``--moe-ep-link-gbps`` (the emulated link, comm/link.py, must see megatron-core's exchanges too).
 
-The same choice (:func:`exchange_config`, an ``ExchangeConfig`` of megatron_moe/moe/layer.py) is
-injected into the MoE layer (``exchange=``) wherever its middle is ours: the chunked, overlapped
-dispatch -> experts -> combine (``--moe-a2a-overlap-degree`` > 1 or ``--moe-a2a-schedule
-fastermoe``, megatron_moe/moe/chunked.py) and the balanced layer's replica dispatch
-(``--moe-balance-policy``), so the flags apply under every policy. :func:`permute_fns` is the
-permute pair those middles use.
+The same exchange drives the layer's own middles: the chunked, overlapped dispatch -> experts ->
+combine (``--moe-a2a-overlap-degree`` > 1 or ``--moe-a2a-schedule fastermoe``,
+megatron_moe/moe/chunked.py) and the balanced layer's replica dispatch (``--moe-balance-policy``),
+so the flags apply under every policy. :func:`permute_fns` is the permute pair those middles use.
 
 megatron-core's own ``--moe-permute-fusion`` needs Transformer Engine; ours is a different
 implementation behind the same flag, so megatron-core's config flag stays False.
-The choice is process-wide (one model per process), made once from the parsed args.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
-from megatron_moe.moe.layer import ExchangeConfig
-
-_EXCHANGE = ExchangeConfig()
 
 
-def exchange_config() -> ExchangeConfig:
-    return _EXCHANGE
+@dataclasses.dataclass(frozen=True)
+class ExchangeConfig:
+    """How an MoE layer exchanges tokens (injected into every MoE layer, megatron_moe/moe/layer.py):
+    one choice for every middle of the layer (megatron-core's dispatcher, the chunked pipeline, the
+    replica dispatch). ``own_all_to_all``: megatron-core's dispatcher sends through
+    megatron_moe.comm (another algorithm, compression, or the emulated link must see its
+    exchanges too)."""
+    algorithm: str = "flat"
+    compression: str = "none"
+    permute_fusion: bool = False
+    overlap_degree: int = 1
+    schedule: str = "schemoe"
+    own_all_to_all: bool = False
+
+    @property
+    def chunked(self) -> bool:
+        return self.overlap_degree > 1 or self.schedule == "fastermoe"
+
+
+def exchange_from_args(args) -> ExchangeConfig:
+    algorithm = getattr(args, "moe_a2a_algorithm", "flat") or "flat"
+    compression = getattr(args, "moe_a2a_compression", "none") or "none"
+    return ExchangeConfig(
+        algorithm, compression, bool(getattr(args, "moe_permute_fusion", False)),
+        int(getattr(args, "moe_a2a_overlap_degree", 1) or 1),
+        getattr(args, "moe_a2a_schedule", "schemoe") or "schemoe",
+        own_all_to_all=(algorithm != "flat" or compression != "none"
+                        or getattr(args, "moe_ep_link_gbps", None) is not None))
+
+
+def dispatcher_bindings(exchange: ExchangeConfig) -> dict:
+    """What megatron-core's token dispatcher's module-level names run inside a layer with this
+    exchange (megatron_moe/compat/dispatch.py ``DispatcherScope``), adapted to the installed
+    megatron-core's call contracts."""
+    from megatron_moe.compat.dispatch import adapt_all_to_all, adapt_permute, adapt_unpermute
+
+    names = {"sort_chunks_by_idxs": sort_chunks_by_idxs}
+    if exchange.permute_fusion:
+        names["permute"] = adapt_permute(_fused_permute)
+        names["unpermute"] = adapt_unpermute(_fused_unpermute)
+    if exchange.own_all_to_all:
+        names["all_to_all"] = adapt_all_to_all(functools.partial(
+            _pluggable_all_to_all, algorithm=exchange.algorithm,
+            compression=exchange.compression, ranks_per_node=None))  # per EP group from the topology
+    return names
 
 
 def permute_fns():
-    """The (permute, unpermute) pair the token dispatchers use now: megatron-core's, or
-    kernels.permute / kernels.unpermute with ``--moe-permute-fusion`` (looked up at call time)."""
+    """The (permute, unpermute) pair megatron-core's token dispatcher runs now, under megatron-core
+    0.16's call contract: inside an MoE layer's stage that is its exchange's (kernels.permute /
+    kernels.unpermute with ``--moe-permute-fusion``), else megatron-core's. Looked up at call time,
+    so whatever a layer's scope binds (a benchmark's timer too) is what runs."""
     from megatron_moe.compat.dispatch import permute_v016, token_dispatcher_module
 
     td = token_dispatcher_module()
@@ -147,40 +187,14 @@ def _pluggable_all_to_all(group, input_, output_split_sizes=None, input_split_si
                            compression=compression)
 
 
-def restore_defaults():
-    """Undo every rebinding (tests build several models in one process)."""
-    global _EXCHANGE
-    from megatron_moe.compat.dispatch import restore_token_dispatcher
-
-    _EXCHANGE = ExchangeConfig()
-    restore_token_dispatcher()
-
-
 def customize_spec(args, spec):
-    """Called by model.gpt_layer_spec: choose the permute and all-to-all implementations."""
-    restore_defaults()
+    """Called by model.gpt_layer_spec: every MoE layer becomes megatron_moe.moe.layer.MoELayer with
+    the exchange chosen by the flags."""
     if not getattr(args, "num_experts", None):
         return spec
-    from megatron_moe.compat.dispatch import (adapt_all_to_all, adapt_permute, adapt_unpermute,
-                                              rebind_token_dispatcher)
+    from megatron_moe.moe.layer import use_layer
 
-    rebind_token_dispatcher("sort_chunks_by_idxs", sort_chunks_by_idxs)
-    if getattr(args, "moe_permute_fusion", False):  # call contracts per megatron-core version
-        rebind_token_dispatcher("permute", adapt_permute(_fused_permute))
-        rebind_token_dispatcher("unpermute", adapt_unpermute(_fused_unpermute))
-    algorithm = getattr(args, "moe_a2a_algorithm", "flat") or "flat"
-    compression = getattr(args, "moe_a2a_compression", "none") or "none"
-    global _EXCHANGE
-    _EXCHANGE = ExchangeConfig(algorithm, compression, bool(getattr(args, "moe_permute_fusion", False)),
-                               int(getattr(args, "moe_a2a_overlap_degree", 1) or 1),
-                               getattr(args, "moe_a2a_schedule", "schemoe") or "schemoe")
-    if algorithm != "flat" or compression != "none" or getattr(args, "moe_ep_link_gbps", None) is not None:
-        rebind_token_dispatcher("all_to_all", adapt_all_to_all(functools.partial(
-            _pluggable_all_to_all, algorithm=algorithm, compression=compression,
-            ranks_per_node=None)))  # derived per EP group from the topology
-    if _EXCHANGE.chunked:
-        from megatron_moe.moe.layer import use_layer
-
-        spec = use_layer(spec, f"--moe-a2a-overlap-degree {_EXCHANGE.overlap_degree}",
-                         exchange=_EXCHANGE)
-    return spec
+    exchange = exchange_from_args(args)
+    what = (f"--moe-a2a-overlap-degree {exchange.overlap_degree}" if exchange.chunked
+            else "the MoE exchange (--moe-permute-fusion, --moe-a2a-algorithm)")
+    return use_layer(spec, what, exchange=exchange)

@@ -1,45 +1,37 @@
 """The one MoE layer: megatron-core's ``MoELayer`` with an injected exchange and placement.
 
-megatron-core's ``MoELayer.forward`` runs route -> dispatch -> experts -> combine on its token
-dispatcher. This subclass keeps its router, experts, shared experts and state dict (checkpoints are
-megatron-core's) and takes two things from the layer spec (``ModuleSpec.params`` / the partial's
-keywords, set by :func:`use_layer`):
+megatron-core's ``MoELayer.forward`` runs its stages in order: ``shared_experts_compute``,
+``route``, ``preprocess``, ``dispatch``, ``routed_experts_compute``, ``combine``, ``postprocess``
+(and megatron-core >= 0.18's overlapped 1F1B schedules call the same stages one by one). This
+subclass keeps that forward, its router, experts, shared experts, recompute and state dict
+(checkpoints are megatron-core's), and overrides the stages. It takes two things from the layer
+spec (``ModuleSpec.params`` / the partial's keywords, set by :func:`use_layer`):
 
-* ``exchange`` (:class:`ExchangeConfig`, built by megatron_moe.moe.dispatcher from the flags): the
-  all-to-all algorithm and compression, the permute kernels, and the chunked overlap
-  (``--moe-a2a-overlap-degree`` / ``--moe-a2a-schedule fastermoe``: dispatch -> experts -> combine
-  in overlapped chunks, megatron_moe/moe/chunked.py);
+* ``exchange`` (megatron_moe.moe.dispatcher.ExchangeConfig, from the flags): the all-to-all
+  algorithm and compression, the permute kernels, and the chunked overlap. The functions
+  megatron-core's token dispatcher calls by name (permute, unpermute, sort_chunks_by_idxs,
+  all_to_all) are this layer's own while one of its stages runs (compat/dispatch.py
+  ``DispatcherScope``); with ``--moe-a2a-overlap-degree`` > 1 or ``--moe-a2a-schedule fastermoe``
+  the dispatch -> experts -> combine middle is the chunked, overlapped pipeline
+  (megatron_moe/moe/chunked.py ``ChunkedMiddle``);
 * ``placement`` (megatron_moe.balance.layer.ReplicaPlacement with ``--moe-balance-policy`` or
   ``--moe-routing-trace-dir``): which rank computes which (token, expert) pair, replicas included;
-  it attaches its per-layer runtime as ``layer.balance`` and runs the dispatch / experts / combine
-  middle of the layer itself.
+  it attaches its per-layer runtime as ``layer.balance`` and is the layer's middle.
 
-With neither the layer is megatron-core's, stage for stage (``stock_forward``).
+A middle implements ``begin(layer)`` (before routing), ``preprocess``, ``dispatch``, ``compute``,
+``combine`` and ``postprocess`` with the signatures of megatron-core's stages (``layer`` first).
+With none the stages are megatron-core's, run under the layer's exchange.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from megatron.core.transformer.moe.moe_layer import MoELayer as _CoreMoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+from megatron_moe.compat.dispatch import DispatcherScope
+from megatron_moe.moe.dispatcher import ExchangeConfig, dispatcher_bindings
+
 __all__ = ["ExchangeConfig", "MoELayer", "use_layer"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ExchangeConfig:
-    """How an MoE layer exchanges tokens: one choice for every middle of the layer (megatron-core's
-    dispatcher, the chunked pipeline, the replica dispatch)."""
-    algorithm: str = "flat"
-    compression: str = "none"
-    permute_fusion: bool = False
-    overlap_degree: int = 1
-    schedule: str = "schemoe"
-
-    @property
-    def chunked(self) -> bool:
-        return self.overlap_degree > 1 or self.schedule == "fastermoe"
 
 
 class MoELayer(_CoreMoELayer):
@@ -50,21 +42,58 @@ class MoELayer(_CoreMoELayer):
         super().__init__(config, submodules, layer_number, pg_collection, **kw)
         self.ep_group = pg_collection.ep
         self.exchange = exchange if exchange is not None else ExchangeConfig()
+        self.exchange_scope = DispatcherScope(dispatcher_bindings(self.exchange))
         self.placement = placement
         self.balance = placement.attach(self, pg_collection) if placement is not None else None
+        self.middle = self._choose_middle()
 
-    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if self.placement is not None:
-            return self.placement.forward(self, hidden_states, intermediate_tensors, padding_mask)
+    def _choose_middle(self):
+        """The placement where it attached; else the chunked pipeline where it applies; else None
+        (megatron-core's stages)."""
+        if self.balance is not None:
+            return self.placement
         if self.exchange.chunked:
-            from megatron_moe.moe.chunked import chunked_forward
+            from megatron_moe.moe.chunked import ChunkedMiddle
 
-            return chunked_forward(self, hidden_states, intermediate_tensors, padding_mask)
-        return self.stock_forward(hidden_states, intermediate_tensors, padding_mask)
+            if ChunkedMiddle.applies(self):
+                return ChunkedMiddle()
+        return None
 
-    def stock_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        """megatron-core's own forward: route, dispatch, experts, combine on its token dispatcher."""
-        return super().forward(hidden_states, intermediate_tensors, padding_mask)
+    # --- megatron-core's stages, overridden -------------------------------------------------------
+    def route(self, hidden_states, padding_mask=None):
+        if self.middle is not None:
+            self.middle.begin(self)
+        return super().route(hidden_states, padding_mask)
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        with self.exchange_scope:
+            if self.middle is None:
+                return super().preprocess(hidden_states, probs, routing_map)
+            return self.middle.preprocess(self, hidden_states, probs, routing_map)
+
+    def dispatch(self, hidden_states, probs):
+        with self.exchange_scope:
+            if self.middle is None:
+                return super().dispatch(hidden_states, probs)
+            return self.middle.dispatch(self, hidden_states, probs)
+
+    def routed_experts_compute(self, hidden_states, probs):
+        with self.exchange_scope:
+            if self.middle is None:
+                return super().routed_experts_compute(hidden_states, probs)
+            return self.middle.compute(self, hidden_states, probs)
+
+    def combine(self, output):
+        with self.exchange_scope:
+            if self.middle is None:
+                return super().combine(output)
+            return self.middle.combine(self, output)
+
+    def postprocess(self, output, shared_expert_output):
+        with self.exchange_scope:
+            if self.middle is None:
+                return super().postprocess(output, shared_expert_output)
+            return self.middle.postprocess(self, output, shared_expert_output)
 
 
 def use_layer(spec, what: str, **params):
