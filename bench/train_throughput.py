@@ -9,8 +9,8 @@ balance hooks, the optimizer step) on the quickstart model (examples/train_gpt_m
 hidden 128, 8 experts top-2, seq 128, micro-batch 4, global batch 16, EP=2, fp32), random tokens.
 All models are built up front in the same two processes and stepped round-robin (the order rotates
 every repeat), so load from other jobs on a shared machine hits every configuration alike. The
-process-wide choices (the dispatcher's permute/all-to-all rebinding, the kernels' CPU buffer pool)
-are switched before each configuration's step. --ranks-per-node 1: the 2 ranks are 2 emulated
+process-wide choices (args, the kernels' CPU buffer pool) are switched before each configuration's
+step; each model's MoE layers carry their own exchange. --ranks-per-node 1: the 2 ranks are 2 emulated
 nodes, so the hierarchical and pipe all-to-alls do their two-level exchange. Per configuration:
 median over repeats of tokens/s (each repeat = ``--iters`` timed steps), its ratio to stock, and the
 share of step time spent inside the dispatcher's permute + unpermute (timed around the calls),
@@ -55,7 +55,7 @@ CONFIGS = {
 
 
 class _DispatchTimer:
-    """Seconds spent inside the token dispatcher's permute/unpermute (rebound per configuration)."""
+    """Seconds spent inside the token dispatcher's permute/unpermute (each layer's, timed)."""
 
     def __init__(self):
         self.seconds = 0.0

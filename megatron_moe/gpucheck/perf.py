@@ -347,11 +347,15 @@ def row_megatron(s, gpu, meter, stock, eager=False):
     T.Trainer.train_step = train_step
     from megatron_moe.compat import multi_tensor
     from megatron_moe.compat import optimizer as optimizer_compat
+    from megatron_moe.moe import layer as moe_layer
 
     # stock keeps megatron-core's no-apex optimizer fallbacks as they come: the gradient norm,
-    # scale and copy loops (compat/multi_tensor.py) and torch Adam's foreach path (fuse_torch_adam)
+    # scale and copy loops (compat/multi_tensor.py) and torch Adam's foreach path
+    # (fuse_torch_adam); and its dispatcher's own functions (no exchange bound in the MoE layer's
+    # stages: megatron-core's chunk sort, which copies even an identity order)
     replaced = ((multi_tensor, "install", lambda: []),
-                (optimizer_compat, "fuse_torch_adam", lambda optimizer: 0))
+                (optimizer_compat, "fuse_torch_adam", lambda optimizer: 0),
+                (moe_layer, "dispatcher_bindings", lambda exchange: {}))
     originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
     if stock:
         for module, name, stand_in in replaced:
@@ -365,7 +369,7 @@ def row_megatron(s, gpu, meter, stock, eager=False):
         for module, name, original in originals:
             setattr(module, name, original)
     how = ("megatron-core local path as it comes: SequentialMLP expert loop, unfused local "
-           "attention, its no-apex gradient norm and torch Adam's foreach path" if stock
+           "attention, its chunk sort, no-apex gradient norm and torch Adam's foreach path" if stock
            else "speed options: " + (" ".join(options) or "none")
            + ("; refused by the parser: " + ", ".join(refused) if refused else ""))
     return dict(params=params.get("n"), how=how, options=options, refused_options=refused)
