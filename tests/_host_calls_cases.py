@@ -41,6 +41,21 @@ def _experts_by_getattr():
     G.stacked, G._run_forward_pre_hooks = _old_stacked, _old_hooks
 
 
+def _old_into_main_grad_one(w):
+    return getattr(w, "main_grad", None) is not None and hasattr(w, "grad_added_to_main_grad") \
+        and not getattr(w, "zero_out_wgrad", False)
+
+
+def _old_into_main_grad(weights):
+    return [i for i, w in enumerate(weights) if _old_into_main_grad_one(w)]
+
+
+def _main_grad_test_per_weight():
+    """DDP's main_grad tested by a Python call per expert weight (per layer per micro-batch)."""
+    from megatron_moe.moe import grouped_experts as G
+    G._into_main_grad = _old_into_main_grad
+
+
 def _adam_walk_every_step():
     """The fused Adam pre-hook walking every parameter before every step."""
     from megatron_moe.compat import optimizer as O
@@ -53,6 +68,7 @@ def _adam_walk_every_step():
 
 
 MUTATIONS = {"experts_by_getattr": _experts_by_getattr,
+             "main_grad_test_per_weight": _main_grad_test_per_weight,
              "adam_walk_every_step": _adam_walk_every_step}
 
 
@@ -66,11 +82,15 @@ def _code_of(fn):
 
 
 # the mutations' code stands in for ours: counted as if it were in megatron_moe/
-_MUTANT_CODE = set().union(*map(_code_of, (_old_stacked, _old_hooks, _adam_walk_every_step)))
+_MUTANT_CODE = set().union(*map(_code_of, (_old_stacked, _old_hooks, _old_into_main_grad,
+                                             _old_into_main_grad_one, _adam_walk_every_step)))
 
 
 def count(rank, world, argv, iteration, mutate=None):
+    """Calls at ``iteration``; also the wall seconds of each later iteration (bench/host_calls.py).
+    ``mutate``: a name in MUTATIONS, or a tuple of them."""
     import collections
+    import time
 
     import pretrain_gpt_moe
     import torch
@@ -81,8 +101,8 @@ def count(rank, world, argv, iteration, mutate=None):
     from megatron_moe.training import loop
 
     optimizer_compat.fusable = lambda param: True   # the CUDA path (as tests/test_fused_adam.py)
-    if mutate is not None:
-        MUTATIONS[mutate]()
+    for name in (mutate,) if isinstance(mutate, str) else mutate or ():
+        MUTATIONS[name]()
     fused_calls = {"n": 0}
     orig_fused = torch._fused_adamw_
 
@@ -100,11 +120,17 @@ def count(rank, world, argv, iteration, mutate=None):
             calls[f"{os.path.relpath(code.co_filename, ROOT)}:{code.co_name}"] += 1
 
     state = {"it": 0}
-    ran = {}
+    ran, seconds = {}, []
     step = loop.Trainer.train_step
 
     def counted(self, data_iterator):
         state["it"] += 1
+        if state["it"] > iteration:
+            start = time.perf_counter()
+            try:
+                return step(self, data_iterator)
+            finally:
+                seconds.append(time.perf_counter() - start)
         if state["it"] != iteration:
             return step(self, data_iterator)
         before = (GroupedSequentialMLP.grouped_calls, GroupedSequentialMLP.wgrads_into_main_grad,
@@ -126,4 +152,4 @@ def count(rank, world, argv, iteration, mutate=None):
     finally:
         loop.Trainer.train_step = step
         torch._fused_adamw_ = orig_fused
-    return {"calls": dict(calls), "ran": ran}
+    return {"calls": dict(calls), "ran": ran, "seconds": seconds}

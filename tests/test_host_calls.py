@@ -6,12 +6,10 @@ linears' parameters and hooks without a ``nn.Module.__getattr__`` call per exper
 ``main_grad`` of all the weights in one call, and the fused Adam pre-hook walks the parameters
 before the first step and after loads and saves only. Mutations: each of those put back as it was.
 
-The fused Adam pre-hook's walks themselves are checked in-process: once, then again after a
-``load_state_dict`` that brings back unfused groups and after a ``state_dict`` (a save may create
-host ``step`` counters: compat/distrib_optimizer.py), each followed by the fused kernel's layout."""
+That the pre-hook still follows loads and saves is tests/test_fused_adam.py's (its walk test and
+the resumed runs)."""
 
 import pytest
-import torch
 
 from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _host_calls_cases as C
@@ -26,7 +24,8 @@ def _argv(experts):
             "--log-interval 100 --eval-interval 1000 --eval-iters 1 --train-iters 3").split()
 
 
-@pytest.mark.parametrize("mutate", [None, "experts_by_getattr", "adam_walk_every_step"])
+@pytest.mark.parametrize("mutate", [None, "experts_by_getattr", "main_grad_test_per_weight",
+                                    "adam_walk_every_step"])
 def test_host_calls_per_iteration_do_not_grow_with_experts(mutate):
     # comm/strict.py's device checks (a torch function mode on every op) are test machinery
     small, big = (run_distributed(C.count, 1, _argv(e), 3, mutate, timeout_s=300,
