@@ -90,6 +90,7 @@ def count(rank, world, argv, iteration, mutate=None):
     """Calls at ``iteration``; also the wall seconds of each later iteration (bench/host_calls.py).
     ``mutate``: a name in MUTATIONS, or a tuple of them."""
     import collections
+    import gc
     import time
 
     import pretrain_gpt_moe
@@ -135,11 +136,13 @@ def count(rank, world, argv, iteration, mutate=None):
             return step(self, data_iterator)
         before = (GroupedSequentialMLP.grouped_calls, GroupedSequentialMLP.wgrads_into_main_grad,
                   fused_calls["n"])
+        gc.disable()   # no collector (and finalizers it runs) at points that vary with the sizes
         sys.setprofile(profile)
         try:
             return step(self, data_iterator)
         finally:
             sys.setprofile(None)
+            gc.enable()
             after = (GroupedSequentialMLP.grouped_calls,
                      GroupedSequentialMLP.wgrads_into_main_grad, fused_calls["n"])
             ran.update(zip(("grouped_calls", "wgrads_into_main_grad", "fused_adam_calls"),
