@@ -94,11 +94,12 @@ def fuse_torch_adam(megatron_optimizer) -> int:
     compat/distrib_optimizer.py) is followed: before a step the groups are marked fused and each
     ``step`` counter is moved to its parameter's device as float32 (the fused kernel's layout).
 
-    That walk visits every parameter (thousands in a fine-grained MoE model), so it runs before the
-    first step and then again only when the groups may have changed: after a ``load_state_dict``
-    or a ``state_dict`` (the bridge in compat/distrib_optimizer.py creates host ``step`` counters
-    for a save) of the torch optimizer, or when its param groups are other objects than those last
-    walked. In between, the fused kernel keeps the counters on the device itself.
+    That walk visits every parameter (one per expert weight: over a thousand in the GPU kit's
+    128-expert model), so it runs before the first step and then again only when the groups may
+    have changed: after a ``load_state_dict`` or a ``state_dict`` (the bridge in
+    compat/distrib_optimizer.py creates host ``step`` counters for a save) of the torch optimizer,
+    or when its param groups are other objects than those last walked. In between, the fused kernel
+    keeps the counters on the device itself.
     Returns the number of torch optimizers hooked (0 with TE or apex)."""
     import operator
 
