@@ -79,9 +79,8 @@ def _planted(name):
         orig_acc = G._accumulate_into_main_grads
 
         def not_added(weights, dw):
-            for w in weights:
-                if G._into_main_grad(w):
-                    w.grad_added_to_main_grad = True
+            for i in G._into_main_grad(weights):
+                weights[i].grad_added_to_main_grad = True
             return list(dw.unbind(0))
         G._accumulate_into_main_grads = not_added
         try:

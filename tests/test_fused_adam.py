@@ -4,6 +4,9 @@ training within float rounding of the per-tensor path, the fused kernel called o
 resume from a checkpoint (plain and distributed optimizer, whose loads restore host step counters)
 continues exactly as the straight fused run."""
 
+import pytest
+import torch
+
 from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _fused_adam_cases as A
 
@@ -60,3 +63,90 @@ def test_torch_adams_found_through_a_chain_without_touching_its_optimizer_proper
     else:
         raise AssertionError("megatron-core's chain no longer asserts: drop this test's premise")
     assert sorted(map(id, torch_adams(chain))) == sorted(map(id, adams))
+
+
+@pytest.mark.parametrize("mutate", [None, "walk_every_step", "ignore_loads", "ignore_saves"])
+def test_fused_adam_pre_hook_walks_the_parameters_only_when_the_groups_may_have_changed(
+        monkeypatch, mutate):
+    """The pre-hook's walk over every parameter runs before the first step, then only after a
+    ``load_state_dict`` (here one that brings back unfused groups) and after a ``state_dict`` (the
+    distributed optimizer's save bridge creates host ``step`` counters: here a float64 one stands
+    in, which the fused kernel's layout makes float32). Mutations: the walk on every step; loads
+    (hook and group identities) or saves not followed."""
+    import operator
+
+    from megatron_moe.compat import optimizer as opt_compat
+
+    walked = {"params": 0}
+
+    def fusable(param):
+        walked["params"] += 1
+        return True
+    monkeypatch.setattr(opt_compat, "fusable", fusable)
+    fused = {"calls": 0}
+    orig_fused = torch._fused_adamw_
+
+    def counted(*args, **kwargs):
+        fused["calls"] += 1
+        return orig_fused(*args, **kwargs)
+    monkeypatch.setattr(torch, "_fused_adamw_", counted)
+    if mutate == "walk_every_step":
+        orig_fuse = opt_compat.fuse_torch_adam
+
+        def fuse_each_step(optimizer):
+            for opt in opt_compat.torch_adams(optimizer):
+                opt.register_step_pre_hook(lambda opt, a, k: opt_compat._fuse_groups(opt))
+            return orig_fuse(optimizer)
+        monkeypatch.setattr(opt_compat, "fuse_torch_adam", fuse_each_step)
+    if mutate == "ignore_loads":
+        monkeypatch.setattr(torch.optim.Optimizer, "register_load_state_dict_post_hook",
+                            lambda self, hook, prepend=False: None)
+        monkeypatch.setattr(operator, "is_", lambda a, b: True)
+    if mutate == "ignore_saves":
+        monkeypatch.setattr(torch.optim.Optimizer, "register_state_dict_pre_hook",
+                            lambda self, hook, prepend=False: None)
+
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+
+    def step(opt):
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+
+    unfused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4)) for _ in range(3)], lr=0.1)
+    for p in unfused.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    unfused.step()
+    unfused_checkpoint = unfused.state_dict()   # (not hooked) an unfused run's, after one step
+
+    opt = torch.optim.AdamW(params, lr=0.1, foreach=False)
+    assert opt_compat.fuse_torch_adam(opt) == 1
+    seen = {}
+    for _ in range(3):
+        step(opt)
+    seen["walked after 3 steps"] = walked["params"]
+    opt.load_state_dict(unfused_checkpoint)
+    assert opt.param_groups[0]["fused"] is not True   # the unfused groups came back
+    step(opt)
+    seen["fused after a load"] = opt.param_groups[0]["fused"]
+    seen["walked after a load"] = walked["params"]
+    opt.state[params[0]]["step"] = torch.tensor(5.0, dtype=torch.float64)
+    opt.state_dict()
+    try:
+        step(opt)
+        seen["step after a save"] = opt.state[params[0]]["step"].dtype
+    except RuntimeError as e:   # torch's fused kernel refusing the float64 counter
+        seen["step after a save"] = str(e)
+    seen["walked after a save"] = walked["params"]
+    seen["fused calls"] = fused["calls"]
+
+    followed = {"walked after 3 steps": 3, "fused after a load": True, "walked after a load": 6,
+                "step after a save": torch.float32, "walked after a save": 9, "fused calls": 5}
+    if mutate is None:
+        assert seen == followed
+    elif mutate == "walk_every_step":
+        assert seen["walked after 3 steps"] > 3, seen
+    elif mutate == "ignore_loads":
+        assert seen["fused after a load"] is not True, seen
+    else:
+        assert seen["step after a save"] != torch.float32, seen

@@ -67,37 +67,62 @@ def fusable(param) -> bool:
     return param.is_cuda
 
 
+def _fuse_groups(opt) -> None:
+    """Mark ``opt``'s param groups fused where torch's fused Adam can run them, each ``step``
+    counter moved to its parameter's device as float32 (the fused kernel's layout)."""
+    import torch
+
+    for group in opt.param_groups:
+        if not group["params"] or not all(fusable(p) for p in group["params"]):
+            continue
+        if group.get("differentiable") or group.get("capturable"):
+            continue   # torch refuses fused with these; megatron-core's choice stands
+        group["fused"], group["foreach"] = True, False
+        for p in group["params"]:
+            state = opt.state.get(p)
+            step = state.get("step") if state else None
+            if torch.is_tensor(step) and (step.device != p.device or step.dtype != torch.float32):
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
+
+
 def fuse_torch_adam(megatron_optimizer) -> int:
     """megatron-core's torch Adam fallback on torch's fused kernel (``fused=True``: one pass over
     parameter, gradient and both moments) instead of its default foreach path on CUDA (a dozen
     passes: the optimizer step was 18% of the H200 profile's device time); what Transformer
     Engine's or apex's FusedAdam give megatron-core where installed. Set in a step pre-hook, so a
     checkpoint load (which restores the saved param groups and host ``step`` counters, e.g. through
-    compat/distrib_optimizer.py) is followed: before each step the groups are marked fused and each
+    compat/distrib_optimizer.py) is followed: before a step the groups are marked fused and each
     ``step`` counter is moved to its parameter's device as float32 (the fused kernel's layout).
+
+    That walk visits every parameter (one per expert weight: over a thousand in the GPU kit's
+    128-expert model), so it runs before the first step and then again only when the groups may
+    have changed: after a ``load_state_dict`` or a ``state_dict`` (the bridge in
+    compat/distrib_optimizer.py creates host ``step`` counters for a save) of the torch optimizer,
+    or when its param groups are other objects than those last walked. In between, the fused kernel
+    keeps the counters on the device itself.
     Returns the number of torch optimizers hooked (0 with TE or apex)."""
-    import torch
+    import operator
 
     hooked = 0
     for opt in torch_adams(megatron_optimizer):
         if getattr(opt, "_megatron_moe_fused", False):
             continue
+        walked = []   # the param groups as of the last walk (held: identities stay unique)
 
-        def pre_step(opt, args, kwargs):
-            for group in opt.param_groups:
-                if not group["params"] or not all(fusable(p) for p in group["params"]):
-                    continue
-                if group.get("differentiable") or group.get("capturable"):
-                    continue   # torch refuses fused with these; megatron-core's choice stands
-                group["fused"], group["foreach"] = True, False
-                for p in group["params"]:
-                    state = opt.state.get(p)
-                    step = state.get("step") if state else None
-                    if torch.is_tensor(step) and (step.device != p.device
-                                                  or step.dtype != torch.float32):
-                        state["step"] = step.to(device=p.device, dtype=torch.float32)
+        def pre_step(opt, args, kwargs, walked=walked):
+            groups = opt.param_groups
+            if len(walked) == len(groups) and all(map(operator.is_, walked, groups)):
+                return None
+            _fuse_groups(opt)
+            walked[:] = groups
             return None
+
+        def forget(opt, walked=walked):
+            walked.clear()
+
         opt.register_step_pre_hook(pre_step)
+        opt.register_load_state_dict_post_hook(forget)
+        opt.register_state_dict_pre_hook(forget)
         opt._megatron_moe_fused = True
         hooked += 1
     return hooked

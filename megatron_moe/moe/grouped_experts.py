@@ -172,11 +172,14 @@ class _GroupedLinear(torch.autograd.Function):
         return (dx, None, *_accumulate_into_main_grads(weights, dw))
 
 
-def _into_main_grad(w) -> bool:
-    """A parameter megatron-core's DDP gave a ``main_grad`` (it sets ``grad_added_to_main_grad``
-    on each); not with ``zero_out_wgrad`` (its hook then adds the returned grad)."""
-    return getattr(w, "main_grad", None) is not None and hasattr(w, "grad_added_to_main_grad") \
-        and not getattr(w, "zero_out_wgrad", False)
+def _into_main_grad(weights) -> list:
+    """Indices of the weights megatron-core's DDP gave a ``main_grad`` (it sets
+    ``grad_added_to_main_grad`` on each); not with ``zero_out_wgrad`` (its hook then adds the
+    returned grad). One call for all the weights: this runs per layer per micro-batch, and a Python
+    call per expert weight is host time that grows with the experts (tests/test_host_calls.py)."""
+    return [i for i, w in enumerate(weights)
+            if getattr(w, "main_grad", None) is not None and hasattr(w, "grad_added_to_main_grad")
+            and not getattr(w, "zero_out_wgrad", False)]
 
 
 def _accumulate_into_main_grads(weights, dw):
@@ -188,14 +191,14 @@ def _accumulate_into_main_grads(weights, dw):
     ``grad_added_to_main_grad`` tells the hook not to add it again, as with megatron-core's
     placeholder gradients); balance replicas and weights outside DDP are left to autograd."""
     grads = list(dw.unbind(0))
-    fused = [i for i, w in enumerate(weights) if _into_main_grad(w)]
+    fused = _into_main_grad(weights)
     if not fused:
         return grads
     by_dtype = {}
     for i in fused:
         by_dtype.setdefault(weights[i].main_grad.dtype, []).append(i)
     for dtype, idx in by_dtype.items():
-        src = (dw if dw.dtype == dtype else dw.to(dtype)).unbind(0)   # add_'s promotion
+        src = grads if dw.dtype == dtype else dw.to(dtype).unbind(0)   # add_'s promotion
         torch._foreach_add_([weights[i].main_grad for i in idx], [src[i] for i in idx])
     for i in fused:
         weights[i].grad_added_to_main_grad = True
@@ -216,24 +219,38 @@ class _Stack(torch.autograd.Function):
         return grad.unbind(0)
 
 
+_LINEARS = ("linear_fc1", "linear_fc2")
+
+
 def _run_forward_pre_hooks(experts):
     """The grouped call reads the experts' weights without calling their linear modules, so the
     forward pre-hooks registered on those modules must run here: megatron-core's DDP waits for a
     bucket's parameter all-gather in one (--overlap-param-gather with the distributed optimizer);
-    skipped, the grouped call would read parameters still being gathered."""
+    skipped, the grouped call would read parameters still being gathered. The linears are read
+    from ``_modules`` (``expert.linear_fc1`` is a Python ``nn.Module.__getattr__`` call, per expert
+    per layer per micro-batch) and one without hooks costs no call."""
     for expert in experts:
-        for linear in (expert.linear_fc1, expert.linear_fc2):
-            for hook in list(linear._forward_pre_hooks.values()):
-                hook(linear, ())
+        for name in _LINEARS:
+            linear = expert._modules[name]
+            if linear._forward_pre_hooks:
+                for hook in list(linear._forward_pre_hooks.values()):
+                    hook(linear, ())
 
 
 def stacked(experts, name: str):
     """One parameter (``linear_fc1.weight``, ...) of each expert MLP (a module, or a balance
-    replica's name -> tensor dict); None when the experts have none (no bias)."""
+    replica's name -> tensor dict); None when the experts have none (no bias: decided on the first
+    expert). A module's parameter is read from its linear's ``_parameters``, where megatron-core's
+    linears register it, without ``nn.Module.__getattr__``'s Python call per expert."""
     linear, attr = name.split(".")
-    params = [getattr(getattr(e, linear), attr, None) if isinstance(e, torch.nn.Module)
-              else e.get(name) for e in experts]
-    return None if params[0] is None else params
+    first = experts[0]
+    if isinstance(first, torch.nn.Module):
+        if getattr(getattr(first, linear), attr, None) is None:
+            return None
+    elif first.get(name) is None:
+        return None
+    return [e._modules[linear]._parameters[attr] if isinstance(e, torch.nn.Module) else e[name]
+            for e in experts]
 
 
 class GroupedSequentialMLP(SequentialMLP):
@@ -262,7 +279,8 @@ class GroupedSequentialMLP(SequentialMLP):
         """``experts`` (MLP modules or name -> tensor dicts of the same shapes: balance replicas)
         on ``x`` grouped by ``counts``, in one grouped call per linear."""
         GroupedSequentialMLP.grouped_calls += 1
-        GroupedSequentialMLP.replica_groups += sum(not isinstance(e, torch.nn.Module) for e in experts)
+        replicas = [e for e in experts if not isinstance(e, torch.nn.Module)]
+        GroupedSequentialMLP.replica_groups += len(replicas)
         return grouped_mlp(self._activation, x, probs, counts,
                            stacked(experts, "linear_fc1.weight"), stacked(experts, "linear_fc2.weight"),
                            stacked(experts, "linear_fc1.bias"), stacked(experts, "linear_fc2.bias"),
