@@ -3,7 +3,7 @@
 On two ranks (EP=2, gloo) our layer with each middle (none: megatron-core's stages under our
 exchange; the chunked pipeline, --moe-a2a-overlap-degree 2; the replica placement with a plain
 placement) equals megatron-core's MoELayer with the same weights, run whole (megatron-core's own
-forward) and stage by stage (as megatron-core >= 0.18's overlapped 1F1B schedules call them), forward
+forward) and stage by stage (as megatron-core's overlapped 1F1B schedule, fine_grained_callables.py, calls them), forward
 and backward; a counter shows the middle and the exchange's chunk sort ran inside our layer, while
 megatron-core's own chunk sort stays bound outside the layer's stages (and in megatron-core's layer).
 Mutations: the exchange scope binds nothing (our chunk sort never runs), the middle ignored (the

@@ -2,9 +2,10 @@
 
 megatron-core's ``MoELayer.forward`` runs its stages in order: ``shared_experts_compute``,
 ``route``, ``preprocess``, ``dispatch``, ``routed_experts_compute``, ``combine``, ``postprocess``
-(and megatron-core >= 0.18's overlapped 1F1B schedules call the same stages one by one). This
-subclass keeps that forward, its router, experts, shared experts, recompute and state dict
-(checkpoints are megatron-core's), and overrides the stages. It takes two things from the layer
+(and megatron-core's overlapped 1F1B schedule, --overlap-moe-expert-parallel-comm, calls the same
+stages one by one from models/gpt/fine_grained_callables.py). This subclass keeps that forward,
+its router, experts, shared experts, recompute and state dict (checkpoints are megatron-core's),
+and overrides the stages. It takes two things from the layer
 spec (``ModuleSpec.params`` / the partial's keywords, set by :func:`use_layer`):
 
 * ``exchange`` (megatron_moe.moe.dispatcher.ExchangeConfig, from the flags): the all-to-all
