@@ -120,6 +120,10 @@ def test_perf_section_runs_every_system_on_the_same_model(perf_run):
                 continue
             assert row["same_model"] and row["params"] == fig["expected_params"], (system, row)
             assert row["tokens_per_s"] > 0 and row["aten_ops_per_iter"] > 0
+            # one iteration's host time by package (megatron_moe/gpucheck/host_time.py): each
+            # system's own package shows up
+            own = {"ours": "megatron_moe", "stock": "megatron.core"}.get(system, system)
+            assert row["host_s_per_iter"] > 0 and row["host_by_package_s"].get(own, 0) > 0, row
         assert fig["ratios"]["ours/stock"] > 0 and fig["ratios"]["ours/transformers"] > 0
         assert (fig["ratios"]["ours/torchtitan"] is not None) == have_titan
         ours = fig["rows"]["ours"]
@@ -127,6 +131,7 @@ def test_perf_section_runs_every_system_on_the_same_model(perf_run):
         assert {"--moe-torch-grouped-gemm", "--moe-grouped-gemm"} & set(ours["options"])
     md = (out / "perf_report.md").read_text()
     assert "| ours |" in md and "| stock |" in md and "Ratios of tokens/s: ours/torchtitan" in md
+    assert "Host time per iteration, ms, by package" in md and "* ours: " in md
     assert json.loads((out / "perf_report.json").read_text())["mode"] == "cpu"
 
 

@@ -45,6 +45,7 @@ import sys
 import time
 import traceback
 
+from megatron_moe.gpucheck.host_time import HostProfile, format_breakdown
 from megatron_moe.gpucheck.process import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -190,12 +191,16 @@ def synthetic_batch(s):
 # --- timing and counting, the same for every system --------------------------------------------
 class Meter:
     """Runs the iterations: ``warmup`` untimed, ``timed`` each between device syncs (their median
-    is the iteration time), then ``profiled`` under torch.profiler (counted, not timed)."""
+    is the iteration time), then ``profiled`` under torch.profiler (counted, not timed), then one
+    under cProfile (host time by package, megatron_moe/gpucheck/host_time.py; not timed)."""
+
+    HOST_PROFILED = 1
 
     def __init__(self, gpu, warmup, timed, profiled):
         self.gpu, self.warmup, self.timed, self.profiled = gpu, warmup, timed, profiled
-        self.total = warmup + timed + profiled
+        self.total = warmup + timed + profiled + self.HOST_PROFILED
         self.times, self.losses, self.counts, self.prof = [], [], {}, None
+        self.host = None
 
     def _sync(self):
         if self.gpu:
@@ -214,13 +219,18 @@ class Meter:
             self._sync()
             self.prof.start()
         self._sync()
+        host = HostProfile() if i == self.total - self.HOST_PROFILED else contextlib.nullcontext()
         t0 = time.perf_counter()
-        loss = fn()
+        with host:
+            loss = fn()
         self._sync()
+        if isinstance(host, HostProfile):
+            self.host = host.breakdown()
+            print(format_breakdown(self.host), file=sys.stderr, flush=True)
         if self.warmup <= i < self.warmup + self.timed:
             self.times.append(time.perf_counter() - t0)
         self.losses.append(float(loss) if loss is not None else float("nan"))
-        if i == self.total - 1 and self.prof is not None:
+        if i == self.total - 1 - self.HOST_PROFILED and self.prof is not None:
             self.prof.stop()
             self.counts = count_events(self.prof, self.profiled, self.gpu)
             if self.gpu:   # where the device time goes, into the section's log (stderr)
@@ -236,8 +246,11 @@ class Meter:
         return loss
 
     def figures(self):
+        host = {} if self.host is None else dict(host_s_per_iter=self.host["total_s"],
+                                                 host_by_package_s=self.host["by_package_s"],
+                                                 host_top=self.host["top"])
         return dict(iter_s=statistics.median(self.times) if self.times else None,
-                    iter_s_all=self.times, losses=self.losses, **self.counts)
+                    iter_s_all=self.times, losses=self.losses, **self.counts, **host)
 
 
 def device_seconds(key_averages):
@@ -330,7 +343,9 @@ def row_megatron(s, gpu, meter, stock, eager=False):
     def datasets(num_samples):
         return Fixed(), None, None
     datasets.is_distributed = True
-    checks.init_process("gpu" if gpu else "cpu")
+    # production mode: the strict device checks are test machinery (on a CPU build a torch
+    # function mode over every call) that the other systems' rows do not pay
+    checks.init_process("gpu" if gpu else "cpu", strict_devices=False)
     orig = T.Trainer.train_step
     params = {}
 
@@ -780,6 +795,14 @@ def write_reports(outdir, checks, mode):
                 lines.append(f"| {name} | {tok} | {rss} | {r.get('aten_ops_per_iter', 0):.0f} |"
                              f" {r.get('host_reads_per_iter', 0):.0f} | {r.get('same_model')} |"
                              f" {how} |")
+        host = [(name, r) for name, r in fig.get("rows", {}).items() if r.get("host_by_package_s")]
+        if host:
+            lines += ["", "Host time per iteration, ms, by package (one iteration under cProfile, "
+                      "C time charged to its Python caller; megatron_moe/gpucheck/host_time.py):",
+                      ""]
+            for name, r in host:
+                parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["host_by_package_s"].items())
+                lines.append(f"* {name}: {r['host_s_per_iter'] * 1e3:.1f} ({parts})")
         rs = fig.get("ratios", {})
         lines += ["", "Ratios of tokens/s: " + ", ".join(
             f"{k} {'x%.2f' % v if v is not None else '-'}" for k, v in rs.items()), ""]
