@@ -87,3 +87,54 @@ def run_stages(rank, world, middle, mutate=None):
     outside = token_dispatcher.sort_chunks_by_idxs is moe_utils.sort_chunks_by_idxs
     return {"whole": (whole - ref).abs().max().item(), "staged": (staged - ref).abs().max().item(),
             "grad": grad, "calls": dict(calls), "core_calls": core_calls, "outside": outside}
+
+
+def run_counts(rank, world, grouped, mutate=None):
+    """One rank (EP = TP = 1): our layer's forward and backward with the dispatcher's copy/sync
+    points recorded. {'points': points the dispatcher reached, 'dtoh': its copy point, 'sync': its
+    sync point, 'on_device': the layer's flag, 'diff': max |ours - megatron-core's layer|}."""
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.moe_layer import MoELayer as CoreMoELayer
+
+    from megatron_moe.compat import replace_spec, spec_submodules
+    from megatron_moe.moe import grouped_experts, layer as moe_layer
+    from megatron_moe.moe.layer import MoELayer
+
+    if mutate == "counts_to_host":   # the layer leaves megatron-core's copy and sync points alone
+        moe_layer.keep_counts_on_device = lambda td: False
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=16, ffn_hidden_size=16, moe_ffn_hidden_size=16,
+        num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
+        use_cpu_initialization=True, bf16=False, params_dtype=torch.float32,
+        gated_linear_unit=True, add_bias_linear=False)
+    sub = spec_submodules(get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False))
+    core_sub = sub
+    if grouped:
+        sub = dataclasses.replace(sub, experts=replace_spec(
+            sub.experts, module=grouped_experts.GroupedSequentialMLP))
+    torch.manual_seed(0)
+    core = CoreMoELayer(cfg, submodules=core_sub)
+    ours = MoELayer(cfg, submodules=sub)
+    ours.load_state_dict(core.state_dict())
+    td = ours.token_dispatcher
+    points = []
+    reach = td._maybe_dtoh_and_synchronize
+
+    def recorded(point, tokens_per_expert=None):
+        points.append(point)
+        return reach(point, tokens_per_expert)
+
+    td._maybe_dtoh_and_synchronize = recorded
+    x = torch.randn(32, 2, 16)
+    out = ours(x.clone().requires_grad_())[0]
+    out.float().pow(2).sum().backward()
+    ref = core(x.clone())[0]
+    return {"points": points, "dtoh": td.cuda_dtoh_point, "sync": td.cuda_sync_point,
+            "on_device": ours.counts_on_device, "diff": (out - ref).abs().max().item()}

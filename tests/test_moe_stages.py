@@ -13,7 +13,7 @@ chunked pipeline / replica plan never run).
 import pytest
 
 from megatron_moe.runtime.local_ranks import run_distributed
-from tests._stage_cases import run_stages
+from tests._stage_cases import run_counts, run_stages
 
 
 def test_forward_is_megatron_cores():
@@ -53,3 +53,21 @@ def test_stages_equal_megatron_core(middle, mutate):
     else:
         with pytest.raises(AssertionError):
             check(results[0])
+
+
+@pytest.mark.parametrize("grouped,mutate", [(True, None), (False, None), (True, "counts_to_host")])
+def test_one_rank_keeps_the_counts_on_the_device(grouped, mutate):
+    """EP = TP = 1 with grouped experts: megatron-core's alltoall dispatcher neither copies its
+    counts to the host nor waits for a copy (compat/dispatch.py keep_counts_on_device): no point
+    it reaches is its copy or sync point. The expert loop needs host counts (its split), so it
+    keeps megatron-core's points; so does the mutation (the layer leaves them alone)."""
+    (r,) = run_distributed(run_counts, 1, grouped, mutate, timeout_s=120)
+    assert r["diff"] < 1e-5, r
+    assert r["points"], r   # the dispatcher reached its points
+    reached = set(r["points"])
+    if grouped and mutate is None:
+        assert r["on_device"] and r["sync"] == "no_sync", r
+        assert r["dtoh"] not in reached and r["sync"] not in reached, r
+    else:
+        assert not r["on_device"] or mutate, r
+        assert r["sync"] in reached and r["dtoh"] in reached, r

@@ -103,6 +103,26 @@ def order_after_dispatcher_host_copy(td) -> None:
         torch.cuda.current_stream().wait_event(event)
 
 
+def keep_counts_on_device(td) -> bool:
+    """megatron-core's alltoall dispatcher (0.16 to 0.19) copies its split counts and
+    ``tokens_per_expert`` to the host at ``cuda_dtoh_point`` and waits for that copy at
+    ``cuda_sync_point``, which ``preprocess`` lowers to the earliest point that needs a host
+    value; at expert and tensor parallel size 1 that is "before_finish" (SequentialMLP splits
+    its input by host counts) or "before_permutation_2" (megatron-core's chunk sort), a host
+    wait per MoE layer per micro-batch. With no all-to-all and experts that take device counts
+    (grouped experts; our chunk sort leaves the identity order of one rank untouched) nothing
+    needs them on the host: "no_sync" as the copy point, ranked first, keeps both off (every
+    point ``preprocess`` asks for ranks after it, so the sync point stays "no_sync" and its
+    assertion, copy point <= sync point, holds). Returns whether it applied (only the alltoall
+    dispatcher has these points)."""
+    priority = getattr(td, "cuda_sync_point_priority", None)
+    if priority is None or "no_sync" not in priority:
+        return False
+    td.cuda_sync_point_priority = dict(priority, no_sync=min(priority.values()) - 1)
+    td.cuda_dtoh_point = td.cuda_sync_point = "no_sync"
+    return True
+
+
 # --- the binding itself ---------------------------------------------------------------------------
 # megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher call permute, unpermute,
 # sort_chunks_by_idxs (moe_utils) and all_to_all (tensor_parallel) by module-level name inside

@@ -29,7 +29,7 @@ from __future__ import annotations
 from megatron.core.transformer.moe.moe_layer import MoELayer as _CoreMoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from megatron_moe.compat.dispatch import DispatcherScope
+from megatron_moe.compat.dispatch import DispatcherScope, keep_counts_on_device
 from megatron_moe.moe.dispatcher import ExchangeConfig, dispatcher_bindings
 
 __all__ = ["ExchangeConfig", "MoELayer", "use_layer"]
@@ -47,6 +47,23 @@ class MoELayer(_CoreMoELayer):
         self.placement = placement
         self.balance = placement.attach(self, pg_collection) if placement is not None else None
         self.middle = self._choose_middle()
+        self.counts_on_device = self._device_counts_suffice() and \
+            keep_counts_on_device(self.token_dispatcher)
+
+    def _device_counts_suffice(self) -> bool:
+        """Whether no stage of this layer needs the dispatcher's counts on the host: one rank
+        (expert and tensor parallel size 1: no all-to-all splits), every routed token kept (no
+        capacity, no padding: the permuted row count is known on the host), grouped experts
+        (they take device counts), no CUDA graph capture (megatron-core moves its copy point)."""
+        from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
+
+        td, config = self.token_dispatcher, self.config
+        return (getattr(td, "ep_size", None) == 1 and getattr(td, "tp_size", None) == 1
+                and not getattr(td, "drop_and_pad", False)
+                and config.moe_expert_capacity_factor is None
+                and not getattr(config, "moe_router_padding_for_quantization", False)
+                and getattr(config, "cuda_graph_impl", "none") == "none"
+                and isinstance(self.experts, GroupedSequentialMLP))
 
     def _choose_middle(self):
         """The placement where it attached; else the chunked pipeline where it applies; else None
