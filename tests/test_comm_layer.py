@@ -61,3 +61,23 @@ def test_overlap_flags_are_validated():
                    [*TINY, "--train-iters", "1", "--moe-a2a-overlap-degree", "2",
                     "--moe-balance-policy", "proprophet"], timeout_s=120)
     assert p.returncode == 2 and "--moe-a2a-overlap-degree" in p.stderr, p.stderr[-2000:]
+
+
+def test_chunked_middle_refuses_megatron_cores_ep_overlap():
+    """The chunked middle runs its exchange inside the experts' stage, so megatron-core's
+    overlapped 1F1B schedule (which overlaps the dispatch / combine stages) cannot apply: refused
+    naming both flags (the check itself: on a CPU --overlap-moe-expert-parallel-comm is refused
+    earlier for needing CUDA)."""
+    import argparse
+
+    from megatron_moe.moe.chunked import validate_args
+
+    args = argparse.Namespace(num_experts=8, moe_a2a_overlap_degree=2, moe_a2a_schedule="schemoe",
+                              tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
+                              expert_model_parallel_size=4, overlap_moe_expert_parallel_comm=True)
+    with pytest.raises(ValueError) as err:
+        validate_args(args)
+    assert "--moe-a2a-overlap-degree 2" in str(err.value)
+    assert "--overlap-moe-expert-parallel-comm" in str(err.value)
+    args.overlap_moe_expert_parallel_comm = False
+    validate_args(args)

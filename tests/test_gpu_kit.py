@@ -140,7 +140,9 @@ def test_perf_row_trains_the_shapes_model(mutate, monkeypatch):
         monkeypatch.setattr(transformers, "MixtralConfig", wider)
     row = perf.run_row("transformers", "mixtral", "cpu")
     n = perf.ITERS["cpu"]
-    assert len(row["losses"]) == n["warmup"] + n["timed"] + n["profiled"]
+    # and one more under cProfile: the host time by package (the row's own, transformers, too)
+    assert len(row["losses"]) == n["warmup"] + n["timed"] + n["profiled"] + perf.Meter.HOST_PROFILED
+    assert row["host_by_package_s"].get("transformers", 0) > 0 and row["host_s_per_iter"] > 0
     assert len(row["iter_s_all"]) == n["timed"] and row["iter_s"] > 0
     assert row["aten_ops_per_iter"] > 0 and row["host_reads_per_iter"] >= 0
     ok, summary, figures, skipped = perf.verdict("mixtral", "cpu", {"transformers": row}, None)

@@ -127,6 +127,11 @@ def validate_args(args):
     if getattr(args, "moe_shared_expert_overlap", False):
         raise ValueError(f"--moe-a2a-overlap-degree {degree}: not supported with "
                          "--moe-shared-expert-overlap")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        raise ValueError(f"--moe-a2a-overlap-degree {degree}: cannot be combined with "
+                         "--overlap-moe-expert-parallel-comm (megatron-core's overlapped schedule "
+                         "needs the exchange in the dispatch and combine stages; the chunked "
+                         "middle runs it inside the experts' stage)")
     if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
         raise ValueError(f"--moe-a2a-overlap-degree {degree}: cannot be combined with "
                          f"--moe-balance-policy {args.moe_balance_policy}")
