@@ -5,6 +5,27 @@ overlapped schedules call them), with a counter on each thing that must have run
 from __future__ import annotations
 
 
+def _layer_parts(ep):
+    """Model parallel state for EP = ``ep`` (TP 1) and one MoE layer's config and submodules (4
+    experts top-2, SwiGLU, fp32, megatron-core's local expert loop)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_moe.compat import spec_submodules
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=ep)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=16, ffn_hidden_size=16, moe_ffn_hidden_size=16,
+        num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
+        use_cpu_initialization=True, bf16=False, params_dtype=torch.float32,
+        gated_linear_unit=True, add_bias_linear=False)
+    return cfg, spec_submodules(get_moe_module_spec(use_te=False, num_experts=4,
+                                                    moe_grouped_gemm=False))
+
+
 def run_stages(rank, world, middle, mutate=None):
     """{'whole': max |ours - megatron-core|, 'staged': the same for the stage-by-stage run,
     'grad': max grad difference (input and parameters), 'calls': {what: count},
@@ -12,15 +33,11 @@ def run_stages(rank, world, middle, mutate=None):
     import collections
 
     import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.core.transformer.moe.moe_layer import MoELayer as CoreMoELayer
 
     from megatron_moe import comm
     from megatron_moe.balance import layer as balance_layer
-    from megatron_moe.compat import spec_submodules
     from megatron_moe.compat.dispatch import DispatcherScope
     from megatron_moe.moe import dispatcher
     from megatron_moe.moe.dispatcher import ExchangeConfig
@@ -41,14 +58,7 @@ def run_stages(rank, world, middle, mutate=None):
         DispatcherScope.__enter__ = lambda self: self
         DispatcherScope.__exit__ = lambda self, *exc: False
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
-    cfg = TransformerConfig(
-        num_layers=1, hidden_size=16, ffn_hidden_size=16, moe_ffn_hidden_size=16,
-        num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-        use_cpu_initialization=True, bf16=False, params_dtype=torch.float32,
-        gated_linear_unit=True, add_bias_linear=False)
-    sub = spec_submodules(get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False))
+    cfg, sub = _layer_parts(world)
     exchange = ExchangeConfig(overlap_degree=2) if middle == "chunked" else ExchangeConfig()
     placement = balance_layer.ReplicaPlacement() if middle == "placement" else None
     torch.manual_seed(0)
@@ -96,25 +106,15 @@ def run_counts(rank, world, grouped, mutate=None):
     import dataclasses
 
     import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.moe_layer import MoELayer as CoreMoELayer
 
-    from megatron_moe.compat import replace_spec, spec_submodules
+    from megatron_moe.compat import replace_spec
     from megatron_moe.moe import grouped_experts, layer as moe_layer
     from megatron_moe.moe.layer import MoELayer
 
     if mutate == "counts_to_host":   # the layer leaves megatron-core's copy and sync points alone
         moe_layer.keep_counts_on_device = lambda td: False
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
-    cfg = TransformerConfig(
-        num_layers=1, hidden_size=16, ffn_hidden_size=16, moe_ffn_hidden_size=16,
-        num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-        use_cpu_initialization=True, bf16=False, params_dtype=torch.float32,
-        gated_linear_unit=True, add_bias_linear=False)
-    sub = spec_submodules(get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False))
+    cfg, sub = _layer_parts(1)
     core_sub = sub
     if grouped:
         sub = dataclasses.replace(sub, experts=replace_spec(
