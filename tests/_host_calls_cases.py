@@ -93,13 +93,11 @@ def count(rank, world, argv, iteration, mutate=None):
     import gc
     import time
 
-    import pretrain_gpt_moe
     import torch
-    from megatron.core.enums import ModelType
 
     from megatron_moe.compat import optimizer as optimizer_compat
     from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
-    from megatron_moe.training import loop
+    from tests._train_cases import pretrain_with_step
 
     optimizer_compat.fusable = lambda param: True   # the CUDA path (as tests/test_fused_adam.py)
     for name in (mutate,) if isinstance(mutate, str) else mutate or ():
@@ -122,37 +120,35 @@ def count(rank, world, argv, iteration, mutate=None):
 
     state = {"it": 0}
     ran, seconds = {}, []
-    step = loop.Trainer.train_step
 
-    def counted(self, data_iterator):
-        state["it"] += 1
-        if state["it"] > iteration:
-            start = time.perf_counter()
+    def counted_steps(step):
+        def counted(self, data_iterator):
+            state["it"] += 1
+            if state["it"] > iteration:
+                start = time.perf_counter()
+                try:
+                    return step(self, data_iterator)
+                finally:
+                    seconds.append(time.perf_counter() - start)
+            if state["it"] != iteration:
+                return step(self, data_iterator)
+            before = (GroupedSequentialMLP.grouped_calls,
+                      GroupedSequentialMLP.wgrads_into_main_grad, fused_calls["n"])
+            gc.disable()   # no collector (and finalizers it runs) at points that vary with the sizes
+            sys.setprofile(profile)
             try:
                 return step(self, data_iterator)
             finally:
-                seconds.append(time.perf_counter() - start)
-        if state["it"] != iteration:
-            return step(self, data_iterator)
-        before = (GroupedSequentialMLP.grouped_calls, GroupedSequentialMLP.wgrads_into_main_grad,
-                  fused_calls["n"])
-        gc.disable()   # no collector (and finalizers it runs) at points that vary with the sizes
-        sys.setprofile(profile)
-        try:
-            return step(self, data_iterator)
-        finally:
-            sys.setprofile(None)
-            gc.enable()
-            after = (GroupedSequentialMLP.grouped_calls,
-                     GroupedSequentialMLP.wgrads_into_main_grad, fused_calls["n"])
-            ran.update(zip(("grouped_calls", "wgrads_into_main_grad", "fused_adam_calls"),
-                           (a - b for a, b in zip(after, before))))
-    loop.Trainer.train_step = counted
+                sys.setprofile(None)
+                gc.enable()
+                after = (GroupedSequentialMLP.grouped_calls,
+                         GroupedSequentialMLP.wgrads_into_main_grad, fused_calls["n"])
+                ran.update(zip(("grouped_calls", "wgrads_into_main_grad", "fused_adam_calls"),
+                               (a - b for a, b in zip(after, before))))
+        return counted
+
     try:
-        loop.pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
-                      pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
-                      pretrain_gpt_moe.forward_step, argv=argv)
+        pretrain_with_step(argv, counted_steps)
     finally:
-        loop.Trainer.train_step = step
         torch._fused_adamw_ = orig_fused
     return {"calls": dict(calls), "ran": ran, "seconds": seconds}

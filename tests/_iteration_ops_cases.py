@@ -17,11 +17,8 @@ def count(rank, world, argv, mutate=None):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import pretrain_gpt_moe
-    from megatron.core.enums import ModelType
-
     from megatron_moe.compat import multi_tensor
-    from megatron_moe.training import loop
+    from tests._train_cases import pretrain_with_step
 
     # on CUDA torch's Adam takes its foreach path by default; on the CPU its per-tensor loop:
     # foreach here, as on the GPU (the count is then what a GPU launches, at the op level)
@@ -47,17 +44,12 @@ def count(rank, world, argv, mutate=None):
                     by_op[name] += 1
             return func(*args, **(kwargs or {}))
 
-    step = loop.Trainer.train_step
+    def counted_steps(step):
+        def counted(self, data_iterator):
+            state["it"] += 1
+            with Count():
+                return step(self, data_iterator)
+        return counted
 
-    def counted(self, data_iterator):
-        state["it"] += 1
-        with Count():
-            return step(self, data_iterator)
-    loop.Trainer.train_step = counted
-    try:
-        loop.pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
-                      pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
-                      pretrain_gpt_moe.forward_step, argv=argv)
-    finally:
-        loop.Trainer.train_step = step
+    pretrain_with_step(argv, counted_steps)
     return dict(ops, by_op=dict(by_op))

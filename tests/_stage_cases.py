@@ -41,7 +41,7 @@ def run_stages(rank, world, middle, mutate=None):
     from megatron_moe.compat.dispatch import DispatcherScope
     from megatron_moe.moe import dispatcher
     from megatron_moe.moe.dispatcher import ExchangeConfig
-    from megatron_moe.moe.layer import MoELayer
+    from megatron_moe.moe.layer import CoreStages, MoELayer
 
     calls = collections.Counter()
 
@@ -65,8 +65,8 @@ def run_stages(rank, world, middle, mutate=None):
     core = CoreMoELayer(cfg, submodules=sub)
     ours = MoELayer(cfg, submodules=sub, exchange=exchange, placement=placement)
     ours.load_state_dict(core.state_dict())
-    if mutate == "middle_ignored":
-        ours.middle = None
+    if mutate == "middle_ignored":   # megatron-core's stages instead of the middle
+        ours.middle = CoreStages()
     torch.manual_seed(1 + rank)
     x = torch.randn(32, 2, 16)
 

@@ -1,16 +1,32 @@
 """Rank functions that run the real pretrain() entry point in-process (spawned by run_distributed)."""
 
 
-def run_pretrain(rank, world_size, argv):
+def _pretrain(argv):
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
     from megatron_moe.training.loop import pretrain
 
-    result = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
-                      pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
-                      pretrain_gpt_moe.forward_step, argv=argv)
-    return result["history"]
+    return pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
+                    pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                    pretrain_gpt_moe.forward_step, argv=argv)
+
+
+def run_pretrain(rank, world_size, argv):
+    return _pretrain(argv)["history"]
+
+
+def pretrain_with_step(argv, wrap):
+    """pretrain() with ``Trainer.train_step`` replaced by ``wrap(the original)`` for this run (put
+    back after it, however it ends); pretrain()'s result."""
+    from megatron_moe.training import loop
+
+    step = loop.Trainer.train_step
+    loop.Trainer.train_step = wrap(step)
+    try:
+        return _pretrain(argv)
+    finally:
+        loop.Trainer.train_step = step
 
 
 

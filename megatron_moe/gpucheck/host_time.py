@@ -47,9 +47,9 @@ def breakdown(stats: pstats.Stats, iterations: int = 1, top: int = 12) -> dict:
     def charge(func, seconds):
         if _is_c(func):
             return False
-        name = f"{package_of(func[0])}:{os.path.basename(func[0])}:{func[1]} {func[2]}"
-        by_function[name] = by_function.get(name, 0.0) + seconds
         label = package_of(func[0])
+        name = f"{label}:{os.path.basename(func[0])}:{func[1]} {func[2]}"
+        by_function[name] = by_function.get(name, 0.0) + seconds
         by_package[label] = by_package.get(label, 0.0) + seconds
         return True
 

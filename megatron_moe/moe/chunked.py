@@ -18,13 +18,13 @@ they are needed by every chunk's expert compute (megatron-core applies them insi
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.moe.moe_layer import MoELayer as CoreMoELayer
 
 from megatron_moe import comm
 from megatron_moe.compat.dispatch import order_after_dispatcher_host_copy
+from megatron_moe.moe.layer import CoreStages
 
 
-class ChunkedMiddle:
+class ChunkedMiddle(CoreStages):
     """The layer's middle (megatron_moe/moe/layer.py) with a chunked exchange: megatron-core's
     ``preprocess`` / ``postprocess`` (permutation, unpermutation), no exchange at ``dispatch``, the
     chunked pipeline of dispatch -> experts -> combine at ``compute``, nothing left at ``combine``.
@@ -37,12 +37,9 @@ class ChunkedMiddle:
         return (getattr(td, "ep_size", 1) > 1 and getattr(td, "tp_size", 1) == 1
                 and not getattr(td, "drop_and_pad", False) and hasattr(td, "input_splits"))
 
-    def begin(self, layer):
-        pass
-
     def preprocess(self, layer, hidden_states, probs, routing_map):
         layer.chunk_routing_map = routing_map
-        return CoreMoELayer.preprocess(layer, hidden_states, probs, routing_map)
+        return super().preprocess(layer, hidden_states, probs, routing_map)
 
     def dispatch(self, layer, tokens, probs):
         return tokens, probs
@@ -53,9 +50,6 @@ class ChunkedMiddle:
 
     def combine(self, layer, output):
         return output
-
-    def postprocess(self, layer, output, shared_expert_output):
-        return CoreMoELayer.postprocess(layer, output, shared_expert_output)
 
 
 def split_counts(td, routing_map):

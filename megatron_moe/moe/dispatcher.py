@@ -32,7 +32,6 @@ import functools
 import torch
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ExchangeConfig:
     """How an MoE layer exchanges tokens (injected into every MoE layer, megatron_moe/moe/layer.py):

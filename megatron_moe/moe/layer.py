@@ -5,8 +5,8 @@ megatron-core's ``MoELayer.forward`` runs its stages in order: ``shared_experts_
 (and megatron-core's overlapped 1F1B schedule, --overlap-moe-expert-parallel-comm, calls the same
 stages one by one from models/gpt/fine_grained_callables.py). This subclass keeps that forward,
 its router, experts, shared experts, recompute and state dict (checkpoints are megatron-core's),
-and overrides the stages. It takes two things from the layer
-spec (``ModuleSpec.params`` / the partial's keywords, set by :func:`use_layer`):
+and overrides the stages. It takes two things from the layer spec (``ModuleSpec.params`` / the
+partial's keywords, set by :func:`use_layer`):
 
 * ``exchange`` (megatron_moe.moe.dispatcher.ExchangeConfig, from the flags): the all-to-all
   algorithm and compression, the permute kernels, and the chunked overlap. The functions
@@ -19,9 +19,11 @@ spec (``ModuleSpec.params`` / the partial's keywords, set by :func:`use_layer`):
   ``--moe-routing-trace-dir``): which rank computes which (token, expert) pair, replicas included;
   it attaches its per-layer runtime as ``layer.balance`` and is the layer's middle.
 
-A middle implements ``begin(layer)`` (before routing), ``preprocess``, ``dispatch``, ``compute``,
-``combine`` and ``postprocess`` with the signatures of megatron-core's stages (``layer`` first).
-With none the stages are megatron-core's, run under the layer's exchange.
+Every stage after routing runs under the layer's exchange and goes to the layer's middle: an
+object with ``begin(layer)`` (before routing), ``preprocess``, ``dispatch``, ``compute``,
+``combine`` and ``postprocess``, megatron-core's stage signatures with ``layer`` first.
+:class:`CoreStages` (megatron-core's own stages) is the middle where neither above applies, and
+the base the chunked middle changes three stages of.
 """
 
 from __future__ import annotations
@@ -32,7 +34,29 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_moe.compat.dispatch import DispatcherScope, keep_counts_on_device
 from megatron_moe.moe.dispatcher import ExchangeConfig, dispatcher_bindings
 
-__all__ = ["ExchangeConfig", "MoELayer", "use_layer"]
+__all__ = ["CoreStages", "ExchangeConfig", "MoELayer", "use_layer"]
+
+
+class CoreStages:
+    """megatron-core's stages as a layer's middle."""
+
+    def begin(self, layer):
+        pass
+
+    def preprocess(self, layer, hidden_states, probs, routing_map):
+        return _CoreMoELayer.preprocess(layer, hidden_states, probs, routing_map)
+
+    def dispatch(self, layer, hidden_states, probs):
+        return _CoreMoELayer.dispatch(layer, hidden_states, probs)
+
+    def compute(self, layer, hidden_states, probs):
+        return _CoreMoELayer.routed_experts_compute(layer, hidden_states, probs)
+
+    def combine(self, layer, output):
+        return _CoreMoELayer.combine(layer, output)
+
+    def postprocess(self, layer, output, shared_expert_output):
+        return _CoreMoELayer.postprocess(layer, output, shared_expert_output)
 
 
 class MoELayer(_CoreMoELayer):
@@ -66,8 +90,8 @@ class MoELayer(_CoreMoELayer):
                 and isinstance(self.experts, GroupedSequentialMLP))
 
     def _choose_middle(self):
-        """The placement where it attached; else the chunked pipeline where it applies; else None
-        (megatron-core's stages)."""
+        """The placement where it attached; else the chunked pipeline where it applies; else
+        megatron-core's stages."""
         if self.balance is not None:
             return self.placement
         if self.exchange.chunked:
@@ -75,42 +99,31 @@ class MoELayer(_CoreMoELayer):
 
             if ChunkedMiddle.applies(self):
                 return ChunkedMiddle()
-        return None
+        return CoreStages()
 
     # --- megatron-core's stages, overridden -------------------------------------------------------
     def route(self, hidden_states, padding_mask=None):
-        if self.middle is not None:
-            self.middle.begin(self)
+        self.middle.begin(self)
         return super().route(hidden_states, padding_mask)
 
     def preprocess(self, hidden_states, probs, routing_map):
         with self.exchange_scope:
-            if self.middle is None:
-                return super().preprocess(hidden_states, probs, routing_map)
             return self.middle.preprocess(self, hidden_states, probs, routing_map)
 
     def dispatch(self, hidden_states, probs):
         with self.exchange_scope:
-            if self.middle is None:
-                return super().dispatch(hidden_states, probs)
             return self.middle.dispatch(self, hidden_states, probs)
 
     def routed_experts_compute(self, hidden_states, probs):
         with self.exchange_scope:
-            if self.middle is None:
-                return super().routed_experts_compute(hidden_states, probs)
             return self.middle.compute(self, hidden_states, probs)
 
     def combine(self, output):
         with self.exchange_scope:
-            if self.middle is None:
-                return super().combine(output)
             return self.middle.combine(self, output)
 
     def postprocess(self, output, shared_expert_output):
         with self.exchange_scope:
-            if self.middle is None:
-                return super().postprocess(output, shared_expert_output)
             return self.middle.postprocess(self, output, shared_expert_output)
 
 
