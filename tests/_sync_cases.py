@@ -58,6 +58,15 @@ def _mutate_chunked_two_reads(counter):
     return lambda: setattr(chunked, "split_counts", orig)
 
 
+def _mutate_mcore_permute(counter):
+    """The layer leaves megatron-core 0.16's permute bound (its masked_select per layer)."""
+    from megatron_moe.compat import dispatch
+
+    orig = dispatch.argsort_permute
+    dispatch.argsort_permute = lambda: None
+    return lambda: setattr(dispatch, "argsort_permute", orig)
+
+
 def _l2_norm_impl():
     from megatron.core.optimizer import clip_grads
 
@@ -65,41 +74,34 @@ def _l2_norm_impl():
 
 
 MUTATIONS = {"telemetry_item": _mutate_telemetry_item, "loss_per_step": _mutate_loss_per_step,
-             "chunked_two_reads": _mutate_chunked_two_reads}
+             "chunked_two_reads": _mutate_chunked_two_reads, "mcore_permute": _mutate_mcore_permute}
 
 
 def run_counted(rank, world, runs):
     """``runs``: [(argv, mutation name or None)]. Per run: {owner: {iteration: [read, ...]}}
     (iteration None: setup and teardown outside any step) and the training history."""
-    import pretrain_gpt_moe
-    from megatron.core.enums import ModelType
-
     from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
-    from megatron_moe.training import loop
     from tests._sync_counter import HostReadCounter
+    from tests._train_cases import pretrain_with_step
 
     out = []
     for argv, mutation in runs:
         counter = HostReadCounter()
-        step = loop.Trainer.train_step
         state = {"iteration": 0}
 
-        def counted_step(self, data_iterator):
-            state["iteration"] += 1
-            counter.phase = state["iteration"]
-            return step(self, data_iterator)
+        def counted_steps(step):
+            def counted_step(self, data_iterator):
+                state["iteration"] += 1
+                counter.phase = state["iteration"]
+                return step(self, data_iterator)
+            return counted_step
 
-        loop.Trainer.train_step = counted_step
         undo = MUTATIONS[mutation](counter) if mutation else None
         grouped_before = GroupedSequentialMLP.grouped_calls
         try:
             with counter:
-                result = loop.pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
-                                       pretrain_gpt_moe.model_provider,
-                                       ModelType.encoder_or_decoder, pretrain_gpt_moe.forward_step,
-                                       argv=argv)
+                result = pretrain_with_step(argv, counted_steps)
         finally:
-            loop.Trainer.train_step = step
             if undo is not None:
                 undo()
         out.append({"reads": {owner: dict(counter.by_phase(owner))

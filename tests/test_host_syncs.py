@@ -132,6 +132,33 @@ def test_chunked_layer_reads_its_counts_once_per_layer_and_micro_batch(mutate):
                        for r in unexpected.values()), unexpected
 
 
+@pytest.mark.parametrize("mutate", [None, "mcore_permute"])
+def test_one_rank_with_grouped_experts_reads_only_the_grad_norm(mutate):
+    """Expert and tensor parallel size 1, grouped experts, dropless (the perf section's rows): an
+    iteration without a log line reads one value on the host in all, megatron-core's grad norm (no
+    dispatcher split sizes: compat/dispatch.py keep_counts_on_device; on megatron-core 0.16 no
+    masked_select in its permute: argsort_permute)."""
+    from megatron_moe.compat.versions import mcore_at_least
+    from megatron_moe.moe.grouped_experts import FLAG as GROUPED
+
+    if mutate and mcore_at_least("0.17"):
+        pytest.skip("megatron-core >= 0.17 permutes by argsort itself: no binding to take away")
+    at = BASE.index("--expert-model-parallel-size")
+    argv = BASE[:at] + BASE[at + 2:] + [GROUPED, "--moe-ffn-hidden-size", "16"]
+    run, = run_distributed(S.run_counted, 1, [(argv, mutate)], timeout_s=300)[0]
+    micro_batches = 4   # global 8 / micro 2 / DP 1
+    assert run["grouped_calls"] == ITERS * LAYERS * micro_batches
+    quiet = [it for it in range(2, ITERS) if it % LOG_INTERVAL]   # 1 also sets up megatron-core
+    core = run["reads"]["megatron-core"]
+    assert all(not run["reads"]["ours"].get(it) for it in quiet), run["reads"]["ours"]
+    for it in quiet:
+        names = [r.split()[-1] for r in core[it]]
+        if mutate is None:
+            assert names == ["get_grad_norm_fp32"], core[it]
+        else:   # tokens and probs, per layer per micro-batch
+            assert names.count("permute") == 2 * LAYERS * micro_batches, core[it]
+
+
 def test_kit_sync_counter_counts_torch_sync_warnings_per_iteration():
     """The GPU kit's counter (megatron_moe/gpucheck/syncs.py) on what torch's sync debug mode emits
     on CUDA: every 'called a synchronizing CUDA operation' warning, labelled with the iteration and

@@ -84,6 +84,43 @@ def permute_v016(fn):
     return permute
 
 
+def permute_by_argsort(tokens, routing_map, probs, num_out_tokens: int):
+    """The routed (expert, token) pairs of ``routing_map`` [tokens, experts] in megatron-core's
+    order (by expert, then token) without a data-sized op: the pairs come first in a stable
+    descending argsort of the transposed map, and there are ``num_out_tokens`` of them (dropless:
+    tokens x top-k). megatron-core's method from 0.17; 0.16 used ``masked_select``, whose output
+    size is the data's (on CUDA a host wait). Returns (tokens, probs, sorted_indices)."""
+    num_tokens = routing_map.shape[0]
+    flat = routing_map.bool().T.contiguous().reshape(-1)
+    chosen = flat.argsort(descending=True, stable=True)[:num_out_tokens]
+    sorted_indices = chosen % num_tokens
+    permuted_probs = None if probs is None else probs.T.contiguous().reshape(-1)[chosen]
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+def argsort_permute():
+    """For megatron-core <= 0.16 (None from 0.17, which permutes this way itself): its ``permute``
+    with the dropless case (a host-integer count, no fusion, no padding) done by
+    :func:`permute_by_argsort`: the alltoall dispatcher's permute runs once per MoE layer per
+    micro-batch, and 0.16's ``masked_select`` made each a host wait (two with probs). Same pairs in
+    the same order, so forward and backward are bit-identical; every other case is megatron-core's.
+    Bound by moe/dispatcher.py ``dispatcher_bindings``."""
+    if mcore_at_least("0.17"):
+        return None
+    from megatron.core.transformer.moe import moe_utils
+
+    mcore = moe_utils.permute   # the module's own, never the dispatcher's rebound name
+
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
+                drop_and_pad=False):
+        if fused or drop_and_pad or not isinstance(num_out_tokens, int):
+            return mcore(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                         fused=fused, drop_and_pad=drop_and_pad)
+        return permute_by_argsort(tokens, routing_map, probs, num_out_tokens)
+
+    return permute
+
+
 def mcore_permute(*args, **kwargs):
     """megatron-core's own ``moe_utils.permute`` under the 0.16 contract (the reference our
     kernels are compared with)."""

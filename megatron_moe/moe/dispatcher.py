@@ -9,6 +9,8 @@ them only while its own stages run (megatron_moe/compat/dispatch.py ``Dispatcher
 
 * :func:`sort_chunks_by_idxs` for every MoE model: the chunk sort with a launch count that does not
   grow with the local experts (bit-identical to megatron-core's, tests/test_launch_counts.py),
+* on megatron-core 0.16 without fusion, its 0.17 argsort permute (compat/dispatch.py
+  ``argsort_permute``: no host wait per layer),
 * ``kernels.permute`` / ``kernels.unpermute`` with ``--moe-permute-fusion`` (Triton on GPU, a fused
   index path on CPU; bit-identical to megatron-core's unfused path, see tests/test_dispatcher.py),
 * ``megatron_moe.comm.all_to_all`` with ``--moe-a2a-algorithm`` other than ``flat``, with
@@ -66,12 +68,15 @@ def dispatcher_bindings(exchange: ExchangeConfig) -> dict:
     """What megatron-core's token dispatcher's module-level names run inside a layer with this
     exchange (megatron_moe/compat/dispatch.py ``DispatcherScope``), adapted to the installed
     megatron-core's call contracts."""
-    from megatron_moe.compat.dispatch import adapt_all_to_all, adapt_permute, adapt_unpermute
+    from megatron_moe.compat.dispatch import (adapt_all_to_all, adapt_permute, adapt_unpermute,
+                                              argsort_permute)
 
     names = {"sort_chunks_by_idxs": sort_chunks_by_idxs}
     if exchange.permute_fusion:
         names["permute"] = adapt_permute(_fused_permute)
         names["unpermute"] = adapt_unpermute(_fused_unpermute)
+    elif (permute := argsort_permute()) is not None:   # megatron-core 0.16: no data-sized permute
+        names["permute"] = permute
     if exchange.own_all_to_all:
         names["all_to_all"] = adapt_all_to_all(functools.partial(
             _pluggable_all_to_all, algorithm=exchange.algorithm,
