@@ -197,6 +197,12 @@ def _add_training_args(p):
                    help="dtype of the main gradients: fp32 (bf16 is refused).")
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
+    # fp16 dynamic loss scaling (megatron-core's DynamicGradScaler, Megatron-LM's defaults): the
+    # scale doubles after --loss-scale-window clean iterations, halves after --hysteresis
+    # overflows in a row, never below --min-loss-scale
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--use-cpu-initialization", action="store_true")
     # Activation recomputation: Megatron's flags, handed to megatron-core's TransformerConfig
     # (same field names), which checks the combinations when the trial config is built.
@@ -251,6 +257,9 @@ def _add_checkpoint_args(p):
                    help="torch_dist only here; the others are refused with one line.")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Load this iteration from --load instead of the tracker's.")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="With --load: exit (status 0, as Megatron-LM) instead of starting from "
+                        "scratch when --load holds no checkpoint.")
     g.add_argument("--async-save", action="store_true",
                    help="Write checkpoint shards in the background (megatron-core's async save).")
     g.add_argument("--auto-detect-ckpt-format", action="store_true")

@@ -63,3 +63,42 @@ def test_stuck_rank_ends_in_a_timeout_error_naming_the_flag(tmp_path):
     assert re.search(r"error: rank 0: a collective timed out after --distributed-timeout-minutes "
                      r"0\.05: another rank is stuck or dead \(.+\)", text), text[-2000:]
     assert rc != 0
+
+
+def _loss_scales(rank, world, runs):
+    """Per run: the optimizer's loss scale after each iteration (read by the test, not the loop)."""
+    from tests._train_cases import pretrain_with_step
+
+    out = []
+    for argv in runs:
+        scales = []
+
+        def recording(step):
+            def train_step(self, data_iterator):
+                result = step(self, data_iterator)
+                scales.append(float(self.optimizer.get_loss_scale()))
+                return result
+            return train_step
+
+        pretrain_with_step(argv, recording)
+        out.append(scales)
+    return out
+
+
+def test_fp16_loss_scale_flags_drive_megatron_cores_scaler():
+    """--loss-scale-window (growth), --hysteresis and --min-loss-scale (backoff) reach megatron-core's
+    DynamicGradScaler: a 2-iteration window doubles the scale every 2 clean iterations where the
+    default (1000) keeps it; from 2**32 every fp16 step overflows, and with --hysteresis 1 the scale
+    halves from the first step down to --min-loss-scale and stays there, where the default
+    hysteresis (2) lets the first overflow pass (megatron-core resets its count only on growth)."""
+    fp16 = TINY + ["--fp16", "--train-iters", "6", "--hidden-dropout", "0"]
+    window, default, floor, halving = run_distributed(_loss_scales, 1, [
+        fp16 + ["--initial-loss-scale", "1024", "--loss-scale-window", "2"],
+        fp16 + ["--initial-loss-scale", "1024"],
+        fp16 + ["--hysteresis", "1", "--min-loss-scale", str(2.0 ** 29)],
+        fp16,
+    ], timeout_s=300)[0]
+    assert window == [1024, 2048, 2048, 4096, 4096, 8192], window
+    assert default == [1024] * 6, default
+    assert floor == [2.0 ** 31, 2.0 ** 30, 2.0 ** 29, 2.0 ** 29, 2.0 ** 29, 2.0 ** 29], floor
+    assert halving == [2.0 ** 32, 2.0 ** 31, 2.0 ** 30, 2.0 ** 29, 2.0 ** 28, 2.0 ** 27], halving

@@ -188,3 +188,25 @@ def test_nan_loss_stops_with_clear_error_and_keeps_checkpoint(tmp_path):
     assert "Last checkpoint: " + ckpt + " (iteration 1)" in out.stdout
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "1"
     assert not os.path.exists(os.path.join(ckpt, "iter_0000002"))
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    """--exit-on-missing-checkpoint: an empty --load ends the run (Megatron-LM's line, status 0)
+    before any model is built; without the flag the same launch starts from scratch, and once a
+    checkpoint is there the flag loads it as usual."""
+    from tests._ckpt_cases import run_pretrain_steps
+
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    base = TINY + ["--load", ckpt, "--save", ckpt, "--train-iters", "2"]
+    exiting, scratch, resumed = run_distributed(run_pretrain_steps, 1, [
+        {"argv": base + ["--exit-on-missing-checkpoint"]},
+        {"argv": base + ["--exit-interval", "1"]},
+        {"argv": base + ["--exit-on-missing-checkpoint"]},
+    ], timeout_s=300)[0]
+    assert exiting["exit"] == 0
+    assert ">> '--exit-on-missing-checkpoint' set ... exiting. <<" in exiting["text"]
+    assert "training from iteration" not in exiting["text"], exiting["text"]
+    assert "training from iteration 0 to 2" in scratch["text"], scratch["text"]
+    assert "training from iteration 1 to 2" in resumed["text"], resumed["text"]
+    assert "exiting. <<" not in resumed["text"]

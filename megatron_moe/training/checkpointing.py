@@ -600,7 +600,9 @@ def _portable_args(args):
     return argparse.Namespace(**values)
 
 
-def _load_iteration(args) -> int | None:
+def iteration_to_load(args) -> int | None:
+    """The iteration ``--load`` would resume (its tracker's, or ``--ckpt-step``); None when it
+    holds no checkpoint."""
     root = args.load
     iteration = read_tracker(root) if os.path.isdir(root) else None
     if getattr(args, "ckpt_step", None) is not None:   # Megatron's --ckpt-step: not the tracker's
@@ -617,7 +619,7 @@ def keep_checkpoint_vocab_padding(args):
     The trained size is right whenever TP divides it."""
     if not args.load:
         return
-    iteration = _load_iteration(args)
+    iteration = iteration_to_load(args)
     if iteration is None or not os.path.isdir(checkpoint_dir(args.load, iteration)):
         return
     try:
@@ -642,7 +644,7 @@ def load_checkpoint(model, optimizer, scheduler, args):
     run and resumes it).
     """
     root = args.load
-    iteration = _load_iteration(args)
+    iteration = iteration_to_load(args)
     if iteration is None:
         if dist.get_rank() == 0:
             print(f" WARNING: no {TRACKER} under --load {root}; starting from scratch", flush=True)

@@ -109,6 +109,17 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
 
         prestart_writer()  # the checkpoint writer's one-time start (~0.1 s), not in the first save
     _build_tokenizer(args)
+    if args.load and args.exit_on_missing_checkpoint:
+        from megatron_moe.training.checkpointing import iteration_to_load
+
+        if iteration_to_load(args) is None:   # Megatron-LM's message; it exits with status 0
+            print_rank_0(f" WARNING: no checkpoint under --load {args.load}")
+            print_rank_0(">> '--exit-on-missing-checkpoint' set ... exiting. <<")
+            dist.barrier()
+            exit_conditions.close()
+            return {"history": {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []},
+                    "iteration": 0, "consumed_train_samples": 0,
+                    "exited": "--exit-on-missing-checkpoint"}
     if args.load:
         from megatron_moe.training.checkpointing import keep_checkpoint_vocab_padding
 
@@ -218,6 +229,8 @@ def _optimizer_config(args, config_class):
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
         params_dtype=dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad, **emerging_optimizer_kwargs(args))
