@@ -127,6 +127,9 @@ def _add_moe_args(p):
     g.add_argument("--moe-shared-expert-gate", action="store_true",
                    help="Sigmoid gate on the shared experts' output (Qwen2-MoE).")
     g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-apply-probs-on-input", action="store_true",
+                   help="Scale each token by its router probability before the expert instead of "
+                        "its output (top-1 only; megatron-core moe_apply_probs_on_input).")
     g.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
                    help="int N (every Nth layer is MoE) or a list such as '[1,0,1,0]'.")
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
@@ -412,6 +415,10 @@ def validate_args(args, check_data_paths=True, training=True):
         if not 1 <= args.moe_router_topk <= args.num_experts:
             raise ValueError(f"--moe-router-topk ({args.moe_router_topk}) must be in "
                              f"[1, --num-experts={args.num_experts}]")
+        if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
+            raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1, got "
+                             f"{args.moe_router_topk} (megatron-core applies one probability "
+                             f"per token)")
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
         if tp > 1 and not args.sequence_parallel:

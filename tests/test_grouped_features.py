@@ -168,3 +168,25 @@ def test_grouped_experts_with_biases_and_expert_tensor_parallelism():
         assert h(1, key) == pytest.approx(h(0, key), rel=BIAS_TOL, abs=0), (key, h(1, key), h(0, key))
     # every group with the first expert's biases: off by far more than the tolerance
     assert abs(h(2)[-1] - h(0)[-1]) > 100 * BIAS_TOL * abs(h(0)[-1]), (h(2), h(0))
+
+
+def test_probs_on_input_with_grouped_experts_and_a_balance_policy():
+    """--moe-apply-probs-on-input (top-1): the router probability scales the expert's input, in
+    megatron-core's expert loop and the grouped experts alike, with and without a balance policy
+    (losses and grad norms bit-equal, loop vs grouped); without the flag the probability scales the output instead (other losses:
+    the flag reached the config)."""
+    top1 = ["--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-apply-probs-on-input"]
+    g, pp = "--moe-grouped-gemm", ["--moe-balance-policy", "proprophet", "--moe-balance-alpha", "0"]
+    runs = [_argv(3, *top1), _argv(3, *top1, g), _argv(3, *top1[:3], g),
+            _argv(3, *top1, *pp), _argv(3, *top1, *pp, g)]
+    out = run_distributed(G.run_counted, 2, runs, timeout_s=600)
+    h = lambda k, key="lm_loss": out[0][k]["history"][key]   # noqa: E731
+    loop, grouped, on_output, balanced_loop, balanced = range(5)
+    assert len(h(loop)) == 3 and all(x == x for x in h(loop))
+    for a, b in ((grouped, loop), (balanced, balanced_loop)):
+        assert h(a) == h(b) and h(a, "grad_norm") == h(b, "grad_norm"), (a, b, h(a), h(b))
+    assert h(on_output) != h(grouped)
+    for rank_out in out:
+        assert rank_out[loop]["grouped_calls"] == 0
+        assert rank_out[grouped]["grouped_calls"] >= 2 * 2 * 3   # layers x micro-batches x iters
+        assert rank_out[balanced]["grouped_calls"] >= 2 * 2 * 3
