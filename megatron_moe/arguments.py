@@ -132,9 +132,11 @@ def _add_moe_args(p):
                         "its output (top-1 only; megatron-core moe_apply_probs_on_input).")
     g.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
                    help="int N (every Nth layer is MoE) or a list such as '[1,0,1,0]'.")
-    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+    # one type and coefficient, or several paired in order (Megatron-LM: nargs '+', e.g.
+    # "seq_aux_loss global_aux_loss" with "1e-3 1e-4"); megatron-core takes either form
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
@@ -415,6 +417,15 @@ def validate_args(args, check_data_paths=True, training=True):
         if not 1 <= args.moe_router_topk <= args.num_experts:
             raise ValueError(f"--moe-router-topk ({args.moe_router_topk}) must be in "
                              f"[1, --num-experts={args.num_experts}]")
+        for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+            value = getattr(args, dest)
+            if isinstance(value, list) and len(value) == 1:   # Megatron-LM's validate_args
+                setattr(args, dest, value[0])
+        kinds, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+        if isinstance(kinds, list) and (not isinstance(coeffs, list) or len(coeffs) != len(kinds)):
+            raise ValueError(f"--moe-aux-loss-coeff needs one value per "
+                             f"--moe-router-load-balancing-type ({len(kinds)}: {' '.join(kinds)}), "
+                             f"got {coeffs}")
         if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
             raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1, got "
                              f"{args.moe_router_topk} (megatron-core applies one probability "

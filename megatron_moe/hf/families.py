@@ -33,6 +33,15 @@ from typing import Callable
 import torch
 
 
+
+def _aux_loss_coeff(args) -> float:
+    """HF configs carry one router aux-loss coefficient: the run's, or with several
+    --moe-router-load-balancing-type values the one paired with aux_loss (0.0 without it)."""
+    kinds, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if not isinstance(kinds, list):
+        return coeffs
+    return dict(zip(kinds, coeffs)).get("aux_loss", 0.0)
+
 class ConversionError(ValueError):
     """A checkpoint or config this converter cannot map faithfully; the message says which field."""
 
@@ -236,7 +245,7 @@ class Family:
             "max_position_embeddings": args.max_position_embeddings,
             "rms_norm_eps": args.norm_epsilon, "rope_theta": float(args.rotary_base),
             "num_experts_per_tok": args.moe_router_topk,
-            "router_aux_loss_coef": args.moe_aux_loss_coeff,
+            "router_aux_loss_coef": _aux_loss_coeff(args),
             "tie_word_embeddings": spec.tied, "attention_dropout": 0.0,
             "initializer_range": args.init_method_std, "torch_dtype": dtype, "use_cache": True,
         }
