@@ -135,8 +135,12 @@ def _add_moe_args(p):
     # one type and coefficient, or several paired in order (Megatron-LM: nargs '+', e.g.
     # "seq_aux_loss global_aux_loss" with "1e-3 1e-4"); megatron-core takes either form
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
-                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                            "quantile_balancing", "none"])
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    g.add_argument("--moe-router-quantile-balancing-ema", type=float, default=0.0,
+                   help="quantile_balancing: EMA of the per-expert bias across global batches "
+                        "(megatron-core >= 0.19; 0 = the latest batch's quantile).")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
@@ -426,6 +430,12 @@ def validate_args(args, check_data_paths=True, training=True):
             raise ValueError(f"--moe-aux-loss-coeff needs one value per "
                              f"--moe-router-load-balancing-type ({len(kinds)}: {' '.join(kinds)}), "
                              f"got {coeffs}")
+        if "quantile_balancing" in (kinds if isinstance(kinds, list) else [kinds]):
+            from megatron_moe.compat.versions import mcore_at_least, megatron_core_version
+
+            if not mcore_at_least("0.19"):
+                raise ValueError(f"--moe-router-load-balancing-type quantile_balancing needs "
+                                 f"megatron-core >= 0.19; installed {megatron_core_version()}")
         if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
             raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1, got "
                              f"{args.moe_router_topk} (megatron-core applies one probability "

@@ -49,3 +49,54 @@ def test_mismatched_coefficients_refused_in_one_line(extra, needle, capsys):
         parse_args(TINY + ["--train-iters", "1"] + extra)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def _qb_betas(rank, world, runs):
+    """Per run: every router's quantile-balancing bias (megatron-core's ``qb_beta``) after each
+    iteration, read by the test."""
+    from tests._train_cases import pretrain_with_step
+
+    out = []
+    for argv in runs:
+        betas = []
+
+        def recording(step):
+            def train_step(self, data_iterator):
+                result = step(self, data_iterator)
+                betas.append([m.qb_beta.tolist() for chunk in self.model for m in chunk.modules()
+                              if getattr(m, "qb_beta", None) is not None])
+                return result
+            return train_step
+
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        pretrain_with_step(argv, recording)
+        out.append(betas)
+    return out
+
+
+def test_quantile_balancing_updates_its_bias_with_the_ema(capsys):
+    """megatron-core 0.19's quantile balancing: each router's per-expert bias moves every global
+    batch (megatron-core's finalize_model_grads); --moe-router-quantile-balancing-ema 0.75 keeps
+    0.75 of the previous bias, so after the first batch (same routing, from a zero bias) it is a
+    quarter of the EMA-free one. megatron-core 0.16 has no quantile balancing: one line."""
+    from megatron_moe.compat.versions import mcore_at_least
+
+    base = [a for a in TINY if a not in ("--moe-aux-loss-coeff", "0.01")] + [
+        "--train-iters", "3", "--moe-router-load-balancing-type", "quantile_balancing"]
+    if not mcore_at_least("0.19"):
+        from megatron_moe.arguments import parse_args
+
+        with pytest.raises(SystemExit):
+            parse_args(base)
+        assert "--moe-router-load-balancing-type quantile_balancing needs megatron-core >= 0.19" \
+            in capsys.readouterr().err
+        return
+    plain, ema = run_distributed(_qb_betas, 1, [
+        base, base + ["--moe-router-quantile-balancing-ema", "0.75"]], timeout_s=300)[0]
+    assert len(plain) == 3 and len(plain[0]) == 2          # 3 iterations x 2 MoE layers
+    assert any(abs(v) > 0 for layer in plain[0] for v in layer)
+    assert plain[1] != plain[0] and plain[2] != plain[1]   # updated every global batch
+    for p, e in zip(plain[0], ema[0]):
+        assert e == pytest.approx([0.25 * v for v in p], rel=1e-5, abs=1e-7)
