@@ -149,6 +149,17 @@ def test_sharding_modes_differ():
     assert whole - set(range(10))
 
 
+def test_cyclic_through_data_loader_workers():
+    """build_data_iterator with --num-workers 1 (the loader runs the sampler ahead of the
+    workers): the micro-batches are the sampler's, in its order, into the third epoch."""
+    from megatron_moe.data.sampler import build_data_iterator
+
+    dataset = list(range(22))
+    it = build_data_iterator(dataset, 8, 2, 1, 2, num_workers=1, dataloader_type="cyclic")
+    got = [next(it).tolist() for _ in range(12)]
+    assert got == _draw(RandomPretrainingSampler(22, 8, 2, 1, 2), 12)
+
+
 def test_cyclic_refuses_a_dataset_smaller_than_one_step():
     with pytest.raises(ValueError, match="smaller than micro-batch x data-parallel size"):
         RandomPretrainingSampler(3, 0, 2, 0, 2)
