@@ -77,9 +77,10 @@ class RandomPretrainingSampler:
     dataset's own shuffle, as in Megatron). With data sharding (the default) rank r permutes only
     its own contiguous shard; with ``--no-data-sharding`` the whole dataset is permuted and dealt
     out rank by rank. Unlike Megatron's, the iterator runs on into the next epoch itself (Megatron
-    re-creates it per epoch through ``cyclic_iter``), and without sharding an epoch stops at its
-    size on every rank (Megatron's ranks can then disagree on the number of micro-batches, which
-    stops the run; where they agree, the order is the same).
+    re-creates it per epoch through ``cyclic_iter``), and without sharding every rank ends the
+    epoch at its size: where the dataset leaves a remainder of a micro-batch or more past the
+    epoch, Megatron's ranks draw different numbers of micro-batches and drift out of step (where
+    they agree, the micro-batches are the same: docs/data.md).
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
