@@ -24,8 +24,6 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_moe.data.sampler import PretrainingSampler, RandomPretrainingSampler  # noqa: E402
-
 
 def load_megatron_samplers(checkout):
     training = types.ModuleType("megatron.training")
@@ -53,6 +51,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout")
     args = p.parse_args(argv)
+    from megatron_moe.data.sampler import PretrainingSampler, RandomPretrainingSampler
+
     mlm = load_megatron_samplers(args.megatron_lm)
     cases = same = explained = single_cases = single_same = 0
     for total in (8, 10, 14, 22, 37, 64, 101):
