@@ -248,6 +248,9 @@ def _add_data_args(p):
     from megatron_moe.data.tokenizers import add_tiktoken_args
 
     add_tiktoken_args(g)
+    from megatron_moe.data import sampler
+
+    sampler.add_arguments(g)   # --dataloader-type, --no-data-sharding
 
 
 def _add_checkpoint_args(p):
@@ -285,6 +288,8 @@ def _add_logging_args(p):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--skip-train", action="store_true",
+                   help="No training iterations: evaluate on the validation and test sets, exit.")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--log-throughput", action="store_true")
@@ -484,6 +489,9 @@ def validate_args(args, check_data_paths=True, training=True):
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude "
                          "each other")
     _validate_lr_schedule(args)   # iteration- or sample-based, as Megatron computes it
+    from megatron_moe.data import sampler
+
+    sampler.validate_args(args)   # --dataloader-type
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:

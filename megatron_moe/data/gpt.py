@@ -36,7 +36,10 @@ def gpt_dataset_config(args, tokenizer) -> GPTDatasetConfig:
 def train_valid_test_num_samples(args):
     """Samples each split must provide (Megatron's formula, so index caches are shared with it)."""
     train = args.train_iters * args.global_batch_size
-    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    if getattr(args, "skip_train", False):   # --skip-train: one evaluation
+        evals = args.eval_iters
+    else:
+        evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
     return [train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size]
 
 

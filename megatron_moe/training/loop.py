@@ -166,6 +166,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler)
     hooks = TrainingHooks(args, model, optimizer)
+    if args.skip_train and not args.no_load_optim:   # Megatron-LM's validate_args
+        args.no_load_optim = True
+        print_rank_0("WARNING: enabling --no-load-optim when skipping training.")
 
     iteration, consumed_train, consumed_valid, extra = 0, 0, 0, {}
     if args.load is not None:
@@ -179,7 +182,13 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     args.iteration = iteration
     args.consumed_train_samples = consumed_train
 
-    train_ds, valid_ds, _ = _build_datasets(args, datasets_provider)
+    train_ds, valid_ds, test_ds = _build_datasets(args, datasets_provider)
+    test_iter = None
+    if args.skip_train:   # Megatron-LM: no training reader; the evaluation sets from their start
+        train_ds, consumed_valid = None, 0
+        test_iter = _iterator(args, test_ds, 0)
+        if len(model) > 1 and test_iter is not None:
+            test_iter = [_iterator(args, test_ds, 0) for _ in model]
     train_iter = _iterator(args, train_ds, consumed_train)
     valid_iter = _iterator(args, valid_ds, consumed_valid)
     if len(model) > 1:
@@ -189,14 +198,18 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         train_iter = [_iterator(args, train_ds, consumed_train) for _ in model] if train_iter else None
         valid_iter = [_iterator(args, valid_ds, consumed_valid) for _ in model] if valid_iter else None
 
-    print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
-                 f"(setup {time.time() - start:.1f}s)")
+    if not args.skip_train:
+        print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
+                     f"(setup {time.time() - start:.1f}s)")
     trainer = Trainer(args, model, optimizer, scheduler, forward_step_func, hooks, exit_conditions,
                       timers=timers)
     from megatron_moe.training.checkpointing import finalize_async_save
 
     try:
-        result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
+        if args.skip_train:
+            result = trainer.evaluate_without_training(valid_iter, test_iter, iteration)
+        else:
+            result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
         finalize_async_save(blocking=True)  # --async-save: the last checkpoint is complete on exit
     except CheckpointError as exc:   # a save that failed (a full disk): one line, --save's path
         raise TrainingError(f"--save: {exc}") from None
@@ -250,11 +263,20 @@ def _iterator(args, dataset, consumed):
 
     from megatron_moe.data.sampler import build_data_iterator
 
+    if args.dataloader_type == "external":
+        # Megatron-LM passes the provider's objects through as the iterators the schedule reads
+        if dataset is not None and not hasattr(dataset, "__next__"):
+            raise TrainingError(
+                f"--dataloader-type external: the datasets provider returned a "
+                f"{type(dataset).__name__}, not an iterator of batches (the GPT/BERT providers "
+                f"here build map-style datasets: use --dataloader-type single or cyclic)")
+        return dataset
     if dataset is None or len(dataset) == 0:
         return None
     return build_data_iterator(dataset, consumed, args.micro_batch_size,
                                parallel_state.get_data_parallel_rank(),
-                               parallel_state.get_data_parallel_world_size(), args.num_workers)
+                               parallel_state.get_data_parallel_world_size(), args.num_workers,
+                               args.dataloader_type, args.data_sharding)
 
 
 class TrainingHooks(RunHooks):
@@ -380,6 +402,20 @@ class Trainer:
         if self.hooks.tracker is not None:
             self.hooks.tracker.enabled = True
         return totals
+
+    def evaluate_without_training(self, valid_iter, test_iter, iteration):
+        """--skip-train (Megatron-LM's pretrain()): no training iteration; the validation and test
+        sets are evaluated once at the loaded iteration, as Megatron does after training, and
+        (as there) not written to TensorBoard / W&B."""
+        print_rank_0("skipping training (--skip-train is on) ...")
+        result = {"history": {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []},
+                  "iteration": iteration, "consumed_train_samples": self.args.consumed_train_samples}
+        for name, data_iterator in (("validation", valid_iter), ("test", test_iter)):
+            if data_iterator is not None and self.args.eval_iters > 0:
+                result[name] = self.evaluate(data_iterator)
+                self._log_eval(f"iteration {iteration} on {name} set", result[name], iteration,
+                               write=False)
+        return result
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, train_iter, valid_iter, iteration, consumed_train, consumed_valid):
@@ -600,12 +636,12 @@ class Trainer:
             out.update(megatron_logging.memory_scalars())
         return out
 
-    def _log_eval(self, prefix, losses, iteration):
+    def _log_eval(self, prefix, losses, iteration, write=True):
         parts = []
         for key, value in losses.items():
             parts.append(f"{key} value: {value:.6E}")
             parts.append(f"{key} PPL: {math.exp(min(20.0, value)):.6E}")
-            if self.hooks.writer is not None:
+            if write and self.hooks.writer is not None:
                 self.hooks.writer.add_scalar(f"{key} validation", value, iteration)
                 if self.args.log_validation_ppl_to_tensorboard:
                     from megatron_moe.training.megatron_logging import validation_ppl
