@@ -46,13 +46,14 @@ def test_grouped_experts_equal_the_loop_and_share_its_checkpoints(tmp_path):
     assert h(1) == h(0) and h(1, "grad_norm") == h(0, "grad_norm")
     assert h(2) == h(0)[:2] and h(3) == h(0)[2:] and h(3, "grad_norm") == h(0, "grad_norm")[2:]
     assert h(7) == h(0)[:2] and h(8) == h(0)[2:] and h(8, "grad_norm") == h(0, "grad_norm")[2:]
-    # 2 layers x 2 micro-batches (global 8 / micro 2 / DP 2) per step
+    # 2 layers x 2 micro-batches (global 8 / micro 2 / DP 2) per step; a run that completes
+    # (not at --exit-interval) then evaluates one batch each of the validation and test sets
     for rank_out in out:
         assert rank_out[0]["grouped_calls"] == 0 and rank_out[3]["grouped_calls"] == 0
         assert rank_out[7]["grouped_calls"] == 0
-        assert rank_out[1]["grouped_calls"] == 2 * 2 * 4
+        assert rank_out[1]["grouped_calls"] == 2 * 2 * (4 + 2)
         assert rank_out[2]["grouped_calls"] == 2 * 2 * 2 and rank_out[4]["grouped_calls"] > 0
-        assert rank_out[8]["grouped_calls"] == 2 * 2 * 2
+        assert rank_out[8]["grouped_calls"] == 2 * 2 * (2 + 2)
         # the weight gradients went into DDP's main_grad from the grouped backward (2 local
         # experts x 2 linears x 2 layers x 2 micro-batches x 4 steps), not through DDP's hook
         assert rank_out[1]["wgrads_into_main_grad"] == 2 * 2 * 2 * 2 * 4

@@ -16,6 +16,8 @@ from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _sync_cases as S
 
 LOG_INTERVAL, ITERS, LAYERS, MICRO_BATCHES = 3, 6, 2, 2   # 8 global / (2 micro x DP 2) = 2
+# after training, --eval-iters (1) global batches of the validation and of the test set
+EVAL_BATCHES = 2
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data "
@@ -106,7 +108,8 @@ def test_balanced_layer_and_grouped_experts_read_only_their_splits():
         unexpected, allowed = hot_path_reads(grp)
         assert unexpected == {} and not allowed, (unexpected, allowed)
         _assert_counter_is_live(grp)
-        assert grp["grouped_calls"] == ITERS * LAYERS * MICRO_BATCHES   # the grouped path ran
+        # the grouped path ran: every training and evaluation forward
+        assert grp["grouped_calls"] == (ITERS + EVAL_BATCHES) * LAYERS * MICRO_BATCHES
         # megatron-core's no-apex norm reads every parameter's norm on the host; on the CPU those
         # reads happen inside torch.tensor(), below the counter (tests/test_multi_tensor.py
         # counts them with the profiler): here, that the foreach norm is what the run used
@@ -147,7 +150,7 @@ def test_one_rank_with_grouped_experts_reads_only_the_grad_norm(mutate):
     argv = BASE[:at] + BASE[at + 2:] + [GROUPED, "--moe-ffn-hidden-size", "16"]
     run, = run_distributed(S.run_counted, 1, [(argv, mutate)], timeout_s=300)[0]
     micro_batches = 4   # global 8 / micro 2 / DP 1
-    assert run["grouped_calls"] == ITERS * LAYERS * micro_batches
+    assert run["grouped_calls"] == (ITERS + EVAL_BATCHES) * LAYERS * micro_batches
     quiet = [it for it in range(2, ITERS) if it % LOG_INTERVAL]   # 1 also sets up megatron-core
     core = run["reads"]["megatron-core"]
     assert all(not run["reads"]["ours"].get(it) for it in quiet), run["reads"]["ours"]

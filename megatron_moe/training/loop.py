@@ -183,12 +183,11 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     args.consumed_train_samples = consumed_train
 
     train_ds, valid_ds, test_ds = _build_datasets(args, datasets_provider)
-    test_iter = None
     if args.skip_train:   # Megatron-LM: no training reader; the evaluation sets from their start
         train_ds, consumed_valid = None, 0
-        test_iter = _iterator(args, test_ds, 0)
-        if len(model) > 1 and test_iter is not None:
-            test_iter = [_iterator(args, test_ds, 0) for _ in model]
+    test_iter = _iterator(args, test_ds, 0)   # evaluated once, after training (Megatron-LM)
+    if len(model) > 1 and test_iter is not None:
+        test_iter = [_iterator(args, test_ds, 0) for _ in model]
     train_iter = _iterator(args, train_ds, consumed_train)
     valid_iter = _iterator(args, valid_ds, consumed_valid)
     if len(model) > 1:
@@ -210,6 +209,8 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
             result = trainer.evaluate_without_training(valid_iter, test_iter, iteration)
         else:
             result = trainer.train(train_iter, valid_iter, iteration, consumed_train, consumed_valid)
+            if result["completed"]:   # Megatron-LM: not after an exit condition
+                trainer.evaluate_after_training(valid_iter, test_iter, result["iteration"])
         finalize_async_save(blocking=True)  # --async-save: the last checkpoint is complete on exit
     except CheckpointError as exc:   # a save that failed (a full disk): one line, --save's path
         raise TrainingError(f"--save: {exc}") from None
@@ -405,17 +406,25 @@ class Trainer:
 
     def evaluate_without_training(self, valid_iter, test_iter, iteration):
         """--skip-train (Megatron-LM's pretrain()): no training iteration; the validation and test
-        sets are evaluated once at the loaded iteration, as Megatron does after training, and
-        (as there) not written to TensorBoard / W&B."""
+        sets are evaluated once at the loaded iteration, as after training, and (as there) not
+        written to TensorBoard / W&B."""
         print_rank_0("skipping training (--skip-train is on) ...")
         result = {"history": {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []},
                   "iteration": iteration, "consumed_train_samples": self.args.consumed_train_samples}
+        result.update(self.evaluate_after_training(valid_iter, test_iter, iteration, write=False))
+        return result
+
+    def evaluate_after_training(self, valid_iter, test_iter, iteration, write=True):
+        """Megatron-LM's pretrain() once training ends (not after an exit condition): --eval-iters
+        batches of the validation set (continuing its reader) and of the test set, printed as
+        ``validation loss at iteration N on validation set | ...`` / ``... on test set``."""
+        out = {}
         for name, data_iterator in (("validation", valid_iter), ("test", test_iter)):
             if data_iterator is not None and self.args.eval_iters > 0:
-                result[name] = self.evaluate(data_iterator)
-                self._log_eval(f"iteration {iteration} on {name} set", result[name], iteration,
-                               write=False)
-        return result
+                out[name] = self.evaluate(data_iterator)
+                self._log_eval(f"iteration {iteration} on {name} set", out[name], iteration,
+                               write=write)
+        return out
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, train_iter, valid_iter, iteration, consumed_train, consumed_valid):
@@ -463,6 +472,7 @@ class Trainer:
                 print_rank_0(f"  {how} at iteration {it:7d} to {args.save} "
                              f"in {time.time() - t0:.2f}s")
 
+        stop = None   # why the loop ended early (an exit condition), else None
         while iteration < args.train_iters:
             finalize_async_save(blocking=False)  # --async-save: commit finished writes
             loss_dict, grad_norm, ok = self.train_step(train_iter)
@@ -503,7 +513,8 @@ class Trainer:
         read_losses()
         if args.save and iteration == args.train_iters:
             save(iteration)
-        return {"history": history, "iteration": iteration, "consumed_train_samples": consumed_train}
+        return {"history": history, "iteration": iteration, "consumed_train_samples": consumed_train,
+                "completed": stop is None}
 
     def check_weight_hashes(self, iteration):
         """--check-weight-hash-across-dp-replicas-interval (Megatron's train loop): every
