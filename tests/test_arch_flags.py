@@ -80,23 +80,40 @@ def test_flag_reaches_megatron_core(built, case, mutate):
     assert check(built[(case, mutate)]) is (not mutate), built[(case, mutate)]
 
 
+# with Transformer Engine: (flags, withheld in the mutation, the check on megatron-core's config)
+TE_CASES = {
+    "te-only": ("--swiglu --bf16 --apply-layernorm-1p --fp32-residual-connection",
+                ["--apply-layernorm-1p", "--fp32-residual-connection"],
+                lambda c: c.layernorm_zero_centered_gamma and c.fp32_residual_connection),
+    # megatron-core fuses bias + gelu/swiglu/quick-geglu only: Megatron's default gelu selector
+    # (--bias-gelu-fusion) must not reach a squared-ReLU config
+    "squared-relu": ("--squared-relu", ["--squared-relu"],
+                     lambda c: c.activation_func.__name__ == "squared_relu"
+                     and not c.bias_activation_fusion),
+}
+
+
 @pytest.mark.parametrize("mutate", [False, True], ids=["passed", "withheld"])
-def test_te_only_flags_reach_the_transformer_config(monkeypatch, mutate):
-    """--apply-layernorm-1p and --fp32-residual-connection with Transformer Engine (pretended
-    present: only the parse and the config are built): megatron-core's config fields are set."""
+@pytest.mark.parametrize("case", list(TE_CASES))
+def test_transformer_engine_config(monkeypatch, case, mutate):
+    """Transformer Engine pretended present (only the parse and megatron-core's config are
+    built, no TE module): the flags reach the TransformerConfig fields."""
     from megatron_moe.arguments import parse_args
     from megatron_moe.models import builder
     from tests._arch_cases import withheld
 
+    flags, withhold, check = TE_CASES[case]
     monkeypatch.setattr(builder, "have_transformer_engine", lambda: True)
     argv = [a for a in TINY if a not in ("--transformer-impl", "local")]
-    args = parse_args(argv + "--train-iters 1 --swiglu --bf16 --apply-layernorm-1p "
-                             "--fp32-residual-connection".split(), world_size=1)
+    args = parse_args(argv + ["--train-iters", "1"] + flags.split(), world_size=1)
     assert args.transformer_impl == "transformer_engine"
     if mutate:
-        args = withheld(args, ["--apply-layernorm-1p", "--fp32-residual-connection"])
-    config = builder.transformer_config_from_args(args)
-    assert (config.layernorm_zero_centered_gamma and config.fp32_residual_connection) is not mutate
+        args = withheld(args, withhold)
+    try:
+        config = builder.transformer_config_from_args(args)
+    except ValueError:   # megatron-core refuses the withheld config (gelu fused without a bias)
+        config = None
+    assert bool(config is not None and check(config)) is not mutate
 
 
 # refused at parse time: (flags, the one line's start); the mutation drops architecture's checks
@@ -122,6 +139,8 @@ REFUSALS = {
                        "--qk-l2-norm is not supported with --multi-latent-attention"),
     "wd-qk-layernorm-alone": ("--apply-wd-to-qk-layernorm",
                               "--apply-wd-to-qk-layernorm needs --qk-layernorm"),
+    "wd-cond-type-choice": ("--qk-layernorm --no-weight-decay-cond-type all",
+                            "--no-weight-decay-cond-type all: the only choice is"),
     "embedding-std-negative": ("--embedding-init-method-std -1",
                                "--embedding-init-method-std must be >= 0"),
 }
@@ -145,6 +164,20 @@ def test_refused_at_parse_time_with_one_line(monkeypatch, capsys, case, mutate):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert (refused and f"error: {line}" in err) is not mutate, err
+
+
+@pytest.mark.parametrize("mutate", [False, True], ids=["checked", "unchecked"])
+def test_deprecated_weight_decay_cond_type_sets_the_flag(monkeypatch, mutate):
+    """Megatron-LM's validate_args: --no-weight-decay-cond-type apply_wd_to_qk_layernorm is
+    --apply-wd-to-qk-layernorm (the optimizer config reads that)."""
+    from megatron_moe.arguments import parse_args
+    from megatron_moe.models import architecture
+
+    if mutate:
+        monkeypatch.setattr(architecture, "validate_args", lambda args: None)
+    args = parse_args(TINY + "--train-iters 1 --qk-layernorm --no-weight-decay-cond-type "
+                             "apply_wd_to_qk_layernorm".split(), world_size=1)
+    assert args.apply_wd_to_qk_layernorm is not mutate
 
 
 # (flags, withheld in the mutation). torch SDPA attention with RoPE variants and q/k L2 norm,

@@ -16,7 +16,8 @@ Megatron-LM hands it over (``core_transformer_config_from_args`` and ``gpt_build
   (``get_gpt_decoder_block_spec(qk_l2_norm=...)``);
 * GPTModel: ``--use-rope-scaling`` / ``--rope-scaling-factor`` (Llama 3.x frequency scaling of
   megatron-core's RotaryEmbedding);
-* OptimizerConfig: ``--apply-wd-to-qk-layernorm`` (training/loop.py).
+* OptimizerConfig: ``--apply-wd-to-qk-layernorm`` (training/loop.py; Megatron-LM's deprecated
+  ``--no-weight-decay-cond-type apply_wd_to_qk_layernorm`` sets it, as its validate_args does).
 
 What megatron-core would build and then ignore, or cannot build on the path chosen, is refused
 here with one line, before any process group starts.
@@ -66,6 +67,8 @@ def add_arguments(parser):
     add(g, "--apply-wd-to-qk-layernorm",
         help="Apply weight decay to the q/k layernorms' weights and biases (the other norms and "
              "biases keep none).")
+    add(g, "--no-weight-decay-cond-type", choices=None,   # a wrong value: our line, not argparse's
+        help="Deprecated Megatron-LM form: apply_wd_to_qk_layernorm = --apply-wd-to-qk-layernorm.")
 
 
 def validate_args(args):
@@ -102,6 +105,12 @@ def validate_args(args):
     if args.qk_l2_norm and mla:
         raise ValueError("--qk-l2-norm is not supported with --multi-latent-attention "
                          "(megatron-core)")
+    if args.no_weight_decay_cond_type is not None:   # Megatron-LM's deprecated form
+        if args.no_weight_decay_cond_type != "apply_wd_to_qk_layernorm":
+            raise ValueError(f"--no-weight-decay-cond-type {args.no_weight_decay_cond_type}: the "
+                             f"only choice is apply_wd_to_qk_layernorm (deprecated in Megatron-LM: "
+                             f"use --apply-wd-to-qk-layernorm)")
+        args.apply_wd_to_qk_layernorm, args.no_weight_decay_cond_type = True, None
     if args.apply_wd_to_qk_layernorm and not getattr(args, "qk_layernorm", False):
         raise ValueError("--apply-wd-to-qk-layernorm needs --qk-layernorm (it decays the q/k "
                          "layernorms' parameters only)")
