@@ -57,7 +57,8 @@ WITHHELD = {
     "init-method-xavier-uniform": ["--init-method-xavier-uniform"],
     "embedding-init-method-std": ["--embedding-init-method-std"],
     "use-rope-scaling": ["--use-rope-scaling"], "rope-scaling-factor": ["--rope-scaling-factor"],
-    "rotary-interleaved": ["--rotary-interleaved"], "no-rope-freq": ["--no-rope-freq"],
+    "rotary-interleaved": ["--rotary-interleaved"],
+    "no-rope-freq": ["--no-rope-freq"],
     "no-rope-freq-list": ["--no-rope-freq"], "qk-l2-norm": ["--qk-l2-norm"],
     "qk-l2-norm-over-qk-layernorm": ["--qk-l2-norm"],
 }
@@ -131,6 +132,8 @@ REFUSALS = {
     "rope-scaling-factor": (f"{ROPE} --use-rope-scaling --rope-scaling-factor 0",
                             "--rope-scaling-factor must be > 0"),
     "interleaved-learned": ("--rotary-interleaved", "--rotary-interleaved needs"),
+    "interleaved-yarn": ("--position-embedding-type yarn --rotary-interleaved",
+                         "--rotary-interleaved needs"),
     "interleaved-mla": ("--multi-latent-attention --rotary-interleaved " + ROPE,
                         "--rotary-interleaved needs"),
     "no-rope-freq-divides": (f"{ROPE} --no-rope-freq 3", "--no-rope-freq 3 must be >= 1 and divide"),

@@ -97,9 +97,10 @@ def validate_args(args):
                              "RotaryEmbedding, which only that builds)")
         if args.rope_scaling_factor <= 0:
             raise ValueError(f"--rope-scaling-factor must be > 0 (got {args.rope_scaling_factor})")
-    if args.rotary_interleaved and (not rope or mla):
-        raise ValueError("--rotary-interleaved needs --position-embedding-type rope or yarn "
-                         "without --multi-latent-attention (megatron-core)")
+    if args.rotary_interleaved and (args.position_embedding_type != "rope" or mla):
+        raise ValueError("--rotary-interleaved needs --position-embedding-type rope without "
+                         "--multi-latent-attention (megatron-core's YaRN and MLA rotary "
+                         "embeddings refuse interleaving)")
     if args.no_rope_freq is not None:
         _validate_no_rope_freq(args, rope, mla)
     if args.qk_l2_norm and mla:
