@@ -130,3 +130,19 @@ def train_with_facts(rank, world_size, argv, withhold=()):
         F.scaled_dot_product_attention = real_sdpa
         pretrain_gpt_moe.gpt_model_provider, loop._optimizer_config = provider, optimizer_config
     return result["history"], facts, calls[0]
+
+
+def generate_withheld(rank, world_size, argv, prompts, tokens, withhold=()):
+    """tests/_sdpa_cases.generate_counting_sdpa (a checkpoint's greedy generation, SDPA calls
+    counted) with ``withhold`` not passed to the model builder."""
+    from megatron_moe.models import builder
+    from tests._sdpa_cases import generate_counting_sdpa
+
+    provider = builder.gpt_model_provider
+    if withhold:
+        builder.gpt_model_provider = lambda args, *a, **k: provider(withheld(args, withhold),
+                                                                    *a, **k)
+    try:
+        return generate_counting_sdpa(rank, world_size, argv, prompts, tokens)
+    finally:
+        builder.gpt_model_provider = provider

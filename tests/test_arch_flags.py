@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_moe.runtime.local_ranks import run_distributed
-from tests._arch_cases import TINY, build_facts, train_with_facts
+from tests._arch_cases import TINY, build_facts, generate_withheld, train_with_facts
 
 ROPE = "--position-embedding-type rope"
 XAVIER_BOUND = math.sqrt(6 / (32 + 96))   # linear_qkv of TINY: [3 x 32, 32]
@@ -236,3 +236,41 @@ def test_trains_with_the_flags(name, mutate):
         gap = max(abs(a - b) for a, b in zip(losses, local["lm_loss"]))
         print(f"sdpa vs local attention: max |loss gap| {gap:.3g}")
         assert local_calls == 0 and gap < 1e-4, (losses, local["lm_loss"])
+
+
+def test_generation_rebuilds_the_flags_from_the_checkpoint(tmp_path):
+    """Trained and saved with the flags, then greedy generation with --use-checkpoint-args:
+    megatron-core's inference engine runs the same model with SDPA as with its local attention
+    (tokens equal, log probs within 1e-4, SDPA ran); built with the flags withheld, the log
+    probs move (the checkpoint's flags are what the generation model was built from)."""
+    from tests import _data_helpers as H
+    from tests._sdpa_cases import train_counting_sdpa
+
+    flags, withhold = TRAINED["sdpa"]
+    flags = flags.replace("--attention-backend flash ", "")
+    data, tok = H.sp_dataset(str(tmp_path), max_docs=60, vocab_size=300)
+    save = str(tmp_path / "ckpt")
+    argv = TINY[:]
+    for flag in ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"):
+        argv.remove(flag)
+    argv += ["--train-iters", "2", "--split", "90,10,0", "--data-path", data,
+             "--tokenizer-type", "SentencePieceTokenizer",
+             "--tokenizer-model", tok, "--save", save] + flags.split()
+    run_distributed(train_counting_sdpa, 1, argv, timeout_s=300)
+    out = {}
+    for name, backend, held in (("local", "local", ()), ("flash", "flash", ()),
+                                ("withheld", "local", withhold)):
+        gen_argv = ["--load", save, "--use-checkpoint-args", "--transformer-impl", "local",
+                    "--attention-backend", backend]
+        out[name] = run_distributed(generate_withheld, 1, gen_argv, ["The module"], 6,
+                                    withhold=held, timeout_s=300)[0]
+    ((local_tokens, local_logp),), local_calls = out["local"]
+    ((flash_tokens, flash_logp),), flash_calls = out["flash"]
+    ((_, held_logp),), _ = out["withheld"]
+    gap = max(abs(a - b) for a, b in zip(local_logp, flash_logp))
+    moved = max(abs(a - b) for a, b in zip(local_logp, held_logp))
+    print(f"generation: flash vs local max |log prob gap| {gap:.3g}; withheld flags move "
+          f"them by up to {moved:.3g}")
+    assert local_calls == 0 and flash_calls > 0
+    assert flash_tokens == local_tokens and gap < 1e-4
+    assert moved > 1e-3
