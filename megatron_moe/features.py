@@ -25,7 +25,7 @@ import contextlib
 
 from megatron_moe import balance, comm, offload
 from megatron_moe.flags import exclusions
-from megatron_moe.models import attention, embedding, gpt_oss, mla
+from megatron_moe.models import architecture, attention, embedding, gpt_oss, mla
 from megatron_moe.moe import dispatcher, grouped_experts, topo_router
 from megatron_moe.runtime import dist_signal_handler
 from megatron_moe.training import megatron_logging, wandb_writer
@@ -44,6 +44,7 @@ FEATURES = (
     megatron_logging,     # params norm, zeros in grad, timers, memory, validation ppl, log level
     mla,                  # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
     gpt_oss,              # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
+    architecture,         # activation, init, RoPE variants, q/k L2 norm, fp32 residual (Megatron-LM)
 )
 
 

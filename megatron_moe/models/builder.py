@@ -83,6 +83,15 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         kwargs.update(gated_linear_unit=True, activation_func=quick_gelu)
+    if getattr(args, "squared_relu", False):  # Megatron-LM: relu(x)^2 in the MLPs and experts
+        from megatron.core.activations import squared_relu
+
+        kwargs["activation_func"] = squared_relu
+    if getattr(args, "init_method_xavier_uniform", False):
+        # Megatron-LM names the second one scaled_init_method, megatron-core's older name for
+        # output_layer_init_method (no TransformerConfig field has that name any more)
+        kwargs.update(init_method=torch.nn.init.xavier_uniform_,
+                      output_layer_init_method=torch.nn.init.xavier_uniform_)
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         # Megatron's defaults with the interleaved schedule: --overlap-p2p-communication on,
         # hence no batched p2p (megatron-core's rule: the two exclude each other)
@@ -151,8 +160,10 @@ def _fusion_selectors(args, te: bool) -> dict:
         apply_rope_fusion=on("apply_rope_fusion") and args.position_embedding_type == "rope",
         bias_dropout_fusion=compiled_on("bias_dropout_fusion"),
         # the local path fuses SwiGLU only (what MoE models use): megatron-core's other fused
-        # activations have conditions of their own (a bias, the gate's form) it checks by raising
-        bias_activation_fusion=on("bias_swiglu_fusion" if swiglu else "bias_gelu_fusion")
+        # activations have conditions of their own (a bias, the gate's form) it checks by raising;
+        # it has no fused squared ReLU (Megatron-LM would hand it the gelu selector and fail)
+        bias_activation_fusion=(on("bias_swiglu_fusion" if swiglu else "bias_gelu_fusion")
+                                and not getattr(args, "squared_relu", False))
         or (swiglu and compiled_on("bias_swiglu_fusion")),
         cross_entropy_loss_fusion=(te or (compiled and ce_native))
         and getattr(args, "cross_entropy_loss_fusion", False),
@@ -172,7 +183,7 @@ def gpt_layer_spec(args, config, vp_stage=None):
     # rank's one chunk
     stage = {} if vp_stage is None else {"vp_stage": vp_stage}
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine(args),
-                                      **stage)
+                                      qk_l2_norm=getattr(args, "qk_l2_norm", False), **stage)
     from megatron_moe import features  # the wiring module above the stage packages
 
     return features.customize_spec(args, spec)
@@ -214,6 +225,10 @@ def gpt_model_provider(args, pre_process=True, post_process=True, vp_stage=None)
         rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
         seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        # Megatron-LM's gpt_builders passes rope_scaling only (GPTModel's default factor, 8.0,
+        # which is also the flag's default); its multimodal models pass the factor as here
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         mtp_block_spec=mtp_block_spec(args, config, spec, vp_stage),
         **common_model_kwargs(args, config, pre_process, post_process, vp_stage),
     )

@@ -247,7 +247,8 @@ def _optimizer_config(args, config_class):
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad, **emerging_optimizer_kwargs(args))
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm, **emerging_optimizer_kwargs(args))
 
 
 def _build_datasets(args, provider):
