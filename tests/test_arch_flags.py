@@ -230,7 +230,8 @@ def test_trains_with_the_flags(name, mutate):
     assert losses[-1] < losses[0], losses
     assert _trained_as_asked(name, facts) is (not mutate), facts
     if name == "sdpa" and not mutate:
-        assert sdpa_calls == 3 * 2 * 4, sdpa_calls   # iterations x layers x micro-batches
+        # (iterations + the validation and test batches after training) x layers x micro-batches
+        assert sdpa_calls == (3 + 2) * 2 * 4, sdpa_calls
         local_argv = [a if a != "flash" else "local" for a in argv]
         local, _, local_calls = run_distributed(train_with_facts, 1, local_argv, timeout_s=300)[0]
         gap = max(abs(a - b) for a, b in zip(losses, local["lm_loss"]))
