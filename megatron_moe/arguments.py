@@ -866,10 +866,15 @@ def _resolve_virtual_pipeline(args):
                              "p2p overlap (drop --no-overlap-p2p-communication; Megatron's rule)")
 
 
-def _rampup_train_iters(args) -> int:
-    """--rampup-batch-size: Megatron-LM's validate_args refusals, then update_train_iters' count.
-    Every batch of the ramp must split into whole micro-batches (megatron-core's consistency check
-    at run time, asked here before any process starts)."""
+def _validate_rampup(args) -> None:
+    """--rampup-batch-size: Megatron-LM's validate_args refusal (iteration-based training), and
+    what megatron-core's calculator would assert at run time: every batch of the ramp splits into
+    whole micro-batches, the ramp ends at --global-batch-size."""
+    if args.rampup_batch_size is None:
+        return
+    if args.train_samples is None:
+        raise ValueError("--rampup-batch-size needs sample-based training (--train-samples), "
+                         "not --train-iters")
     start, increment, samples = args.rampup_batch_size
     flag = f"--rampup-batch-size {start} {increment} {samples}"
     if start < 1 or increment < 1 or samples < 1:
@@ -885,18 +890,13 @@ def _rampup_train_iters(args) -> int:
     if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
         raise ValueError(f"{flag} cannot be combined with --moe-balance-policy (its scheduler "
                          f"plans for a fixed number of micro-batches)")
-    from megatron_moe.compat.batch_schedule import rampup_train_iters
-
-    return rampup_train_iters(args)
 
 
 def _validate_lr_schedule(args):
     """Megatron's validate_args: iteration-based and sample-based options do not mix; with
     --train-samples the run is --train-samples // --global-batch-size iterations."""
+    _validate_rampup(args)
     if args.train_samples is None:
-        if args.rampup_batch_size is not None:   # Megatron-LM's validate_args
-            raise ValueError("--rampup-batch-size needs sample-based training (--train-samples), "
-                             "not --train-iters")
         for flag, value in (("--lr-decay-samples", args.lr_decay_samples),
                             ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)):
             if value is not None:
@@ -915,8 +915,12 @@ def _validate_lr_schedule(args):
         if args.lr_warmup_iters:
             raise ValueError("--lr-warmup-iters needs iteration-based training; with "
                              "--train-samples use --lr-warmup-samples")
-        args.train_iters = (_rampup_train_iters(args) if args.rampup_batch_size is not None
-                            else args.train_samples // args.global_batch_size)
+        if args.rampup_batch_size is not None:   # Megatron-LM's update_train_iters
+            from megatron_moe.compat.batch_schedule import rampup_train_iters
+
+            args.train_iters = rampup_train_iters(args)
+        else:
+            args.train_iters = args.train_samples // args.global_batch_size
         if args.lr_decay_samples is None:
             args.lr_decay_samples = args.train_samples
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):

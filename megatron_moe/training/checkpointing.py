@@ -580,7 +580,7 @@ def _schedule_bounds_to_param_groups(optimizer, scheduler):
     the scheduler's bounds: the command line's with --override-opt_param-scheduler, the
     checkpoint's with --use-checkpoint-opt_param-scheduler (also when the optimizer state was
     not loaded). Only the groups on the default schedule (megatron-core's ``default_config``:
-    max_lr = --lr); a group with its own LR (--decoupled-lr, refused here; 0.19's MuP scaling)
+    max_lr = --lr); a group with its own LR (--decoupled-lr; 0.19's MuP scaling)
     keeps it."""
     for group in optimizer.param_groups:
         if group.get("default_config", True) and not group.get("is_decoupled_lr", False):

@@ -151,6 +151,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     from megatron_moe.compat.optimizer import fuse_torch_adam
 
     fuse_torch_adam(optimizer)   # torch's fused Adam kernel on CUDA (without TE or apex)
+    from megatron_moe.compat.optimizer import mark_decoupled_lr_groups
+
+    mark_decoupled_lr_groups(optimizer, args.decoupled_lr)   # their own key in checkpoints
     # Megatron-LM's train(): the schedule multiplies each micro-batch loss by the optimizer's
     # loss scale before backward (fp16 dynamic scaling; 1.0 for bf16/fp32), which the
     # optimizer divides out of the grads again
