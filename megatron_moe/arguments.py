@@ -159,6 +159,10 @@ def _add_training_args(p):
                    help="Default: micro batch size x data-parallel size.")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="Run each iteration's global batch rounded down to a multiple of "
+                        "--micro-batch-size x data-parallel size; the rest is counted as "
+                        "skipped samples.")
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Grow the global batch from START by INCREMENT up to --global-batch-size "
@@ -372,11 +376,16 @@ def validate_args(args, check_data_paths=True, training=True):
     args.data_parallel_size = world // (tp * pp * cp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) != 0:
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) != 0 and \
+            not args.decrease_batch_size_if_needed:
         raise ValueError(
             f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
-            f"({args.data_parallel_size})")
+            f"({args.data_parallel_size}) (or pass --decrease-batch-size-if-needed)")
+    if args.global_batch_size < args.micro_batch_size * args.data_parallel_size:
+        raise ValueError(
+            f"--global-batch-size ({args.global_batch_size}) is smaller than --micro-batch-size "
+            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
     # micro-batches per iteration at --global-batch-size (after any ramp-up: evaluation's count)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     if pp > 1 and args.num_layers % pp != 0 and args.pipeline_model_parallel_layout is None:
@@ -883,10 +892,18 @@ def _validate_rampup(args) -> None:
         raise ValueError(f"{flag}: --global-batch-size ({args.global_batch_size}) must be the start "
                          f"batch plus a positive multiple of the increment")
     step = args.micro_batch_size * args.data_parallel_size
-    if start % step or increment % step:
+    if args.decrease_batch_size_if_needed:
+        from megatron_moe.compat.batch_schedule import check_rampup_with_decrease
+
+        check_rampup_with_decrease()
+        if start < step:
+            raise ValueError(f"{flag}: the start batch is smaller than --micro-batch-size "
+                             f"({args.micro_batch_size}) x data-parallel size "
+                             f"({args.data_parallel_size})")
+    elif start % step or increment % step:
         raise ValueError(f"{flag}: the start batch and the increment must be multiples of "
                          f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
-                         f"({args.data_parallel_size})")
+                         f"({args.data_parallel_size}) (or pass --decrease-batch-size-if-needed)")
     if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
         raise ValueError(f"{flag} cannot be combined with --moe-balance-policy (its scheduler "
                          f"plans for a fixed number of micro-batches)")

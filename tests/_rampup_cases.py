@@ -76,6 +76,32 @@ def _install(mutation):
         real = compat_optimizer.mark_decoupled_lr_groups
         compat_optimizer.mark_decoupled_lr_groups = lambda optimizer, lr: 0
         return lambda: setattr(compat_optimizer, "mark_decoupled_lr_groups", real)
+    if mutation == "no_decrease":   # the calculator without --decrease-batch-size-if-needed
+        from megatron_moe.compat import batch_schedule
+
+        real = batch_schedule.init_microbatch_calculator
+
+        def plain(args):
+            import copy
+
+            changed = copy.copy(args)
+            changed.decrease_batch_size_if_needed = False
+            return real(changed)
+
+        batch_schedule.init_microbatch_calculator = plain
+        return lambda: setattr(batch_schedule, "init_microbatch_calculator", real)
+    if mutation == "skipped_not_resumed":   # a resume that forgets the skipped samples
+        from megatron_moe.training import checkpointing
+
+        real = checkpointing.load_checkpoint
+
+        def load(model, optimizer, scheduler, args):
+            iteration, consumed, valid, extra = real(model, optimizer, scheduler, args)
+            return iteration, consumed, valid, {k: v for k, v in extra.items()
+                                                if k != "skipped_train_samples"}
+
+        checkpointing.load_checkpoint = load
+        return lambda: setattr(checkpointing, "load_checkpoint", real)
     raise ValueError(mutation)
 
 

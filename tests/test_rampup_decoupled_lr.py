@@ -72,6 +72,10 @@ def test_rampup_batches_follow_the_calculator(mutate):
         return
     assert ok, (got, expected, logged, seen)
     assert len({b for _, b in got}) >= 3   # the batch did grow, in more than one step
+    # tokens per second counts the iteration's batch (x 32 tokens), not --global-batch-size
+    for (_, batch), ms, rate in zip(got, re.findall(r"per iteration \(ms\): ([0-9.]+)", text),
+                                    re.findall(r"tokens per second: ([0-9.]+)", text)):
+        assert float(rate) * float(ms) / 1000 == pytest.approx(batch * 32, rel=0.02)
     # both ranks ran the same number of micro-batches (the batch is global)
     assert [r["microbatches"] for r in out[1][0]["records"]] == [r["microbatches"] for r in records]
 
@@ -163,6 +167,40 @@ def test_rampup_refusals(argv, says, mutate, capsys, monkeypatch):
         return
     lines = _parse_error(argv, capsys)
     assert len(lines) == 2 and "--rampup-batch-size" in lines[0] and says in lines[0], lines
+
+
+@pytest.mark.parametrize("mutate", [None, "no_decrease", "skipped_not_resumed"])
+def test_decrease_batch_size_if_needed(tmp_path, mutate):
+    """2 ranks (DP 2, micro-batch 2), --global-batch-size 10: each iteration runs 8 samples (2
+    micro-batches per rank), the other 2 are Megatron's skipped samples, counted on across a
+    resume; the log line's global batch size is the 8 run."""
+    ckpt = str(tmp_path / "ckpt")
+    common = "--global-batch-size 10 --decrease-batch-size-if-needed --train-iters 4"
+    out = runs(2, [f"{common} --save {ckpt} --exit-interval 2", f"{common} --load {ckpt}"],
+               [None, mutate])
+    first, second = out[0][0], out[0][1]
+    text = out[-1][0]["text"] + out[-1][1]["text"]   # the last rank's log lines, both runs
+    assert first["error"] is None
+    ok = second["error"] is None and \
+        [r["microbatches"] for r in first["records"] + second["records"]] == [2, 2, 2, 2] and \
+        [r["consumed_before"] for r in first["records"] + second["records"]] == [0, 8, 16, 24] and \
+        re.findall(r"skipped samples: +(\d+)", text) == ["2", "4", "6", "8"] and \
+        re.findall(r"global batch size: +(\d+)", text) == ["8"] * 4
+    if mutate:
+        assert not ok, "the mutation went unnoticed"
+        return
+    assert ok, (second["error"], re.findall(r"skipped samples: +(\d+)", text))
+
+
+def test_decrease_batch_size_refusals(capsys):
+    lines = _parse_error("--train-iters 4 --global-batch-size 9", capsys)
+    assert "--global-batch-size (9)" in lines[0] and "--decrease-batch-size-if-needed" in lines[0]
+    from megatron_moe.compat.versions import mcore_at_least
+
+    if mcore_at_least("0.19"):   # its batch schedules refuse the rounding
+        lines = _parse_error("--rampup-batch-size 2 2 12 --train-samples 40 "
+                             "--decrease-batch-size-if-needed", capsys)
+        assert len(lines) == 2 and "--decrease-batch-size-if-needed" in lines[0], lines
 
 
 def test_decoupled_min_lr_refusal(capsys):

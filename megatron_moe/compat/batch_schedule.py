@@ -1,4 +1,5 @@
-"""The global batch per iteration (--global-batch-size, --rampup-batch-size): megatron-core's num-microbatches calculator, set up as
+"""The global batch per iteration (--global-batch-size, --rampup-batch-size,
+--decrease-batch-size-if-needed): megatron-core's num-microbatches calculator, set up as
 Megatron-LM's set_global_variables does.
 
 megatron-core 0.16 ramps the batch itself (``RampupBatchsizeNumMicroBatchesCalculator``). From 0.19
@@ -52,7 +53,7 @@ def init_microbatch_calculator(args) -> None:
     kwargs = dict(rank=getattr(args, "rank", 0), global_batch_size=args.global_batch_size,
                   micro_batch_size=args.micro_batch_size,
                   data_parallel_size=args.data_parallel_size,
-                  decrease_batch_size_if_needed=False)   # --decrease-batch-size-if-needed: refused
+                  decrease_batch_size_if_needed=args.decrease_batch_size_if_needed)
     rampup = args.rampup_batch_size
     if rampup is None:
         nmc.init_num_microbatches_calculator(rampup_batch_size=None, **kwargs)
@@ -61,6 +62,17 @@ def init_microbatch_calculator(args) -> None:
     else:
         nmc.init_num_microbatches_calculator(
             step_batch_size_schedule=rampup_step_schedule(rampup, args.global_batch_size), **kwargs)
+
+
+def check_rampup_with_decrease() -> None:
+    """megatron-core 0.19's step schedule refuses decrease_batch_size_if_needed (0.16's ramp-up
+    calculator rounds each batch down): ValueError on 0.19."""
+    if not _has_rampup_calculator():
+        from megatron_moe.compat.versions import megatron_core_version
+
+        raise ValueError(f"--decrease-batch-size-if-needed with --rampup-batch-size needs "
+                         f"megatron-core's ramp-up calculator (0.16; this is "
+                         f"{megatron_core_version()}, whose batch schedules refuse it)")
 
 
 def rampup_train_iters(args) -> int:

@@ -184,6 +184,8 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         hooks.load_state_dict(extra.get("hooks", {}))
     args.iteration = iteration
     args.consumed_train_samples = consumed_train
+    # --decrease-batch-size-if-needed: samples of the global batches not run (Megatron-LM's)
+    args.skipped_train_samples = extra.get("skipped_train_samples", 0)
 
     train_ds, valid_ds, _ = _build_datasets(args, datasets_provider)
     train_iter = _iterator(args, train_ds, consumed_train)
@@ -434,7 +436,9 @@ class Trainer:
                 t0 = time.time()
                 with self.hooks.checkpoint_io(), _params_gathered(self.model, args):
                     save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
-                                    consumed_train, consumed_valid, {"hooks": self.hooks.state_dict()})
+                                    consumed_train, consumed_valid,
+                                    {"hooks": self.hooks.state_dict(),
+                                     "skipped_train_samples": args.skipped_train_samples})
                 saved_at = it
                 how = "scheduled async save" if args.async_save else "saved checkpoint"
                 print_rank_0(f"  {how} at iteration {it:7d} to {args.save} "
@@ -453,6 +457,7 @@ class Trainer:
             iteration += 1
             consumed_train += batch
             window.samples += batch
+            args.skipped_train_samples += current_global_batch_size() - batch
             args.iteration, args.consumed_train_samples = iteration, consumed_train
             self.hooks.after_step(iteration)
             interval = args.check_weight_hash_across_dp_replicas_interval
@@ -538,6 +543,8 @@ class Trainer:
         line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
         line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
         line += f" consumed samples: {consumed:12d} |"
+        if args.skipped_train_samples > 0:   # --decrease-batch-size-if-needed
+            line += f" skipped samples: {args.skipped_train_samples:12d} |"
         line += f" elapsed time per iteration (ms): {elapsed_s * 1000.0:.1f} |"
         if args.log_throughput:  # Megatron-LM's field, from the one FLOP count (megatron_moe/flops.py)
             from megatron_moe.flops import num_floating_point_operations
@@ -588,6 +595,8 @@ class Trainer:
                                                        for k, v in extra.items()) + " |")
         if writer is not None:
             writer.add_scalar("learning-rate", lr, iteration)
+            if args.skipped_train_samples > 0:
+                writer.add_scalar("skipped-train-samples", args.skipped_train_samples, iteration)
             writer.add_scalar("tokens-per-second", tokens_per_s, iteration)
             writer.add_scalar("iteration-time", elapsed_s, iteration)
             for key, value in losses.items():
@@ -683,6 +692,14 @@ def running_batch_size() -> int:
     from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
 
     return get_current_running_global_batch_size()
+
+
+def current_global_batch_size() -> int:
+    """The global batch asked for this step (--global-batch-size or the ramp-up's); the running
+    batch is smaller with --decrease-batch-size-if-needed."""
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+    return get_current_global_batch_size()
 
 
 def logged_lr(optimizer, scheduler) -> float:
