@@ -102,6 +102,12 @@ def _install(mutation):
 
         checkpointing.load_checkpoint = load
         return lambda: setattr(checkpointing, "load_checkpoint", real)
+    if mutation == "no_decoupled_check":   # the load without the decoupled-LR comparison
+        from megatron_moe.training import checkpointing
+
+        real = checkpointing._decoupled_lr_change
+        checkpointing._decoupled_lr_change = lambda state, args: ""
+        return lambda: setattr(checkpointing, "_decoupled_lr_change", real)
     raise ValueError(mutation)
 
 

@@ -94,7 +94,8 @@ def test_rampup_schedule_matches_megatron_core():
     for start, increment, samples, final in [(2, 2, 12, 8), (4, 4, 30, 32), (1, 3, 7, 10),
                                              (8, 8, 1000, 64), (2, 2, 3, 12)]:
         args = argparse.Namespace(rank=0, global_batch_size=final, micro_batch_size=1,
-                                  data_parallel_size=1, rampup_batch_size=[start, increment, samples])
+                                  data_parallel_size=1, rampup_batch_size=[start, increment, samples],
+                                  decrease_batch_size_if_needed=False)
         init_microbatch_calculator(args)
         for consumed in range(samples + 3):
             nmc.update_num_microbatches(consumed, consistency_check=False)
@@ -201,6 +202,29 @@ def test_decrease_batch_size_refusals(capsys):
         lines = _parse_error("--rampup-batch-size 2 2 12 --train-samples 40 "
                              "--decrease-batch-size-if-needed", capsys)
         assert len(lines) == 2 and "--decrease-batch-size-if-needed" in lines[0], lines
+
+
+@pytest.mark.parametrize("mutate", [None, "no_decoupled_check"])
+def test_decoupled_lr_change_on_resume_is_refused(tmp_path, mutate, monkeypatch):
+    """A resume with another --decoupled-lr (or without it) stops at the load with one line
+    naming the flag (megatron-core 0.16 would train on with the checkpoint's, 0.19 fails to pair
+    the param groups)."""
+    ckpt = str(tmp_path / "ckpt")
+    other = DECOUPLED.replace("--decoupled-lr 1e-2", "--decoupled-lr 2e-2")
+    plain = DECOUPLED.replace("--decoupled-lr 1e-2 --decoupled-min-lr 1e-5", "")
+    mutations = [None, mutate, mutate]
+    first, changed, dropped = runs(1, [f"{DECOUPLED} --save {ckpt} --exit-interval 2",
+                                       f"{other} --load {ckpt}", f"{plain} --load {ckpt}"],
+                                   mutations)[0]
+    assert first["error"] is None
+    said = [r["text"].strip().splitlines()[-1] if r["text"].strip() else "" for r in (changed, dropped)]
+    ok = changed["error"] is not None and dropped["error"] is not None and \
+        "--decoupled-lr is 0.02 on this command line, 0.01 in the checkpoint" in said[0] and \
+        "trained with --decoupled-lr" in said[1] and all(s.startswith("error: --load:") for s in said)
+    if mutate:
+        assert not ok, "the mutation went unnoticed"
+        return
+    assert ok, (said, changed["error"], dropped["error"])
 
 
 def test_decoupled_min_lr_refusal(capsys):
