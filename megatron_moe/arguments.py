@@ -480,6 +480,8 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError("--override-opt_param-scheduler (this command line's schedule) and "
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude "
                          "each other")
+    if not training:   # a forward pass runs no batch schedule (generate.py may take the
+        args.rampup_batch_size = None   # training run's flags from its checkpoint)
     _validate_lr_schedule(args)   # iteration- or sample-based, as Megatron computes it
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
