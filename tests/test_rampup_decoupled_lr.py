@@ -205,7 +205,7 @@ def test_decrease_batch_size_refusals(capsys):
 
 
 @pytest.mark.parametrize("mutate", [None, "no_decoupled_check"])
-def test_decoupled_lr_change_on_resume_is_refused(tmp_path, mutate, monkeypatch):
+def test_decoupled_lr_change_on_resume_is_refused(tmp_path, mutate):
     """A resume with another --decoupled-lr (or without it) stops at the load with one line
     naming the flag (megatron-core 0.16 would train on with the checkpoint's, 0.19 fails to pair
     the param groups)."""

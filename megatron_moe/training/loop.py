@@ -508,9 +508,9 @@ class Trainer:
     # --- logging ---------------------------------------------------------------------------------
     def _log(self, iteration, consumed, elapsed_s, lr, window, grad_norm, batch_size):
         """Megatron-LM's training_log line, byte for byte, then our MoE lines."""
-        from megatron_moe.compat.moe_metrics import report_moe_metrics  # tracker API per version
-
         from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        from megatron_moe.compat.moe_metrics import report_moe_metrics  # tracker API per version
 
         args = self.args
         writer = self.hooks.writer
