@@ -906,6 +906,11 @@ def _validate_rampup(args) -> None:
         raise ValueError(f"{flag}: the start batch and the increment must be multiples of "
                          f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
                          f"({args.data_parallel_size}) (or pass --decrease-batch-size-if-needed)")
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None and start // step < pp:
+        raise ValueError(f"{flag}: the start batch runs {start // step} micro-batch(es); "
+                         f"megatron-core's interleaved schedule (virtual pipeline stages) needs "
+                         f"at least --pipeline-model-parallel-size ({pp})")
     if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
         raise ValueError(f"{flag} cannot be combined with --moe-balance-policy (its scheduler "
                          f"plans for a fixed number of micro-batches)")

@@ -145,7 +145,8 @@ def _parse_error(argv, capsys, mutate=None, monkeypatch=None):
     if mutate == "no_checks":   # the ramp counted without the refusals
         monkeypatch.setattr(arguments, "_validate_rampup", lambda args: None)
     with pytest.raises(SystemExit) as exc:
-        arguments.parse_args(TINY + argv.split(), world_size=1)
+        world = 2 if "--pipeline-model-parallel-size 2" in argv else 1
+        arguments.parse_args(TINY + argv.split(), world_size=world)
     assert exc.value.code == 2
     return [l for l in capsys.readouterr().err.splitlines() if l.strip()]
 
@@ -155,6 +156,8 @@ def _parse_error(argv, capsys, mutate=None, monkeypatch=None):
     ("--rampup-batch-size 3 1 12 --train-samples 40", "multiples of --micro-batch-size"),
     ("--rampup-batch-size 2 4 12 --train-samples 40", "positive multiple of the increment"),
     ("--rampup-batch-size 2 2 0 --train-samples 40", "must be >= 1"),
+    ("--rampup-batch-size 2 2 12 --train-samples 40 --pipeline-model-parallel-size 2 "
+     "--num-layers 4 --num-layers-per-virtual-pipeline-stage 1", "interleaved schedule"),
 ])
 @pytest.mark.parametrize("mutate", [None, "no_checks"])
 def test_rampup_refusals(argv, says, mutate, capsys, monkeypatch):
