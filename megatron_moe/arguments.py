@@ -168,6 +168,15 @@ def _add_training_args(p):
                    help="Default: micro batch size x data-parallel size.")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="Run each iteration's global batch rounded down to a multiple of "
+                        "--micro-batch-size x data-parallel size; the rest is counted as "
+                        "skipped samples.")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Grow the global batch from START by INCREMENT up to --global-batch-size "
+                        "over SAMPLES consumed samples (megatron-core's calculator; needs "
+                        "--train-samples).")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Stop (and save) when iteration %% interval == 0.")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -178,6 +187,10 @@ def _add_training_args(p):
                    choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"])
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Separate peak LR for the input embedding and output layer.")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Their minimum LR (default --min-lr; used only with --decoupled-lr).")
     g.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     g.add_argument("--lr-decay-iters", type=int, default=None)
@@ -377,11 +390,17 @@ def validate_args(args, check_data_paths=True, training=True):
     args.data_parallel_size = world // (tp * pp * cp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) != 0:
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) != 0 and \
+            not args.decrease_batch_size_if_needed:
         raise ValueError(
             f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
-            f"({args.data_parallel_size})")
+            f"({args.data_parallel_size}) (or pass --decrease-batch-size-if-needed)")
+    if args.global_batch_size < args.micro_batch_size * args.data_parallel_size:
+        raise ValueError(
+            f"--global-batch-size ({args.global_batch_size}) is smaller than --micro-batch-size "
+            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
+    # micro-batches per iteration at --global-batch-size (after any ramp-up: evaluation's count)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     if pp > 1 and args.num_layers % pp != 0 and args.pipeline_model_parallel_layout is None:
         raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
@@ -483,11 +502,19 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError("--lr is required")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.decoupled_lr is not None:
+        decoupled_min = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        if decoupled_min > args.decoupled_lr:
+            raise ValueError(f"--decoupled-min-lr ({decoupled_min}"
+                             f"{'; --min-lr' if args.decoupled_min_lr is None else ''}) is larger "
+                             f"than --decoupled-lr ({args.decoupled_lr})")
     if getattr(args, "override_opt_param_scheduler", False) and \
             getattr(args, "use_checkpoint_opt_param_scheduler", False):
         raise ValueError("--override-opt_param-scheduler (this command line's schedule) and "
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude "
                          "each other")
+    if not training:   # a forward pass runs no batch schedule (generate.py may take the
+        args.rampup_batch_size = None   # training run's flags from its checkpoint)
     _validate_lr_schedule(args)   # iteration- or sample-based, as Megatron computes it
     from megatron_moe.data import sampler
 
@@ -886,9 +913,49 @@ def _resolve_virtual_pipeline(args):
                              "p2p overlap (drop --no-overlap-p2p-communication; Megatron's rule)")
 
 
+def _validate_rampup(args) -> None:
+    """--rampup-batch-size: Megatron-LM's validate_args refusal (iteration-based training), and
+    what megatron-core's calculator would assert at run time: every batch of the ramp splits into
+    whole micro-batches, the ramp ends at --global-batch-size."""
+    if args.rampup_batch_size is None:
+        return
+    if args.train_samples is None:
+        raise ValueError("--rampup-batch-size needs sample-based training (--train-samples), "
+                         "not --train-iters")
+    start, increment, samples = args.rampup_batch_size
+    flag = f"--rampup-batch-size {start} {increment} {samples}"
+    if start < 1 or increment < 1 or samples < 1:
+        raise ValueError(f"{flag}: start batch, increment and ramp-up samples must be >= 1")
+    if start >= args.global_batch_size or (args.global_batch_size - start) % increment:
+        raise ValueError(f"{flag}: --global-batch-size ({args.global_batch_size}) must be the start "
+                         f"batch plus a positive multiple of the increment")
+    step = args.micro_batch_size * args.data_parallel_size
+    if args.decrease_batch_size_if_needed:
+        from megatron_moe.compat.batch_schedule import check_rampup_with_decrease
+
+        check_rampup_with_decrease()
+        if start < step:
+            raise ValueError(f"{flag}: the start batch is smaller than --micro-batch-size "
+                             f"({args.micro_batch_size}) x data-parallel size "
+                             f"({args.data_parallel_size})")
+    elif start % step or increment % step:
+        raise ValueError(f"{flag}: the start batch and the increment must be multiples of "
+                         f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+                         f"({args.data_parallel_size}) (or pass --decrease-batch-size-if-needed)")
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None and start // step < pp:
+        raise ValueError(f"{flag}: the start batch runs {start // step} micro-batch(es); "
+                         f"megatron-core's interleaved schedule (virtual pipeline stages) needs "
+                         f"at least --pipeline-model-parallel-size ({pp})")
+    if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
+        raise ValueError(f"{flag} cannot be combined with --moe-balance-policy (its scheduler "
+                         f"plans for a fixed number of micro-batches)")
+
+
 def _validate_lr_schedule(args):
     """Megatron's validate_args: iteration-based and sample-based options do not mix; with
     --train-samples the run is --train-samples // --global-batch-size iterations."""
+    _validate_rampup(args)
     if args.train_samples is None:
         for flag, value in (("--lr-decay-samples", args.lr_decay_samples),
                             ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)):
@@ -908,7 +975,12 @@ def _validate_lr_schedule(args):
         if args.lr_warmup_iters:
             raise ValueError("--lr-warmup-iters needs iteration-based training; with "
                              "--train-samples use --lr-warmup-samples")
-        args.train_iters = args.train_samples // args.global_batch_size
+        if args.rampup_batch_size is not None:   # Megatron-LM's update_train_iters
+            from megatron_moe.compat.batch_schedule import rampup_train_iters
+
+            args.train_iters = rampup_train_iters(args)
+        else:
+            args.train_iters = args.train_samples // args.global_batch_size
         if args.lr_decay_samples is None:
             args.lr_decay_samples = args.train_samples
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):

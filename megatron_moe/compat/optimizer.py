@@ -126,3 +126,24 @@ def fuse_torch_adam(megatron_optimizer) -> int:
         opt._megatron_moe_fused = True
         hooked += 1
     return hooked
+
+
+def mark_decoupled_lr_groups(megatron_optimizer, decoupled_lr) -> int:
+    """Flag the --decoupled-lr param groups ``is_decoupled_lr`` (the key megatron-core names for
+    them; returns how many).
+
+    megatron-core gives the embedding/output parameters their own group (max_lr/min_lr overrides)
+    but leaves its ``is_decoupled_lr`` False. 0.16 pairs a loaded group with the current one by
+    (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) only, so that group and the default one
+    share a key and a resume fails in ``optimizer.load_state_dict`` ("a parameter group that
+    doesn't match the size of optimizer's group"); 0.19 adds max_lr/min_lr to the key. Flagged
+    before the first save, the groups differ on both releases, and the resume schedule code
+    (compat/checkpoint.py, checkpointing.py) knows them as Megatron-LM's load_checkpoint does."""
+    if decoupled_lr is None:
+        return 0
+    marked = 0
+    for group in megatron_optimizer.param_groups:
+        if not group.get("default_config", True) and group.get("max_lr") == decoupled_lr:
+            group["is_decoupled_lr"] = True
+            marked += 1
+    return marked

@@ -580,12 +580,38 @@ def _schedule_bounds_to_param_groups(optimizer, scheduler):
     the scheduler's bounds: the command line's with --override-opt_param-scheduler, the
     checkpoint's with --use-checkpoint-opt_param-scheduler (also when the optimizer state was
     not loaded). Only the groups on the default schedule (megatron-core's ``default_config``:
-    max_lr = --lr); a group with its own LR (--decoupled-lr, refused here; 0.19's MuP scaling)
+    max_lr = --lr); a group with its own LR (--decoupled-lr; 0.19's MuP scaling)
     keeps it."""
     for group in optimizer.param_groups:
         if group.get("default_config", True) and not group.get("is_decoupled_lr", False):
             group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
     scheduler.step(0)
+
+
+def _decoupled_lr_change(saved_args, args) -> str:
+    """--decoupled-lr / --decoupled-min-lr against the checkpoint's (its optimizer state holds
+    their param groups): a change is refused before the load, one line naming the flag
+    (megatron-core 0.16 would train on at the checkpoint's values, 0.19 fails to pair the groups,
+    and adding or dropping the flag changes the number of groups); '' when they agree."""
+    def bounds(a):
+        if getattr(a, "decoupled_lr", None) is None:
+            return None
+        low = getattr(a, "decoupled_min_lr", None)
+        return a.decoupled_lr, (a.min_lr if low is None else low)
+
+    if saved_args is None:
+        return ""
+    saved, wanted = bounds(saved_args), bounds(args)
+    if saved == wanted:
+        return ""
+    if saved is None:
+        return "trained without --decoupled-lr; it cannot be added on resume (or pass --no-load-optim)"
+    if wanted is None:
+        return (f"trained with --decoupled-lr {saved[0]}; pass it to resume (or "
+                f"--no-load-optim)")
+    flag, i = ("--decoupled-lr", 0) if saved[0] != wanted[0] else ("--decoupled-min-lr", 1)
+    return (f"{flag} is {wanted[i]} on this command line, {saved[i]} in the checkpoint (a change "
+            f"of the decoupled LR on resume is not supported; or pass --no-load-optim)")
 
 
 def _optimizer_count(optimizer) -> int:
@@ -684,6 +710,9 @@ def load_checkpoint(model, optimizer, scheduler, args):
                   f"optimizer(s), this layout has {_optimizer_count(optimizer)} (EP=1 <-> EP>1); "
                   f"Adam state is re-initialised; weights and the LR schedule are loaded",
                   flush=True)
+    changed = _decoupled_lr_change(common.get("args"), args) if load_optim else ""
+    if changed:   # the optimizer state's param groups are the checkpoint's
+        raise CheckpointError(f"{ckpt}: {changed}")
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
                              include_rng=load_rng, is_loading=True)
     mismatch = _model_mismatch(sharded["model"], ckpt, common.get("args"), args)

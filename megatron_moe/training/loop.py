@@ -151,6 +151,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     from megatron_moe.compat.optimizer import fuse_torch_adam
 
     fuse_torch_adam(optimizer)   # torch's fused Adam kernel on CUDA (without TE or apex)
+    from megatron_moe.compat.optimizer import mark_decoupled_lr_groups
+
+    mark_decoupled_lr_groups(optimizer, args.decoupled_lr)   # their own key in checkpoints
     # Megatron-LM's train(): the schedule multiplies each micro-batch loss by the optimizer's
     # loss scale before backward (fp16 dynamic scaling; 1.0 for bf16/fp32), which the
     # optimizer divides out of the grads again
@@ -169,6 +172,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     if args.skip_train and not args.no_load_optim:   # Megatron-LM's validate_args
         args.no_load_optim = True
         print_rank_0("WARNING: enabling --no-load-optim when skipping training.")
+    from megatron_moe.compat.batch_schedule import init_microbatch_calculator
+
+    init_microbatch_calculator(args)   # the batch per iteration (--rampup-batch-size)
 
     iteration, consumed_train, consumed_valid, extra = 0, 0, 0, {}
     if args.load is not None:
@@ -181,6 +187,8 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         hooks.load_state_dict(extra.get("hooks", {}))
     args.iteration = iteration
     args.consumed_train_samples = consumed_train
+    # --decrease-batch-size-if-needed: samples of the global batches not run (Megatron-LM's)
+    args.skipped_train_samples = extra.get("skipped_train_samples", 0)
 
     train_ds, valid_ds, test_ds = _build_datasets(args, datasets_provider)
     if args.skip_train:   # Megatron-LM: no training reader; the evaluation sets from their start
@@ -240,6 +248,8 @@ def _optimizer_config(args, config_class):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.params_dtype]
     return config_class(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        # --decoupled-lr: megatron-core gives the embedding and output layer their own param group
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
         params_dtype=dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
@@ -356,6 +366,8 @@ class Trainer:
 
     # --- one iteration ---------------------------------------------------------------------------
     def train_step(self, data_iterator):
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
         args = self.args
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -365,7 +377,7 @@ class Trainer:
         with hot_path():  # strict device mode: no Python-object collectives in here (docs/comm.md)
             losses = self.forward_backward(
                 forward_step_func=self.forward_step_func, data_iterator=data_iterator,
-                model=self.model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                model=self.model, num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
                 forward_only=False)   # times 'forward-backward' itself (config.timers)
             self.timers("optimizer", log_level=1).start()
@@ -374,7 +386,7 @@ class Trainer:
         self.num_zeros_in_grad = num_zeros
         self.hooks.after_optimizer_step(update_successful, grad_norm)   # before the lr moves
         if update_successful:
-            self.scheduler.step(increment=args.global_batch_size)
+            self.scheduler.step(increment=running_batch_size())   # samples this step consumed
         else:
             self.skipped_iters += 1
         return reduce_losses(losses), grad_norm, update_successful
@@ -429,9 +441,12 @@ class Trainer:
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, train_iter, valid_iter, iteration, consumed_train, consumed_valid):
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+
         from megatron_moe.training.checkpointing import finalize_async_save, save_checkpoint
 
         args = self.args
+        update_num_microbatches(consumed_train, consistency_check=True)   # a resume mid-ramp
         for chunk in self.model:
             chunk.train()
         history = {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []}
@@ -440,7 +455,7 @@ class Trainer:
         # replace the directory the tracker points at)
         saved_at = iteration if args.load and args.save and \
             os.path.abspath(args.load) == os.path.abspath(args.save) else None
-        tokens_per_iter = args.global_batch_size * args.seq_length
+        batch = running_batch_size()   # Megatron's: changes only at a ramp-up step
         if train_iter is None and iteration < args.train_iters:
             raise TrainingError("--data-path: the training split is empty (check --split)")
         last_time = time.time()
@@ -467,7 +482,9 @@ class Trainer:
                 t0 = time.time()
                 with self.hooks.checkpoint_io(), _params_gathered(self.model, args):
                     save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
-                                    consumed_train, consumed_valid, {"hooks": self.hooks.state_dict()})
+                                    consumed_train, consumed_valid,
+                                    {"hooks": self.hooks.state_dict(),
+                                     "skipped_train_samples": args.skipped_train_samples})
                 saved_at = it
                 how = "scheduled async save" if args.async_save else "saved checkpoint"
                 print_rank_0(f"  {how} at iteration {it:7d} to {args.save} "
@@ -476,15 +493,24 @@ class Trainer:
         stop = None   # why the loop ended early (an exit condition), else None
         while iteration < args.train_iters:
             finalize_async_save(blocking=False)  # --async-save: commit finished writes
+            # --rampup-batch-size: this iteration's batch from the samples consumed so far;
+            # Megatron-LM saves a checkpoint before the batch changes
+            update_num_microbatches(consumed_train, consistency_check=False, verbose=True)
+            if running_batch_size() != batch:
+                save(iteration)
+                batch = running_batch_size()
+            update_num_microbatches(consumed_train, consistency_check=True)
             loss_dict, grad_norm, ok = self.train_step(train_iter)
             iteration += 1
-            consumed_train += args.global_batch_size
+            consumed_train += batch
+            window.samples += batch
+            args.skipped_train_samples += current_global_batch_size() - batch
             args.iteration, args.consumed_train_samples = iteration, consumed_train
             self.hooks.after_step(iteration)
             interval = args.check_weight_hash_across_dp_replicas_interval
             if interval is not None and iteration % interval == 0:
                 self.check_weight_hashes(iteration)
-            lr = self.scheduler.get_lr(self.optimizer.param_groups[0])
+            lr = logged_lr(self.optimizer, self.scheduler)
             window.add(iteration, loss_dict, ok)   # the losses stay on the device until read
             history["iteration"].append(iteration)
             history["lr"].append(lr)
@@ -495,8 +521,7 @@ class Trainer:
                 now = time.time()
                 elapsed = (now - last_time) / window.count
                 last_time = now
-                self._log(iteration, consumed_train, elapsed, lr, window, grad_norm,
-                          tokens_per_iter)
+                self._log(iteration, consumed_train, elapsed, lr, window, grad_norm, batch)
                 window = LogWindow()
             if valid_iter is not None and args.eval_interval and iteration % args.eval_interval == 0:
                 eval_losses = self.evaluate(valid_iter)
@@ -529,17 +554,20 @@ class Trainer:
         print_rank_0(f">>> Weight hashes match after {iteration} iterations...")
 
     # --- logging ---------------------------------------------------------------------------------
-    def _log(self, iteration, consumed, elapsed_s, lr, window, grad_norm, tokens_per_iter):
+    def _log(self, iteration, consumed, elapsed_s, lr, window, grad_norm, batch_size):
         """Megatron-LM's training_log line, byte for byte, then our MoE lines."""
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
         from megatron_moe.compat.moe_metrics import report_moe_metrics  # tracker API per version
 
         args = self.args
         writer = self.hooks.writer
         losses = window.averages()
+        num_microbatches = get_num_microbatches()   # the last step's (Megatron's training_log)
         if args.num_experts:
             # The tracker summed every micro-batch's aux losses since the last log line.
             moe_losses = {}
-            report_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=iteration,
+            report_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=iteration,
                                writer=writer, total_loss_dict=moe_losses,
                                per_layer_logging=args.moe_per_layer_logging, force_initialize=True,
                                track_names=moe_track_names(args), num_layers=args.num_layers,
@@ -553,23 +581,27 @@ class Trainer:
             from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
             mtp_losses = {}
-            MTPLossLoggingHelper.track_mtp_metrics(1.0 / args.num_microbatches, iteration, None,
+            MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_microbatches, iteration, None,
                                                    None, mtp_losses)
             for name, value in mtp_losses.items():
                 losses[name] = float(value) / window.count
-        tokens_per_s = tokens_per_iter / elapsed_s if elapsed_s > 0 else 0.0
+        # the window's samples (--rampup-batch-size: its iterations' batches differ)
+        tokens_per_s = window.samples * args.seq_length / window.count / elapsed_s \
+            if elapsed_s > 0 else 0.0
         line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
         line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
         line += f" consumed samples: {consumed:12d} |"
+        if args.skipped_train_samples > 0:   # --decrease-batch-size-if-needed
+            line += f" skipped samples: {args.skipped_train_samples:12d} |"
         line += f" elapsed time per iteration (ms): {elapsed_s * 1000.0:.1f} |"
         if args.log_throughput:  # Megatron-LM's field, from the one FLOP count (megatron_moe/flops.py)
             from megatron_moe.flops import num_floating_point_operations
 
-            flops = num_floating_point_operations(args, args.global_batch_size)
+            flops = num_floating_point_operations(args, window.samples) / window.count
             tflops = flops / elapsed_s / 1e12 / args.world_size if elapsed_s > 0 else 0.0
             line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
         line += f" learning rate: {lr:.6E} |"
-        line += f" global batch size: {args.global_batch_size:5d} |"
+        line += f" global batch size: {batch_size:5d} |"
         for key, value in losses.items():
             line += f" {key}: {value:.6E} |"
         line += f" loss scale: {self.optimizer.get_loss_scale().item():.1f} |"
@@ -611,6 +643,8 @@ class Trainer:
                                                        for k, v in extra.items()) + " |")
         if writer is not None:
             writer.add_scalar("learning-rate", lr, iteration)
+            if args.skipped_train_samples > 0:
+                writer.add_scalar("skipped-train-samples", args.skipped_train_samples, iteration)
             writer.add_scalar("tokens-per-second", tokens_per_s, iteration)
             writer.add_scalar("iteration-time", elapsed_s, iteration)
             for key, value in losses.items():
@@ -671,6 +705,7 @@ class LogWindow:
 
     def __init__(self):
         self.sums, self.count, self.skipped, self.nan = {}, 0, 0, 0
+        self.samples = 0    # training samples its iterations consumed
         self.pending = []   # (iteration, {name: 0-dim device tensor}) not read yet
 
     def add(self, iteration, loss_dict, update_successful):
@@ -697,6 +732,31 @@ class LogWindow:
 
     def averages(self):
         return {k: v / self.count for k, v in self.sums.items()}
+
+
+def running_batch_size() -> int:
+    """The global batch the current step runs (megatron-core's calculator: --global-batch-size,
+    or the ramp-up's current batch)."""
+    from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
+
+    return get_current_running_global_batch_size()
+
+
+def current_global_batch_size() -> int:
+    """The global batch asked for this step (--global-batch-size or the ramp-up's); the running
+    batch is smaller with --decrease-batch-size-if-needed."""
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+    return get_current_global_batch_size()
+
+
+def logged_lr(optimizer, scheduler) -> float:
+    """The log line's learning rate: megatron-core's canonical one (the default-schedule param
+    groups', not --decoupled-lr's), as Megatron-LM's training_log reads it."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    lr = get_canonical_lr_for_logging(optimizer.param_groups)
+    return lr if lr is not None else scheduler.get_lr(optimizer.param_groups[0])
 
 
 def reduce_losses(losses_reduced) -> dict:
