@@ -75,3 +75,21 @@ def test_evaluate_ring_equals_resident_and_reproduces_training(suite):
     assert loss(resident) == pytest.approx(loss(suite["line"]), rel=1e-6)
     assert loss(ring) == loss(resident)
     assert _SUMMARY.search(ring), ring
+
+
+def test_generate_from_a_run_measured_in_samples(tmp_path):
+    """A run given in samples (--train-samples, sample-based LR schedule) stores the iterations it
+    derived as well; --use-checkpoint-args takes neither (a tool does not train), where it used to
+    stop on '--train-iters and --train-samples are mutually exclusive'."""
+    from tests._train_cases import generate_cli, run_pretrain
+
+    ckpt = str(tmp_path / "ckpt")
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data "
+            "--tokenizer-type NullTokenizer --vocab-size 256 --num-experts 4 --moe-router-topk 2 "
+            "--disable-bias-linear --train-samples 16 --lr-decay-samples 16 "
+            f"--lr-warmup-samples 8 --eval-iters 1 --save {ckpt}").split()
+    history = run_distributed(run_pretrain, 1, argv, timeout_s=300)[0]
+    assert history["iteration"] == [1, 2]
+    text, logps = generate_cli(ckpt, "5 6 7", tokens=3)
+    assert len(text.split()) == 6 and len(logps) == 3, (text, logps)

@@ -19,6 +19,12 @@ NOT_FROM_CHECKPOINT = frozenset({
     "overlap_grad_reduce", "overlap_param_gather", "local_rank", "rank", "world_size",
     "data_parallel_size", "num_microbatches", "load", "save", "seed", "tensorboard_dir",
     "moe_routing_trace_dir", "exit_interval", "exit_signal_handler",
+    # the training run's length and schedule: a run given in samples stores the iterations it
+    # derived too, and the two are exclusive on a command line
+    "train_iters", "train_samples", "rampup_batch_size", "decrease_batch_size_if_needed",
+    "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples", "lr_decay_iters",
+    "lr_warmup_iters", "lr_wsd_decay_iters", "lr_warmup_fraction", "skip_train",
+    "exit_on_missing_checkpoint",
 })
 
 
