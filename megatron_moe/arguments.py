@@ -301,6 +301,10 @@ def _add_logging_args(p):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="Micro-batch size of evaluation (default: --micro-batch-size).")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="Samples per evaluation iteration (default: --global-batch-size).")
     g.add_argument("--skip-train", action="store_true",
                    help="No training iterations: evaluate on the validation and test sets, exit.")
     g.add_argument("--tensorboard-dir", default=None)
@@ -400,8 +404,21 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError(
             f"--global-batch-size ({args.global_batch_size}) is smaller than --micro-batch-size "
             f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
-    # micro-batches per iteration at --global-batch-size (after any ramp-up: evaluation's count)
+    # micro-batches per iteration at --global-batch-size (after any ramp-up)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    # evaluation's batch (Megatron-LM: its own flags, defaulting to training's)
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    eval_step = args.eval_micro_batch_size * args.data_parallel_size
+    if args.eval_micro_batch_size < 1 or args.eval_global_batch_size % eval_step != 0 or \
+            args.eval_global_batch_size < eval_step:
+        raise ValueError(
+            f"--eval-global-batch-size ({args.eval_global_batch_size}) must be a positive multiple "
+            f"of --eval-micro-batch-size ({args.eval_micro_batch_size}) x data-parallel size "
+            f"({args.data_parallel_size})")
+    args.eval_num_microbatches = args.eval_global_batch_size // eval_step
     if pp > 1 and args.num_layers % pp != 0 and args.pipeline_model_parallel_layout is None:
         raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
                          f"--pipeline-model-parallel-size ({pp})")

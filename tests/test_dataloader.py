@@ -362,3 +362,65 @@ def test_bad_dataloader_flags_fail_at_parse_time():
         assert out.returncode == 2, out.stderr
         assert needle in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+def _eval_batches(rank, world, argv, mutate=None):
+    """pretrain() with every evaluation forward recorded: the micro-batch's sample count."""
+    import pretrain_gpt_moe
+
+    from megatron_moe import arguments
+    from tests._train_cases import _pretrain
+
+    seen = []
+    real_step, real_validate = pretrain_gpt_moe.forward_step, arguments.validate_args
+
+    def forward_step(data_iterator, model):
+        from megatron_moe.models.builder import unwrap
+
+        if not unwrap(model).training:
+            batch = next(data_iterator) if not isinstance(data_iterator, list) else None
+            seen.append(int(batch["tokens"].shape[0]))
+            return real_step(iter([batch]), model)
+        return real_step(data_iterator, model)
+
+    def training_batch(args, *a, **k):   # the mutation: evaluation keeps training's batch
+        out = real_validate(args, *a, **k)
+        args.eval_micro_batch_size, args.eval_global_batch_size = (args.micro_batch_size,
+                                                                   args.global_batch_size)
+        args.eval_num_microbatches = args.num_microbatches
+        return out
+
+    pretrain_gpt_moe.forward_step = forward_step
+    if mutate:
+        arguments.validate_args = training_batch
+    try:
+        _pretrain(argv)
+    finally:
+        pretrain_gpt_moe.forward_step, arguments.validate_args = real_step, real_validate
+    return seen
+
+
+@pytest.mark.parametrize("mutate", [None, "training_batch"])
+def test_evaluation_has_its_own_batch(mutate):
+    """--eval-micro-batch-size / --eval-global-batch-size (Megatron-LM): evaluation reads
+    micro-batches of 1 sample, 4 samples per evaluation iteration over 2 data-parallel ranks (2
+    micro-batches per rank), while training keeps 2 x 8; 4 evaluations (after iterations 1 and 2,
+    then the validation and test sets once training ends) of 2 iterations each."""
+    argv = TINY + ["--expert-model-parallel-size", "2", "--train-iters", "2", "--eval-interval",
+                   "1", "--eval-iters", "2", "--eval-micro-batch-size", "1",
+                   "--eval-global-batch-size", "4"]
+    for seen in run_distributed(_eval_batches, 2, argv, mutate, timeout_s=300):
+        if mutate:
+            assert seen != [1] * (4 * 2 * 2), seen
+        else:
+            assert seen == [1] * (4 * 2 * 2), seen
+
+
+def test_evaluation_batch_must_split_into_micro_batches(capsys):
+    from megatron_moe.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--train-iters", "1", "--eval-micro-batch-size", "3",
+                           "--eval-global-batch-size", "4"])
+    assert ("--eval-global-batch-size (4) must be a positive multiple of --eval-micro-batch-size "
+            "(3) x data-parallel size (1)") in capsys.readouterr().err

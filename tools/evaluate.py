@@ -52,7 +52,7 @@ def num_samples(args):
 
     run = args.checkpoint_args if args.use_checkpoint_args and args.checkpoint_args else args
     counts = train_valid_test_num_samples(run)
-    need = args.eval_iters * args.global_batch_size
+    need = args.eval_iters * args.eval_global_batch_size
     if counts[1] < need:
         counts[1] = need
     counts[2] = max(counts[2], need)
@@ -104,7 +104,7 @@ def evaluate(args) -> dict:
         print_rank_last(f"evaluate.py: error: {exc}")
         return {"exit_code": 1}
     dataset = valid_ds if args.eval_split == "valid" else test_ds
-    data_iter = _iterator(args, dataset, 0)
+    data_iter = _iterator(args, dataset, 0, args.eval_micro_batch_size)
     if data_iter is None:
         print_rank_last(f"evaluate.py: error: the {args.eval_split} split is empty (check --split "
                         f"or --{args.eval_split}-data-path)")
@@ -114,9 +114,9 @@ def evaluate(args) -> dict:
     losses = trainer.evaluate(data_iter)
     trainer._log_eval(f"iteration {iteration}", losses, iteration)
     loss = losses.get("lm loss")
-    tokens = args.eval_iters * args.global_batch_size * args.seq_length
+    tokens = args.eval_iters * args.eval_global_batch_size * args.seq_length
     print_rank_last(f" {args.eval_split} split: {args.eval_iters} iterations x "
-                    f"{args.global_batch_size} samples x {args.seq_length} tokens = {tokens} "
+                    f"{args.eval_global_batch_size} samples x {args.seq_length} tokens = {tokens} "
                     f"tokens | lm loss {loss:.6f} | perplexity {math.exp(min(20.0, loss)):.4f}")
     hooks.close()
     if ring is not None:

@@ -40,7 +40,8 @@ def train_valid_test_num_samples(args):
         evals = args.eval_iters
     else:
         evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    return [train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size]
+    eval_batch = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    return [train, evals * eval_batch, args.eval_iters * eval_batch]
 
 
 def check_split_sizes(config, split_flag: str) -> None:

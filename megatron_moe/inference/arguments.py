@@ -24,7 +24,7 @@ NOT_FROM_CHECKPOINT = frozenset({
     "train_iters", "train_samples", "rampup_batch_size", "decrease_batch_size_if_needed",
     "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples", "lr_decay_iters",
     "lr_warmup_iters", "lr_wsd_decay_iters", "lr_warmup_fraction", "skip_train",
-    "exit_on_missing_checkpoint",
+    "exit_on_missing_checkpoint", "eval_num_microbatches",
 })
 
 
@@ -117,10 +117,12 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
         for key, value in stored.items():
             if key in dests and key not in NOT_FROM_CHECKPOINT and key not in explicit:
                 setattr(args, key, value)
-        if not keep_batch_size:
-            for key in ("micro_batch_size", "global_batch_size"):
-                if key not in explicit:
-                    setattr(args, key, None)
+        for key in ("micro_batch_size", "global_batch_size"):
+            if not keep_batch_size and key not in explicit:
+                setattr(args, key, None)
+            if key in explicit or not keep_batch_size:   # evaluation follows the batch given here
+                if f"eval_{key}" not in explicit:
+                    setattr(args, f"eval_{key}", None)
     if args.micro_batch_size is None:
         args.micro_batch_size = 1
     missing = [flag for dest, flag in required.items() if getattr(args, dest, None) is None]

@@ -193,17 +193,19 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     train_ds, valid_ds, test_ds = _build_datasets(args, datasets_provider)
     if args.skip_train:   # Megatron-LM: no training reader; the evaluation sets from their start
         train_ds, consumed_valid = None, 0
-    test_iter = _iterator(args, test_ds, 0)   # evaluated once, after training (Megatron-LM)
+    evaluation = args.eval_micro_batch_size
+    test_iter = _iterator(args, test_ds, 0, evaluation)   # evaluated once, after training (Megatron-LM)
     if len(model) > 1 and test_iter is not None:
-        test_iter = [_iterator(args, test_ds, 0) for _ in model]
+        test_iter = [_iterator(args, test_ds, 0, evaluation) for _ in model]
     train_iter = _iterator(args, train_ds, consumed_train)
-    valid_iter = _iterator(args, valid_ds, consumed_valid)
+    valid_iter = _iterator(args, valid_ds, consumed_valid, evaluation)
     if len(model) > 1:
         # the interleaved schedule takes one iterator per model chunk (Megatron-LM builds one per
         # virtual stage); the chunk that embeds and the chunk that takes the loss each read the
         # same samples in the same order
         train_iter = [_iterator(args, train_ds, consumed_train) for _ in model] if train_iter else None
-        valid_iter = [_iterator(args, valid_ds, consumed_valid) for _ in model] if valid_iter else None
+        valid_iter = ([_iterator(args, valid_ds, consumed_valid, evaluation) for _ in model]
+                      if valid_iter else None)
 
     if not args.skip_train:
         print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
@@ -270,7 +272,9 @@ def _build_datasets(args, provider):
         raise TrainingError(f"--data-path: could not build datasets: {exc}") from None
 
 
-def _iterator(args, dataset, consumed):
+def _iterator(args, dataset, consumed, micro_batch_size=None):
+    """The reader of one split from ``consumed`` samples on, in micro-batches of
+    ``micro_batch_size`` (default --micro-batch-size; evaluation's: --eval-micro-batch-size)."""
     from megatron.core import parallel_state
 
     from megatron_moe.data.sampler import build_data_iterator
@@ -285,7 +289,7 @@ def _iterator(args, dataset, consumed):
         return dataset
     if dataset is None or len(dataset) == 0:
         return None
-    return build_data_iterator(dataset, consumed, args.micro_batch_size,
+    return build_data_iterator(dataset, consumed, micro_batch_size or args.micro_batch_size,
                                parallel_state.get_data_parallel_rank(),
                                parallel_state.get_data_parallel_world_size(), args.num_workers,
                                args.dataloader_type, args.data_sharding)
@@ -404,8 +408,8 @@ class Trainer:
             for _ in range(args.eval_iters):
                 losses = self.forward_backward(
                     forward_step_func=self.forward_step_func, data_iterator=data_iterator,
-                    model=self.model, num_microbatches=args.num_microbatches,
-                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    model=self.model, num_microbatches=args.eval_num_microbatches,
+                    seq_length=args.seq_length, micro_batch_size=args.eval_micro_batch_size,
                     decoder_seq_length=args.seq_length, forward_only=True)
                 for key, value in reduce_losses(losses).items():
                     totals[key] = totals.get(key, 0.0) + value / args.eval_iters
@@ -525,7 +529,7 @@ class Trainer:
                 window = LogWindow()
             if valid_iter is not None and args.eval_interval and iteration % args.eval_interval == 0:
                 eval_losses = self.evaluate(valid_iter)
-                consumed_valid += args.eval_iters * args.global_batch_size
+                consumed_valid += args.eval_iters * args.eval_global_batch_size
                 self._log_eval(f"iteration {iteration}", eval_losses, iteration)
             if args.save_interval and iteration % args.save_interval == 0:
                 save(iteration)
