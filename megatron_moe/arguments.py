@@ -301,6 +301,9 @@ def _add_logging_args(p):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--iterations-to-skip", type=int, nargs="+", default=[],
+                   help="Iterations (1-based) whose batch is read and dropped: no forward, "
+                        "backward or optimizer step (e.g. a batch that spiked the loss).")
     g.add_argument("--eval-micro-batch-size", type=int, default=None,
                    help="Micro-batch size of evaluation (default: --micro-batch-size).")
     g.add_argument("--eval-global-batch-size", type=int, default=None,

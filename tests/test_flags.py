@@ -106,8 +106,8 @@ def test_refused_flags_fail_with_one_line_naming_the_flag(parser):
         message = str(err.value)
         assert message.startswith(f"{flag} is refused: ") and "\n" not in message
     assert flags.refused_given(parser.parse_args(BASE)) == []
-    one = parser.parse_args(BASE + ["--iterations-to-skip", "1", "2", "3"])
-    assert flags.refused_given(one) == ["--iterations-to-skip"]
+    one = parser.parse_args(BASE + ["--mrope-section", "1", "2", "3"])
+    assert flags.refused_given(one) == ["--mrope-section"]
 
 
 def test_noop_flags_keep_megatron_dest_and_default(parser):

@@ -210,3 +210,58 @@ def test_exit_on_missing_checkpoint(tmp_path):
     assert "training from iteration 0 to 2" in scratch["text"], scratch["text"]
     assert "training from iteration 1 to 2" in resumed["text"], resumed["text"]
     assert "exiting. <<" not in resumed["text"]
+
+
+def _training_batches(rank, world, argv, mutate=None):
+    """pretrain() with the first token of every training micro-batch recorded (which samples
+    trained), and the log text."""
+    import contextlib
+    import io
+
+    import pretrain_gpt_moe
+
+    from megatron_moe.training import loop
+    from tests._train_cases import _pretrain
+
+    seen, real_step, real_drop = [], pretrain_gpt_moe.forward_step, loop.Trainer.drop_batch
+
+    def forward_step(data_iterator, model):
+        from megatron_moe.models.builder import unwrap
+
+        if not unwrap(model).training:
+            return real_step(data_iterator, model)
+        batch = next(data_iterator)
+        seen.append(batch["tokens"][:, :4].tolist())
+        return real_step(iter([batch]), model)
+
+    pretrain_gpt_moe.forward_step = forward_step
+    if mutate:   # the skipped iteration's batch is not read: the next step trains on it
+        loop.Trainer.drop_batch = lambda self, train_iter: None
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            result = _pretrain(argv)
+    finally:
+        pretrain_gpt_moe.forward_step, loop.Trainer.drop_batch = real_step, real_drop
+    return seen, result["history"], buf.getvalue()
+
+
+@pytest.mark.parametrize("mutate", [None, "batch_kept"])
+def test_iterations_to_skip_drop_their_batch(mutate):
+    """--iterations-to-skip 2 3 (Megatron-LM): iterations 2 and 3 read their batches and drop
+    them; iteration 4 trains on the batch an uninterrupted run trains on at iteration 4, and the
+    skipped samples show in the log line."""
+    argv = TINY + ["--train-iters", "4"]
+    plain = run_distributed(_training_batches, 1, argv, timeout_s=300)[0]
+    skip = run_distributed(_training_batches, 1, argv + ["--iterations-to-skip", "2", "3"], mutate,
+                           timeout_s=300)[0]
+    per_step = len(plain[0]) // 4   # micro-batches per iteration
+    assert plain[1]["iteration"] == [1, 2, 3, 4] and skip[1]["iteration"] == [1, 4]
+    assert skip[1]["lm_loss"][0] == plain[1]["lm_loss"][0]
+    assert " skipped iteration 2 (--iterations-to-skip)" in skip[2]
+    assert "skipped samples:           16 |" in skip[2], skip[2][-1500:]
+    trained = plain[0][:per_step] + plain[0][3 * per_step:]
+    if mutate:
+        assert skip[0] != trained
+    else:
+        assert skip[0] == trained

@@ -395,6 +395,22 @@ class Trainer:
             self.skipped_iters += 1
         return reduce_losses(losses), grad_norm, update_successful
 
+    def drop_batch(self, train_iter):
+        """Read one iteration's micro-batches from the training reader(s) exactly as a step would
+        (only the model chunks on the first or last pipeline stage read data: get_batch)."""
+        from megatron.core import parallel_state
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        iterators = train_iter if isinstance(train_iter, list) else [train_iter]
+        virtual = len(iterators) > 1
+        for vp_stage, data_iterator in enumerate(iterators):
+            stage = dict(ignore_virtual=False, vp_stage=vp_stage) if virtual else {}
+            if data_iterator is None or not (parallel_state.is_pipeline_first_stage(**stage)
+                                             or parallel_state.is_pipeline_last_stage(**stage)):
+                continue
+            for _ in range(get_num_microbatches()):
+                next(data_iterator)
+
     def evaluate(self, data_iterator):
         args = self.args
         for chunk in self.model:
@@ -504,6 +520,16 @@ class Trainer:
                 save(iteration)
                 batch = running_batch_size()
             update_num_microbatches(consumed_train, consistency_check=True)
+            if iteration + 1 in args.iterations_to_skip:
+                # Megatron-LM: the iteration's batch is read and dropped; no step, no LR step, no
+                # log line; its samples count as consumed and skipped
+                self.drop_batch(train_iter)
+                iteration += 1
+                consumed_train += batch
+                args.skipped_train_samples += batch
+                args.iteration, args.consumed_train_samples = iteration, consumed_train
+                print_rank_0(f" skipped iteration {iteration} (--iterations-to-skip)")
+                continue
             loss_dict, grad_norm, ok = self.train_step(train_iter)
             iteration += 1
             consumed_train += batch
