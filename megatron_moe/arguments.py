@@ -412,8 +412,10 @@ def validate_args(args, check_data_paths=True, training=True):
     # evaluation's batch (Megatron-LM: its own flags, defaulting to training's)
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
-    if args.eval_global_batch_size is None:
-        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_global_batch_size is None:   # training's, in whole micro-batches (as it runs
+        # under --decrease-batch-size-if-needed)
+        args.eval_global_batch_size = args.num_microbatches * args.micro_batch_size * \
+            args.data_parallel_size
     eval_step = args.eval_micro_batch_size * args.data_parallel_size
     if args.eval_micro_batch_size < 1 or args.eval_global_batch_size % eval_step != 0 or \
             args.eval_global_batch_size < eval_step:

@@ -35,7 +35,7 @@ def gpt_dataset_config(args, tokenizer) -> GPTDatasetConfig:
 
 def train_valid_test_num_samples(args):
     """Samples each split must provide (Megatron's formula, so index caches are shared with it)."""
-    train = args.train_iters * args.global_batch_size
+    train = getattr(args, "train_samples", None) or args.train_iters * args.global_batch_size
     if getattr(args, "skip_train", False):   # --skip-train: one evaluation
         evals = args.eval_iters
     else:
