@@ -30,6 +30,22 @@ def pretrain_with_step(argv, wrap):
 
 
 
+def pretrain_recording(argv, record):
+    """pretrain() with ``record(trainer)`` called after every train step; what it returned, in
+    order (a test's view of state the loop does not report, read on the host by the test)."""
+    out = []
+
+    def wrap(step):
+        def train_step(self, data_iterator):
+            result = step(self, data_iterator)
+            out.append(record(self))
+            return result
+        return train_step
+
+    pretrain_with_step(argv, wrap)
+    return out
+
+
 def generate_cli(load, prompt="The module", tokens=6, timeout=300):
     """tools/generate.py on one CPU process from a training checkpoint (--use-checkpoint-args):
     (completion text, generated tokens' log probs); AssertionError with its output if it fails."""

@@ -67,22 +67,10 @@ def test_stuck_rank_ends_in_a_timeout_error_naming_the_flag(tmp_path):
 
 def _loss_scales(rank, world, runs):
     """Per run: the optimizer's loss scale after each iteration (read by the test, not the loop)."""
-    from tests._train_cases import pretrain_with_step
+    from tests._train_cases import pretrain_recording
 
-    out = []
-    for argv in runs:
-        scales = []
-
-        def recording(step):
-            def train_step(self, data_iterator):
-                result = step(self, data_iterator)
-                scales.append(float(self.optimizer.get_loss_scale()))
-                return result
-            return train_step
-
-        pretrain_with_step(argv, recording)
-        out.append(scales)
-    return out
+    return [pretrain_recording(argv, lambda trainer: float(trainer.optimizer.get_loss_scale()))
+            for argv in runs]
 
 
 def test_fp16_loss_scale_flags_drive_megatron_cores_scaler():

@@ -54,25 +54,18 @@ def test_mismatched_coefficients_refused_in_one_line(extra, needle, capsys):
 def _qb_betas(rank, world, runs):
     """Per run: every router's quantile-balancing bias (megatron-core's ``qb_beta``) after each
     iteration, read by the test."""
-    from tests._train_cases import pretrain_with_step
+    from megatron.core import parallel_state
+
+    from tests._train_cases import pretrain_recording
+
+    def betas(trainer):
+        return [m.qb_beta.tolist() for chunk in trainer.model for m in chunk.modules()
+                if getattr(m, "qb_beta", None) is not None]
 
     out = []
     for argv in runs:
-        betas = []
-
-        def recording(step):
-            def train_step(self, data_iterator):
-                result = step(self, data_iterator)
-                betas.append([m.qb_beta.tolist() for chunk in self.model for m in chunk.modules()
-                              if getattr(m, "qb_beta", None) is not None])
-                return result
-            return train_step
-
-        from megatron.core import parallel_state
-
         parallel_state.destroy_model_parallel()
-        pretrain_with_step(argv, recording)
-        out.append(betas)
+        out.append(pretrain_recording(argv, betas))
     return out
 
 
