@@ -6,24 +6,31 @@ import contextlib
 import io
 
 
+def _calculator_built_with(**changed):
+    """megatron-core's calculator built from the run's args with ``changed`` fields (a flag the
+    calculator ignores); returns the undo."""
+    import copy
+
+    from megatron_moe.compat import batch_schedule
+
+    real = batch_schedule.init_microbatch_calculator
+
+    def init(args):
+        built = copy.copy(args)
+        for name, value in changed.items():
+            setattr(built, name, value)
+        return real(built)
+
+    batch_schedule.init_microbatch_calculator = init
+    return lambda: setattr(batch_schedule, "init_microbatch_calculator", real)
+
+
 def _install(mutation):
     """Monkeypatch one known fault into this rank; returns its undo."""
     if mutation is None:
         return lambda: None
     if mutation == "no_rampup":   # the calculator built as if --rampup-batch-size were not given
-        from megatron_moe.compat import batch_schedule
-
-        real = batch_schedule.init_microbatch_calculator
-
-        def constant(args):
-            import copy
-
-            plain = copy.copy(args)
-            plain.rampup_batch_size = None
-            return real(plain)
-
-        batch_schedule.init_microbatch_calculator = constant
-        return lambda: setattr(batch_schedule, "init_microbatch_calculator", real)
+        return _calculator_built_with(rampup_batch_size=None)
     if mutation == "consumed_from_iteration":   # resume counting samples as iterations x batch
         from megatron_moe.training import checkpointing
 
@@ -77,19 +84,7 @@ def _install(mutation):
         compat_optimizer.mark_decoupled_lr_groups = lambda optimizer, lr: 0
         return lambda: setattr(compat_optimizer, "mark_decoupled_lr_groups", real)
     if mutation == "no_decrease":   # the calculator without --decrease-batch-size-if-needed
-        from megatron_moe.compat import batch_schedule
-
-        real = batch_schedule.init_microbatch_calculator
-
-        def plain(args):
-            import copy
-
-            changed = copy.copy(args)
-            changed.decrease_batch_size_if_needed = False
-            return real(changed)
-
-        batch_schedule.init_microbatch_calculator = plain
-        return lambda: setattr(batch_schedule, "init_microbatch_calculator", real)
+        return _calculator_built_with(decrease_batch_size_if_needed=False)
     if mutation == "skipped_not_resumed":   # a resume that forgets the skipped samples
         from megatron_moe.training import checkpointing
 

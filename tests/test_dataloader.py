@@ -61,6 +61,16 @@ def _mutated(mutate):
     return ctx()
 
 
+def _check(mutate, check, *args):
+    """``check(*args)`` passes, or under the named mutation fails."""
+    with _mutated(mutate):
+        if mutate:
+            with pytest.raises(AssertionError):
+                check(*args)
+        else:
+            check(*args)
+
+
 def _draw(sampler, batches):
     it = iter(sampler)
     return [next(it) for _ in range(batches)]
@@ -111,34 +121,19 @@ def check_ranks_disjoint(sharding, total=22, mbs=2, dp=2):
 
 @pytest.mark.parametrize("mutate", [None, "epoch-not-in-seed"])
 def test_cyclic_draws_a_permutation_per_epoch(mutate):
-    with _mutated(mutate):
-        if mutate:
-            with pytest.raises(AssertionError):
-                check_permutation_per_epoch()
-        else:
-            check_permutation_per_epoch()
+    _check(mutate, check_permutation_per_epoch)
 
 
 @pytest.mark.parametrize("sharding", [True, False], ids=["sharded", "no-data-sharding"])
 @pytest.mark.parametrize("mutate", [None, "resume-offset-ignored"])
 def test_cyclic_resumes_at_any_consumed_samples(sharding, mutate):
-    with _mutated(mutate):
-        if mutate:
-            with pytest.raises(AssertionError):
-                check_resume(sharding)
-        else:
-            check_resume(sharding)
+    _check(mutate, check_resume, sharding)
 
 
 @pytest.mark.parametrize("sharding", [True, False], ids=["sharded", "no-data-sharding"])
 @pytest.mark.parametrize("mutate", [None, "rank-ignored"])
 def test_cyclic_ranks_read_disjoint_samples(sharding, mutate):
-    with _mutated(mutate):
-        if mutate:
-            with pytest.raises(AssertionError):
-                check_ranks_disjoint(sharding)
-        else:
-            check_ranks_disjoint(sharding)
+    _check(mutate, check_ranks_disjoint, sharding)
 
 
 def test_sharding_modes_differ():

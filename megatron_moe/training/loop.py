@@ -117,9 +117,7 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
             print_rank_0(">> '--exit-on-missing-checkpoint' set ... exiting. <<")
             dist.barrier()
             exit_conditions.close()
-            return {"history": {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []},
-                    "iteration": 0, "consumed_train_samples": 0,
-                    "exited": "--exit-on-missing-checkpoint"}
+            return dict(run_result(new_history(), 0, 0), exited="--exit-on-missing-checkpoint")
     if args.load:
         from megatron_moe.training.checkpointing import keep_checkpoint_vocab_padding
 
@@ -442,8 +440,7 @@ class Trainer:
         sets are evaluated once at the loaded iteration, as after training, and (as there) not
         written to TensorBoard / W&B."""
         print_rank_0("skipping training (--skip-train is on) ...")
-        result = {"history": {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []},
-                  "iteration": iteration, "consumed_train_samples": self.args.consumed_train_samples}
+        result = run_result(new_history(), iteration, self.args.consumed_train_samples)
         result.update(self.evaluate_after_training(valid_iter, test_iter, iteration, write=False))
         return result
 
@@ -469,7 +466,7 @@ class Trainer:
         update_num_microbatches(consumed_train, consistency_check=True)   # a resume mid-ramp
         for chunk in self.model:
             chunk.train()
-        history = {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []}
+        history = new_history()
         window = LogWindow()
         # resuming from --save itself: the loaded iteration is on disk already (re-saving it would
         # replace the directory the tracker points at)
@@ -569,8 +566,7 @@ class Trainer:
         read_losses()
         if args.save and iteration == args.train_iters:
             save(iteration)
-        return {"history": history, "iteration": iteration, "consumed_train_samples": consumed_train,
-                "completed": stop is None}
+        return dict(run_result(history, iteration, consumed_train), completed=stop is None)
 
     def check_weight_hashes(self, iteration):
         """--check-weight-hash-across-dp-replicas-interval (Megatron's train loop): every
@@ -727,6 +723,17 @@ class Trainer:
         line = f" validation loss at {prefix} | " + " | ".join(parts) + " |"
         bar = "-" * len(line)
         print_rank_last(f"{bar}\n{line}\n{bar}")
+
+
+def new_history() -> dict:
+    """Per trained iteration: its number, lm loss, learning rate and grad norm (pretrain()'s
+    result, for tests and tools)."""
+    return {"iteration": [], "lm_loss": [], "lr": [], "grad_norm": []}
+
+
+def run_result(history, iteration, consumed_train) -> dict:
+    """What pretrain() returns: the history, the last iteration, the samples consumed."""
+    return {"history": history, "iteration": iteration, "consumed_train_samples": consumed_train}
 
 
 class LogWindow:
