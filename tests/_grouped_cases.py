@@ -8,7 +8,11 @@ planted faults in the grouped path that the equality must catch:
 * ``skip_rebind``: the expert offload's backward re-bind of a layer's parameters left out;
 * ``one_bias``: every group adds the first expert's biases;
 * ``wgrad_not_added``: the grouped backward marks the weight gradients as added to DDP's
-  ``main_grad`` without adding them.
+  ``main_grad`` without adding them; ``single_wgrad_not_added`` the same for a single grouped
+  weight (``--moe-single-grouped-weight``);
+* ``stack_merge_reversed``: the single grouped weight's checkpoint entry stacks the loaded experts
+  in reverse order;
+* ``single_one_bias``: every group adds the first expert's biases from the single grouped bias.
 
 A run with a planted fault may stop (a NaN loss exits 1): its exit code or error is returned.
 """
@@ -74,6 +78,50 @@ def _planted(name):
             yield
         finally:
             G.stacked = orig_stacked
+        return
+    if name == "stack_merge_reversed":
+        # the single grouped weight's checkpoint factory stacks the loaded experts in reverse
+        orig_factory = G._expert_stack_factory
+
+        def factory(param, entries):
+            made = orig_factory(param, entries)
+            merge = made.merge_fn
+            made.merge_fn = lambda parts: merge(parts).flip(0)
+            return made
+        G._expert_stack_factory = factory
+        try:
+            yield
+        finally:
+            G._expert_stack_factory = orig_factory
+        return
+    if name == "single_one_bias":
+        # every group gets the first expert's biases, read from the stacked bias parameter
+        orig_single = G.GroupedSequentialMLP._single
+
+        def single(self, pname):
+            out = orig_single(self, pname)
+            return out[:1].expand_as(out) if pname.endswith("bias") else out
+        G.GroupedSequentialMLP._single = single
+        try:
+            yield
+        finally:
+            G.GroupedSequentialMLP._single = orig_single
+        return
+    if name == "single_wgrad_not_added":
+        # the stacked weight's gradient marked as added to DDP's main_grad, not added
+        orig_backward = G._StackedGroupedLinear.__dict__["backward"]
+
+        def backward(ctx, grad):
+            x, offs, weight = ctx.saved_tensors
+            dx, dw = G._grouped_grads(ctx, grad, x, offs, weight)
+            if G._into_main_grad([weight]):
+                weight.grad_added_to_main_grad = True
+            return dx, None, dw
+        G._StackedGroupedLinear.backward = staticmethod(backward)
+        try:
+            yield
+        finally:
+            G._StackedGroupedLinear.backward = orig_backward
         return
     if name == "wgrad_not_added":
         orig_acc = G._accumulate_into_main_grads

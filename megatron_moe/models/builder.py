@@ -79,6 +79,9 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         deterministic_mode=getattr(args, "deterministic_mode", False),
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
     )
+    for field in ("moe_single_grouped_weight", "moe_single_grouped_bias"):
+        if field in names and not te:   # local path: GroupedSequentialMLP's (moe/grouped_experts.py)
+            kwargs[field] = False
     if getattr(args, "quick_geglu", False):  # gpt-oss: Megatron-LM's choice of quick_gelu
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 

@@ -22,10 +22,22 @@ torch ``grouped_mm`` path is inference-only, megatron/core/inference/moe/fused_m
 
 The same grouped call runs extra groups when a caller stacks more weights than the local experts
 (the balanced layer's replicas, :func:`grouped_mlp`).
+
+``--moe-single-grouped-weight`` (Megatron-LM's flag; with Transformer Engine it is megatron-core's
+GroupedTensor weight) keeps each linear's expert weights as ONE parameter [local experts, out, in]
+(``experts.linear_fc1.weight``; ``--moe-single-grouped-bias`` the biases [local experts, out]):
+megatron-core's DDP, optimizer, gradient norm and clipping then walk 2 expert parameters per layer
+instead of 2 per expert (their Python loops and hooks run per parameter: host time that grew with
+the experts, docs/gpu.md), and the grouped GEMMs read the weights without stacking a copy in every
+forward and backward. Initial values are the per-expert MLPs' (stacked at construction), and the
+checkpoint layout stays SequentialMLP's (one factory per stacked parameter, built from megatron-core's
+own per-expert entries), so checkpoints move between the loop, the grouped and the single-weight
+experts both ways; a plain ``state_dict()`` has SequentialMLP's per-expert keys too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -35,6 +47,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 FLAG = "--moe-grouped-gemm"
 ALIAS = "--moe-torch-grouped-gemm"
+SINGLE_WEIGHT = "--moe-single-grouped-weight"
+SINGLE_BIAS = "--moe-single-grouped-bias"
 
 
 def grouped_mm_available() -> bool:
@@ -49,6 +63,16 @@ def add_arguments(parser):
                         "(torch.nn.functional.grouped_mm) instead of megatron-core's Python loop "
                         "over experts (SequentialMLP); same parameters and checkpoints. On CUDA it "
                         "needs --bf16 (docs/gpu.md).")
+    g.add_argument(SINGLE_WEIGHT, action="store_true",
+                   help="Megatron-LM: store each linear's expert weights as one grouped parameter. "
+                        "On the local path: one [local experts, out, in] parameter per linear per "
+                        "layer for the torch grouped GEMMs (per-parameter host work of DDP and the "
+                        "optimizer no longer grows with the experts); checkpoints keep "
+                        "SequentialMLP's layout. Needs --moe-grouped-gemm.")
+    g.add_argument(SINGLE_BIAS, action="store_true",
+                   help="Megatron-LM: the expert biases as one grouped parameter (local path: "
+                        "[local experts, out] per linear). Needs --moe-grouped-gemm and "
+                        "--add-bias-linear.")
     return parser
 
 
@@ -60,8 +84,51 @@ def local_grouped(args) -> bool:
     return getattr(args, "transformer_impl", None) != "transformer_engine"
 
 
+def single_grouped(args) -> tuple:
+    """(weight, bias): whether the local grouped experts hold one parameter per linear."""
+    if not local_grouped(args):
+        return False, False
+    return (bool(getattr(args, "moe_single_grouped_weight", False)),
+            bool(getattr(args, "moe_single_grouped_bias", False)))
+
+
+def _validate_single(args):
+    weight, bias = (bool(getattr(args, "moe_single_grouped_weight", False)),
+                    bool(getattr(args, "moe_single_grouped_bias", False)))
+    if not (weight or bias):
+        return
+    flag = SINGLE_WEIGHT if weight else SINGLE_BIAS
+    # megatron-core's own rules (TransformerConfig.__post_init__), checked here with the flags'
+    # names so the local path refuses the same command lines
+    if not getattr(args, "moe_grouped_gemm", False):
+        raise ValueError(f"{flag} needs --moe-grouped-gemm")
+    if bias and not getattr(args, "add_bias_linear", True):
+        raise ValueError(f"{SINGLE_BIAS} needs --add-bias-linear (the experts have no biases)")
+    if not local_grouped(args):
+        from megatron_moe.compat.versions import mcore_at_least, megatron_core_version
+
+        if not mcore_at_least("0.19"):
+            raise ValueError(f"{flag} with Transformer Engine is megatron-core's (>= 0.19, "
+                             f"Transformer Engine >= 2.14); this is megatron-core "
+                             f"{megatron_core_version()}")
+        return
+    # the features that address the experts one module at a time
+    policy = getattr(args, "moe_balance_policy", "none")
+    if policy not in (None, "none"):
+        raise ValueError(f"{flag} cannot run --moe-balance-policy {policy} (its replicas and "
+                         "placements address each expert's own parameters): use --moe-grouped-gemm "
+                         f"without {flag}")
+    if getattr(args, "moe_expert_offload", None) not in (None, "none"):
+        raise ValueError(f"{flag} cannot run --moe-expert-offload (it moves each expert's own "
+                         f"parameters): use --moe-grouped-gemm without {flag}")
+    if getattr(args, "optimizer", "adam") == "muon":
+        raise ValueError(f"{flag} cannot run --optimizer muon (Muon orthogonalises 2-D matrices; "
+                         f"a stacked expert weight is 3-D)")
+
+
 def validate_args(args):
     """Refuse what the grouped path cannot run (ValueError names the flag)."""
+    _validate_single(args)
     if getattr(args, "moe_torch_grouped_gemm", False):
         if getattr(args, "transformer_impl", None) == "transformer_engine":
             raise ValueError(f"{ALIAS} replaces the local path's expert loop; with Transformer "
@@ -112,7 +179,8 @@ def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None,
     ``grouped_mm`` each, megatron-core's activation in between (:func:`activation_of`).
 
     ``w1``: G tensors [fc1 out, H], ``w2``: G tensors [H, F] (the linear weights, any mix of owned
-    parameters and balance replicas); ``b1`` / ``b2``: G biases each, or None. The biases are added
+    parameters and balance replicas), or each one stacked tensor [G, out, in] (the single grouped
+    weight); ``b1`` / ``b2``: G biases each, one stacked [G, out] tensor, or None. The biases are added
     per row by gathering each row's group bias (ids by ``repeat_interleave`` with the known output
     size: no sync), exactly where megatron-core's MLP adds them: fc1's before the activation, fc2's
     scaled by the row's prob after it (mlp.py, ``output += output_bias * per_token_scale``).
@@ -125,18 +193,18 @@ def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None,
     offs = torch.cumsum(counts, 0).to(torch.int32)
     ids = None
     if b1 is not None or b2 is not None:
-        b1 = None if b1 is None else _Stack.apply(*b1)
-        b2 = None if b2 is None else _Stack.apply(*b2)
+        b1 = _stacked_bias(b1)
+        b2 = _stacked_bias(b2)
         ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
                                       output_size=x.shape[0])
-    h = _GroupedLinear.apply(x, offs, *w1)
+    h = _linear(x, offs, w1)
     bias1 = None if b1 is None else b1.index_select(0, ids)
     if recompute_activation and torch.is_grad_enabled():
         h = torch.utils.checkpoint.checkpoint(_activate, activation, h, bias1, probs,
                                               use_reentrant=False)
     else:
         h = _activate(activation, h, bias1, probs)
-    out = _GroupedLinear.apply(h, offs, *w2)
+    out = _linear(h, offs, w2)
     if b2 is not None:
         out += b2.index_select(0, ids) * probs.unsqueeze(-1)
     return out
@@ -144,6 +212,27 @@ def grouped_mlp(activation: MLP, x, probs, counts, w1, w2, b1=None, b2=None,
 
 def _activate(activation, h, bias, probs):
     return MLP.forward(activation, (h, bias), probs)[0]
+
+
+def _linear(x, offs, weights):
+    if isinstance(weights, torch.Tensor):          # the single grouped weight [G, out, in]
+        return _StackedGroupedLinear.apply(x, offs, weights)
+    return _GroupedLinear.apply(x, offs, *weights)
+
+
+def _stacked_bias(biases):
+    if biases is None or isinstance(biases, torch.Tensor):
+        return biases
+    return _Stack.apply(*biases)
+
+
+def _grouped_grads(ctx, grad, x, offs, w):
+    """Input and weight gradients of ``x @ w_g^T`` per row group (``w`` [G, out, in]): torch's own
+    formulas for grouped_mm. The weight gradient is [G, out, in] directly (not the transpose of
+    [G, in, out]): each expert's gradient is then a contiguous slice."""
+    grad = _aligned(grad)
+    dx = torch.nn.functional.grouped_mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
+    return dx, torch.nn.functional.grouped_mm(grad.t(), x, offs=offs)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -163,13 +252,31 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, offs, *weights = ctx.saved_tensors
-        grad = _aligned(grad)
-        w = torch.stack(weights)                                             # [G, out, in]
-        dx = torch.nn.functional.grouped_mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
-        # [G, out, in] directly (not the transpose of [G, in, out]): each expert's gradient is then
-        # a contiguous slice, which autograd takes as the parameter's grad without a copy
-        dw = torch.nn.functional.grouped_mm(grad.t(), x, offs=offs)
+        # each expert's gradient is a slice of dw, which autograd takes as its grad without a copy
+        dx, dw = _grouped_grads(ctx, grad, x, offs, torch.stack(weights))
         return (dx, None, *_accumulate_into_main_grads(weights, dw))
+
+
+class _StackedGroupedLinear(torch.autograd.Function):
+    """:class:`_GroupedLinear` on one stacked weight parameter [G, out, in] (the single grouped
+    weight): no stacking in forward or backward, and the weight gradient goes into DDP's
+    ``main_grad`` as one ``add_`` (what DDP's hook would do, here without a second pass)."""
+
+    @staticmethod
+    def forward(ctx, x, offs, weight):
+        x = _aligned(x)
+        ctx.save_for_backward(x, offs, weight)
+        return torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offs, weight = ctx.saved_tensors
+        dx, dw = _grouped_grads(ctx, grad, x, offs, weight)
+        if _into_main_grad([weight]):
+            weight.main_grad.add_(dw)
+            weight.grad_added_to_main_grad = True
+            GroupedSequentialMLP.wgrads_into_main_grad += 1
+        return dx, None, dw
 
 
 def _into_main_grad(weights) -> list:
@@ -253,26 +360,69 @@ def stacked(experts, name: str):
             for e in experts]
 
 
+class _SingleGroupedLinear(torch.nn.Module):
+    """The experts' ``linear_fc1`` / ``linear_fc2`` under ``--moe-single-grouped-weight``: holds the
+    stacked parameters, ``weight`` [local experts, out, in] and (``--moe-single-grouped-bias``)
+    ``bias`` [local experts, out]; never called (the grouped GEMMs read them)."""
+
+
+def _stack_parameters(experts, name: str) -> torch.nn.Parameter:
+    """The experts' ``name`` parameters (e.g. ``linear_fc1.weight``) as one new parameter stacked
+    on a leading expert axis, with megatron-core's attributes (expert-parallel ``allreduce``,
+    tensor-parallel partition axis moved by the new axis, ...); each expert's own is set to None,
+    which frees it and keeps it out of ``parameters()`` and ``state_dict()``."""
+    linear, attr = name.split(".")
+    owners = [e._modules[linear] for e in experts]
+    params = [o._parameters[attr] for o in owners]
+    stacked_param = torch.nn.Parameter(torch.stack([p.detach() for p in params]),
+                                       requires_grad=params[0].requires_grad)
+    for key, value in vars(params[0]).items():
+        setattr(stacked_param, key, value)
+    if hasattr(params[0], "partition_dim"):
+        stacked_param.partition_dim = params[0].partition_dim + 1
+    for owner in owners:
+        owner._parameters[attr] = None
+    return stacked_param
+
+
 class GroupedSequentialMLP(SequentialMLP):
     grouped_calls = 0   # grouped calls made (tests: proof the grouped path ran)
     replica_groups = 0  # groups of those calls that ran a balance replica (not a local expert)
     wgrads_into_main_grad = 0   # weight gradients added to DDP's main_grad by the grouped backward
 
-    def __init__(self, *args, recompute_activation: bool = False, **kwargs):
+    def __init__(self, *args, recompute_activation: bool = False, single_weight: bool = False,
+                 single_bias: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_activation", activation_of(self.local_experts[0]))
         # --recompute-modules moe_act (megatron-core's config cannot carry it without its own
         # grouped GEMM: the spec hands it over, models/builder.py keeps it out of the config)
         self.recompute_activation = recompute_activation
+        # --moe-single-grouped-weight / -bias: "linear_fc1.weight", ... held stacked on this module
+        self.single_names = tuple(
+            f"{linear}.{attr}" for linear in _LINEARS for attr, on in (("weight", single_weight),
+                                                                       ("bias", single_bias))
+            if on and getattr(self.local_experts[0]._modules[linear], attr, None) is not None)
+        for name in self.single_names:
+            linear, attr = name.split(".")
+            if linear not in self._modules:
+                self.add_module(linear, _SingleGroupedLinear())
+            self._modules[linear].register_parameter(
+                attr, _stack_parameters(self.local_experts, name))
+        # whether the experts' own linears still hold parameters (and so DDP's pre-hooks to run)
+        self._per_expert_params = any(True for e in self.local_experts for _ in e.parameters())
+        if self.single_names:
+            self.register_state_dict_post_hook(_per_expert_state_dict)
+            self._register_load_state_dict_pre_hook(_stacked_state_dict, with_module=True)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        if self.num_local_experts == 1:
+        if self.num_local_experts == 1 and not self.single_names:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x = permuted_local_hidden_states
         if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward
             x = (permuted_probs.unsqueeze(-1) * x).to(x.dtype)
             permuted_probs = torch.ones_like(permuted_probs)
-        _run_forward_pre_hooks(self.local_experts)
+        if self._per_expert_params:
+            _run_forward_pre_hooks(self.local_experts)
         return self.run_groups(list(self.local_experts), x, permuted_probs, tokens_per_expert), None
 
     def run_groups(self, experts, x, probs, counts):
@@ -281,10 +431,120 @@ class GroupedSequentialMLP(SequentialMLP):
         GroupedSequentialMLP.grouped_calls += 1
         replicas = [e for e in experts if not isinstance(e, torch.nn.Module)]
         GroupedSequentialMLP.replica_groups += len(replicas)
+        if self.single_names and (replicas or len(experts) != self.num_local_experts):
+            raise RuntimeError(f"{SINGLE_WEIGHT}: the grouped experts run their own local experts "
+                               "only (balance replicas are refused at parse time)")
         return grouped_mlp(self._activation, x, probs, counts,
-                           stacked(experts, "linear_fc1.weight"), stacked(experts, "linear_fc2.weight"),
-                           stacked(experts, "linear_fc1.bias"), stacked(experts, "linear_fc2.bias"),
+                           *(self._single(name) if name in self.single_names else stacked(experts, name)
+                             for name in ("linear_fc1.weight", "linear_fc2.weight",
+                                          "linear_fc1.bias", "linear_fc2.bias")),
                            recompute_activation=self.recompute_activation)
+
+    def _single(self, name):
+        linear, attr = name.split(".")
+        module = self._modules[linear]
+        # megatron-core's DDP waits for a bucket's parameter all-gather in a module's forward
+        # pre-hook (--overlap-param-gather); this module is never called: run them here
+        for hook in list(module._forward_pre_hooks.values()):
+            hook(module, ())
+        return module._parameters[attr]
+
+    @contextlib.contextmanager
+    def _per_expert_views(self):
+        """Each expert's linears hold views of the stacked parameters for the duration (what
+        megatron-core's per-expert checkpoint code reads), then None again."""
+        for name in self.single_names:
+            linear, attr = name.split(".")
+            views = self._modules[linear]._parameters[attr].detach().unbind(0)
+            for expert, view in zip(self.local_experts, views):
+                expert._modules[linear]._parameters[attr] = view
+        try:
+            yield
+        finally:
+            for name in self.single_names:
+                linear, attr = name.split(".")
+                for expert in self.local_experts:
+                    expert._modules[linear]._parameters[attr] = None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """SequentialMLP's checkpoint layout (checkpoints move between the loop, the grouped and the
+        single-weight experts). megatron-core's optimizers find a parameter's checkpoint entry by
+        its ``data`` (one entry per parameter): each stacked parameter is one ShardedTensorFactory
+        that builds megatron-core's own per-expert entries from slices of whatever tensor it holds
+        (the parameter, or an optimizer state of its shape) and stacks them again at load."""
+        if not self.single_names:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        with self._per_expert_views():
+            out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name in self.single_names:
+            linear, attr = name.split(".")
+            entries = [out.pop(f"{prefix}local_experts.{i}.{name}")
+                       for i in range(self.num_local_experts)]
+            out[f"{prefix}{name}"] = _expert_stack_factory(
+                self._modules[linear]._parameters[attr], entries)
+        return out
+
+
+def _expert_stack_factory(param, entries):
+    """One ShardedTensorFactory for a stacked expert parameter: ``entries`` are megatron-core's
+    per-expert checkpoint entries (ShardedTensors, or its SwiGLU factories) of the slices; built on
+    ``data`` (the parameter, or an optimizer state of its shape, whose key megatron-core prefixes)
+    from ``data``'s slices, merged at load by each entry's own merge then a stack."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    base = entries[0].key
+
+    def build(key, data, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise NotImplementedError(f"{SINGLE_WEIGHT}: flattened checkpoint ranges ({key})")
+        # megatron-core re-keys a factory by prefix only (a layer's "decoder.layers.0." becomes
+        # "decoder.layers." once the layer axis is in the offsets; an optimizer state gets
+        # "optimizer.state.exp_avg."): the entries get the same prefix change
+        old, new = _prefix_change(base, key)
+        out = []
+        for entry, part in zip(entries, data.unbind(0)):
+            entry_key = new + entry.key[len(old):]
+            if isinstance(entry, ShardedTensorFactory):
+                out.append(replace(entry, key=entry_key, data=part, replica_id=replica_id).build())
+            else:
+                out.append(replace(entry, key=entry_key, data=part, dtype=part.dtype,
+                                   replica_id=replica_id))
+        return out
+
+    def merge(parts):
+        with torch.no_grad():
+            return torch.stack([entry.merge_fn(part) if isinstance(entry, ShardedTensorFactory)
+                                else part for entry, part in zip(entries, parts)])
+
+    return ShardedTensorFactory(base, param, build, merge, replica_id=entries[0].replica_id)
+
+
+def _prefix_change(before: str, after: str) -> tuple:
+    """(old, new) with ``after == new + before[len(old):]``: the prefixes left when the longest
+    common suffix of the two keys is taken off."""
+    n = 0
+    while n < min(len(before), len(after)) and before[-1 - n] == after[-1 - n]:
+        n += 1
+    return before[:len(before) - n], after[:len(after) - n]
+
+
+def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
+    """``state_dict()`` post-hook: the stacked parameters under SequentialMLP's per-expert keys."""
+    for name in module.single_names:
+        stacked_value = state_dict.pop(prefix + name)
+        for i, part in enumerate(stacked_value.unbind(0)):
+            state_dict[f"{prefix}local_experts.{i}.{name}"] = part
+
+
+def _stacked_state_dict(module, state_dict, prefix, *unused):
+    """``load_state_dict()`` pre-hook: SequentialMLP's per-expert keys stacked into the parameter's
+    (a state dict with the stacked key is loaded as it is)."""
+    for name in module.single_names:
+        keys = [f"{prefix}local_experts.{i}.{name}" for i in range(module.num_local_experts)]
+        if prefix + name not in state_dict and all(k in state_dict for k in keys):
+            state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
 
 
 def _aligned(t):
@@ -320,6 +580,9 @@ def customize_spec(args, spec):
             raise ValueError(f"{FLAG}: the experts are {spec_module(experts)}, not megatron-core's "
                              "SequentialMLP")
         params = {"recompute_activation": True} if recompute_activation(args) else {}
+        weight, bias = single_grouped(args)
+        params.update({"single_weight": True} if weight else {})
+        params.update({"single_bias": True} if bias else {})
         layer.submodules.mlp = replace_spec(mlp, submodules=dataclasses.replace(
             sub, experts=replace_spec(experts, module=GroupedSequentialMLP, **params)))
     return spec   # a pipeline or virtual stage may hold dense layers only: nothing to swap

@@ -1,0 +1,172 @@
+"""--moe-single-grouped-weight / --moe-single-grouped-bias on the local path
+(megatron_moe/moe/grouped_experts.py): each expert linear's weights (biases) held as ONE parameter
+[local experts, out, in] per layer for the torch grouped GEMMs.
+
+In the real pretrain() loop on 2 gloo ranks: losses equal the grouped experts' (per-expert
+parameters) bit for bit and grad norms within fp32 rounding (a norm over one stacked tensor instead
+of per-expert ones); the stacked path ran (one main_grad add per stacked weight, not one per
+expert); checkpoints move both ways between the single-weight experts and megatron-core's
+SequentialMLP loop, with the plain and the distributed optimizer, at EP = 2 and at ETP = 2 with
+biases; planted faults fail each (the checkpoint factory stacking experts in reverse, the stacked
+weight gradient marked added without adding, every group adding the first expert's bias). The
+per-parameter work of DDP and the optimizer no longer grows with the experts: the model's
+parameter count is the same at 4 and 16 experts, and its plain state dict keeps SequentialMLP's
+keys. Plus the parse-time refusals."""
+
+import pytest
+
+from megatron_moe.runtime.local_ranks import run_distributed
+from tests import _grouped_cases as G
+
+GROUPED, SINGLE, SINGLE_BIAS = ("--moe-grouped-gemm", "--moe-single-grouped-weight",
+                                "--moe-single-grouped-bias")
+
+
+def _argv(iters, *extra, experts=4):
+    return ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 1 "
+            "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 "
+            f"--num-experts {experts} --moe-ffn-hidden-size 16 --moe-router-topk 2 --swiglu "
+            "--bf16 --moe-token-dispatcher-type alltoall --log-interval 1 --eval-interval 1000 "
+            f"--eval-iters 1 --train-iters {iters}").split() + list(extra)
+
+
+def test_single_grouped_weight_equals_the_grouped_experts_and_shares_checkpoints(tmp_path):
+    ep = ["--disable-bias-linear", "--expert-model-parallel-size", "2"]
+    ck, ck2 = str(tmp_path / "ck"), str(tmp_path / "ck2")
+    runs = [_argv(4, GROUPED, *ep),                                          # 0 grouped
+            _argv(4, GROUPED, SINGLE, *ep),                                  # 1 single weight
+            _argv(4, GROUPED, SINGLE, *ep, "--save", ck, "--exit-interval", "2"),  # 2 saved at 2
+            _argv(4, *ep, "--load", ck),                                     # 3 loop 3-4 from it
+            _argv(4, *ep, "--save", ck2, "--exit-interval", "2"),            # 4 loop, saved at 2
+            _argv(4, GROUPED, SINGLE, *ep, "--load", ck2),                   # 5 single 3-4 from it
+            _argv(4, GROUPED, SINGLE, *ep, "--load", ck2),                   # 6 reversed merge
+            _argv(3, GROUPED, SINGLE, *ep)]                                  # 7 wgrad not added
+    out = run_distributed(G.run_counted, 2, runs, None,
+                          {6: "stack_merge_reversed", 7: "single_wgrad_not_added"}, timeout_s=560)
+    r = out[-1]
+    h = lambda k, key="lm_loss": r[k]["history"][key]
+    assert len(h(0)) == 4 and all(x == x for x in h(0))
+    assert h(1) == h(0)
+    assert h(1, "grad_norm") == pytest.approx(h(0, "grad_norm"), rel=1e-6)
+    assert h(2) == h(0)[:2] and h(3) == h(0)[2:] and h(5) == h(0)[2:]
+    assert h(4) == h(0)[:2]
+    for rank_out in out:
+        # 2 stacked weights x 2 layers x 2 micro-batches x 4 steps: one add each, where the
+        # per-expert parameters take one per expert (2 local experts)
+        assert rank_out[1]["wgrads_into_main_grad"] == 2 * 2 * 2 * 4
+        assert rank_out[0]["wgrads_into_main_grad"] == 2 * 2 * 2 * 2 * 4
+        assert rank_out[3]["grouped_calls"] == 0 and rank_out[5]["grouped_calls"] > 0
+    assert h(6) != h(0)[2:]                     # experts loaded in the wrong order
+    assert h(7, "grad_norm")[0] != h(1, "grad_norm")[0] and h(7)[2] != h(1)[2]
+
+
+def test_single_grouped_weight_at_etp2_with_the_distributed_optimizer(tmp_path):
+    etp = ["--disable-bias-linear", "--tensor-model-parallel-size", "2",
+           "--expert-tensor-parallel-size", "2", "--sequence-parallel",
+           "--use-distributed-optimizer"]
+    ck = str(tmp_path / "ck")
+    runs = [_argv(4, GROUPED, *etp),                                              # 0 grouped
+            _argv(4, GROUPED, SINGLE, *etp),                                      # 1 single
+            _argv(4, GROUPED, SINGLE, *etp, "--save", ck, "--exit-interval", "2"),  # 2 saved at 2
+            _argv(4, *etp, "--load", ck)]                                         # 3 loop from it
+    out = run_distributed(G.run_counted, 2, runs, timeout_s=600)
+    r = out[-1]
+    h = lambda k, key="lm_loss": r[k]["history"][key]
+    assert all(x == x for x in h(0)) and len(h(0)) == 4
+    assert h(1) == h(0)
+    assert h(1, "grad_norm") == pytest.approx(h(0, "grad_norm"), rel=1e-6)
+    assert h(2) == h(0)[:2] and h(3) == h(0)[2:]
+    assert h(3, "grad_norm") == pytest.approx(h(0, "grad_norm")[2:], rel=1e-6)
+    # 4 local experts at ETP = 2, DP = 1: 2 stacked weights x 2 layers x 4 micro-batches x 4
+    # steps (the per-expert weights would take 4 times as many adds)
+    assert r[1]["wgrads_into_main_grad"] == 2 * 2 * 4 * 4
+    assert r[0]["wgrads_into_main_grad"] == 4 * 2 * 2 * 4 * 4
+
+
+def test_single_grouped_bias_with_gpt_oss_experts():
+    # gpt-oss's expert MLP with biases (megatron-core: EP > 1, ETP = 1), fp32: bf16 rounds the
+    # tiny biases of the first updates away (they start at zero)
+    oss = [a for a in _argv(3, "--quick-geglu", "--glu-linear-offset", "1.0",
+                            "--activation-func-clamp-value", "0.5", "--add-bias-linear",
+                            "--expert-model-parallel-size", "2", GROUPED)
+           if a not in ("--swiglu", "--bf16")]
+    runs = [oss, oss + [SINGLE, SINGLE_BIAS], oss + [SINGLE, SINGLE_BIAS]]
+    out = run_distributed(G.run_counted, 2, runs, None, {2: "single_one_bias"}, timeout_s=600)
+    h = lambda k, key="lm_loss": out[0][k]["history"][key]
+    assert all(x == x for x in h(0)) and len(h(0)) == 3
+    # the stacked biases are gathered per row and their gradient summed by the same index_add
+    assert h(1) == pytest.approx(h(0), rel=1e-6) and h(1)[:2] == h(0)[:2]
+    assert abs(h(2)[-1] - h(0)[-1]) > 1e-4 * abs(h(0)[-1]), (h(2), h(0))
+
+
+def _model_facts(rank, world, experts_list):
+    """For each expert count and layout (loop, grouped, single): the model's parameter count and
+    expert parameter shapes, its plain state dict's keys, and whether a plain state dict of the
+    loop model loaded into the single-weight one gives back the same tensors."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_moe.arguments import parse_args
+    from megatron_moe.models.builder import gpt_model_provider
+    from megatron_moe.runtime import global_vars
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.training.loop import _build_tokenizer
+
+    out = {}
+    for experts in experts_list:
+        models = {}
+        for name, extra in (("loop", []), ("grouped", [GROUPED]), ("single", [GROUPED, SINGLE])):
+            args = parse_args(_argv(2, "--disable-bias-linear", *extra, experts=experts),
+                              world_size=1)
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            global_vars.set_args(args)
+            initialize_distributed(args)
+            _build_tokenizer(args)
+            models[name] = model = gpt_model_provider(args)
+            expert_shapes = sorted({tuple(p.shape) for n, p in model.named_parameters()
+                                    if ".experts." in n})
+            out[(experts, name)] = dict(params=len(list(model.parameters())),
+                                        expert_shapes=expert_shapes,
+                                        keys=sorted(model.state_dict()))
+        loop_sd = models["loop"].state_dict()
+        models["single"].load_state_dict(loop_sd)
+        back = models["single"].state_dict()
+        out[(experts, "round_trip")] = all(torch.equal(back[k], v) for k, v in loop_sd.items()
+                                           if isinstance(v, torch.Tensor))
+    return out
+
+
+def test_parameters_do_not_grow_with_experts_and_the_state_dict_keeps_sequentialmlps_keys():
+    facts = run_distributed(_model_facts, 1, [4, 16], timeout_s=300)[0]
+    layers = 2
+    for experts in (4, 16):
+        loop, grouped, single = (facts[(experts, n)] for n in ("loop", "grouped", "single"))
+        # 2 weights per expert per layer, or 2 stacked weights per layer
+        assert grouped["params"] == loop["params"]
+        assert single["params"] == loop["params"] - layers * 2 * (experts - 1)
+        # fc2 [experts, hidden 32, ffn 16]; fc1 [experts, 2 x ffn (SwiGLU), hidden 32]
+        assert single["expert_shapes"] == [(experts, 32, 16), (experts, 32, 32)]
+        assert grouped["expert_shapes"] == [(32, 16), (32, 32)]
+        assert single["keys"] == loop["keys"]        # SequentialMLP's per-expert keys
+        assert facts[(experts, "round_trip")]
+    assert facts[(4, "single")]["params"] == facts[(16, "single")]["params"]
+    assert facts[(16, "grouped")]["params"] - facts[(4, "grouped")]["params"] == layers * 2 * 12
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([SINGLE, "--disable-bias-linear"], "--moe-single-grouped-weight needs --moe-grouped-gemm"),
+    ([GROUPED, SINGLE_BIAS, "--disable-bias-linear", "--expert-model-parallel-size", "2"],
+     "--moe-single-grouped-bias needs --add-bias-linear"),
+    ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-balance-policy", "proprophet"],
+     "--moe-single-grouped-weight cannot run --moe-balance-policy proprophet"),
+    ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-expert-offload", "host"],
+     "--moe-single-grouped-weight cannot run --moe-expert-offload"),
+])
+def test_refusals(extra, message, capsys):
+    from megatron_moe import arguments
+
+    with pytest.raises(SystemExit):
+        arguments.parse_args(_argv(2, *extra), world_size=2)
+    assert message in capsys.readouterr().err
