@@ -170,3 +170,21 @@ def test_refusals(extra, message, capsys):
     with pytest.raises(SystemExit):
         arguments.parse_args(_argv(2, *extra), world_size=2)
     assert message in capsys.readouterr().err
+
+
+def test_generation_builds_the_per_expert_layout_and_ring_memory_refuses_the_single_one():
+    """The checkpoint is the same for both layouts: the inference tools do not take the layout
+    from the checkpoint's arguments, and ring memory (which streams experts one at a time)
+    refuses it when named on their command line."""
+    import argparse
+
+    from megatron_moe.inference.arguments import NOT_FROM_CHECKPOINT
+    from megatron_moe.inference.ring_memory_args import validate_ring_memory_args
+
+    assert {"moe_single_grouped_weight", "moe_single_grouped_bias"} <= NOT_FROM_CHECKPOINT
+    base = dict(ring_memory_slots=2, ring_memory_link_gbps=None, ring_memory_debug=False,
+                ring_memory_experts="all", num_experts=4, moe_grouped_gemm=True,
+                transformer_impl="local", moe_single_grouped_bias=False)
+    validate_ring_memory_args(argparse.Namespace(**base, moe_single_grouped_weight=False))
+    with pytest.raises(ValueError, match="--ring-memory-slots streams each expert's own weights"):
+        validate_ring_memory_args(argparse.Namespace(**base, moe_single_grouped_weight=True))

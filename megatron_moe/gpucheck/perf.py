@@ -77,11 +77,13 @@ ROW_CAP_S = {"ours": (90, 300), "ours-eager": (60, 300), "stock": (100, 300),
 SECTION_BUDGET_S = {"gpu": 540.0, "cpu": 1500.0}
 # the speed options of "ours", in order; in each group the first set the parser accepts is used
 # (on the local path --moe-grouped-gemm selects torch grouped_mm experts and --attention-backend
-# flash SDPA; an older build refuses them: then the option is left out and reported).
+# flash SDPA, --moe-single-grouped-weight one parameter per expert linear per layer; an older
+# build refuses them: then the option is left out and reported).
 # --moe-permute-fusion (kernels/, Triton on CUDA) is not among them, by measurement: on the H200
 # (docs/gpu_runs/2026-11-28-h200, the kit's training-fusion check) it trained the kit's model at
 # x0.86 of megatron-core's unfused permute (22165 vs 25684 tokens/s)
 SPEED_CANDIDATES = ((("--moe-grouped-gemm",), ("--moe-torch-grouped-gemm",)),
+                    (("--moe-single-grouped-weight",),),
                     (("--attention-backend", "flash"),),
                     (("--cross-entropy-loss-fusion",),))
 # "ours-eager": ours with megatron-core's torch.compile fusions off (on CUDA the local path takes
@@ -247,6 +249,7 @@ class Meter:
 
     def figures(self):
         host = {} if self.host is None else dict(host_s_per_iter=self.host["total_s"],
+                                                 host_calls_per_iter=self.host["calls"],
                                                  host_by_package_s=self.host["by_package_s"],
                                                  host_top=self.host["top"])
         return dict(iter_s=statistics.median(self.times) if self.times else None,
@@ -802,7 +805,9 @@ def write_reports(outdir, checks, mode):
                       ""]
             for name, r in host:
                 parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["host_by_package_s"].items())
-                lines.append(f"* {name}: {r['host_s_per_iter'] * 1e3:.1f} ({parts})")
+                calls = r.get("host_calls_per_iter")
+                lines.append(f"* {name}: {r['host_s_per_iter'] * 1e3:.1f} ({parts})"
+                             + (f"; {calls:.0f} Python calls" if calls else ""))
         rs = fig.get("ratios", {})
         lines += ["", "Ratios of tokens/s: " + ", ".join(
             f"{k} {'x%.2f' % v if v is not None else '-'}" for k, v in rs.items()), ""]

@@ -25,6 +25,9 @@ NOT_FROM_CHECKPOINT = frozenset({
     "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples", "lr_decay_iters",
     "lr_warmup_iters", "lr_wsd_decay_iters", "lr_warmup_fraction", "skip_train",
     "exit_on_missing_checkpoint", "eval_num_microbatches",
+    # how the experts hold their parameters (one per expert or one per linear): the checkpoint is
+    # the same for both, and generation (ring memory) streams experts one at a time
+    "moe_single_grouped_weight", "moe_single_grouped_bias",
 })
 
 

@@ -33,6 +33,11 @@ def validate_ring_memory_args(args):
                          "need --ring-memory-slots > 0")
     if args.ring_memory_experts == "active" and not args.num_experts:
         raise ValueError("--ring-memory-experts active needs an MoE model (--num-experts)")
+    if k and (getattr(args, "moe_single_grouped_weight", False)
+              or getattr(args, "moe_single_grouped_bias", False)):
+        raise ValueError("--ring-memory-slots streams each expert's own weights; "
+                         "--moe-single-grouped-weight / --moe-single-grouped-bias hold all of a "
+                         "layer's experts in one tensor (the checkpoint is the same without them)")
     if args.ring_memory_experts == "active" and args.moe_grouped_gemm and \
             getattr(args, "transformer_impl", None) == "transformer_engine":
         raise ValueError("--ring-memory-experts active needs per-expert weights; --moe-grouped-gemm "

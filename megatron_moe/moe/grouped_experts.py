@@ -431,7 +431,7 @@ class GroupedSequentialMLP(SequentialMLP):
         GroupedSequentialMLP.grouped_calls += 1
         replicas = [e for e in experts if not isinstance(e, torch.nn.Module)]
         GroupedSequentialMLP.replica_groups += len(replicas)
-        if self.single_names and (replicas or len(experts) != self.num_local_experts):
+        if self.single_names and experts != list(self.local_experts):   # identities, in C
             raise RuntimeError(f"{SINGLE_WEIGHT}: the grouped experts run their own local experts "
                                "only (balance replicas are refused at parse time)")
         return grouped_mlp(self._activation, x, probs, counts,
