@@ -183,7 +183,8 @@ def test_generation_builds_the_per_expert_layout_and_ring_memory_refuses_the_sin
 
     assert {"moe_single_grouped_weight", "moe_single_grouped_bias"} <= NOT_FROM_CHECKPOINT
     base = dict(ring_memory_slots=2, ring_memory_link_gbps=None, ring_memory_debug=False,
-                ring_memory_experts="all", num_experts=4, moe_grouped_gemm=True,
+                ring_memory_experts="all", num_experts=4, moe_grouped_gemm=True, num_layers=4,
+                pipeline_model_parallel_size=1,
                 transformer_impl="local", moe_single_grouped_bias=False)
     validate_ring_memory_args(argparse.Namespace(**base, moe_single_grouped_weight=False))
     with pytest.raises(ValueError, match="--ring-memory-slots streams each expert's own weights"):
