@@ -15,6 +15,11 @@ import os
 from megatron_moe import features
 from megatron_moe.flags.types import layer_freq as _layer_freq
 
+# the --tokenizer-type values that read a --tokenizer-model file
+TOKENIZERS_WITH_MODEL = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                         "HuggingFaceTokenizer", "TikTokenizer")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         # one line naming the flag; the full usage is a wall of text on every rank
@@ -608,9 +613,7 @@ def validate_args(args, check_data_paths=True, training=True):
                         raise ValueError(
                             f"--{flag.replace('_', '-')}: {prefix + ext} does not exist (a data path "
                             f"is the prefix that both .bin and .idx extend)")
-    if args.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                               "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer") \
-            and not args.mock_data:
+    if args.tokenizer_type in TOKENIZERS_WITH_MODEL and not args.mock_data:
         if args.tokenizer_model is None:
             raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
         if not os.path.exists(args.tokenizer_model):

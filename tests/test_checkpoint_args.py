@@ -122,6 +122,33 @@ def test_tokenizer_model_from_checkpoint(trained, mutate, monkeypatch, capsys):
     assert outcome != (True, True) or not mutate, outcome
 
 
+@pytest.mark.parametrize("mutate", [None, "flag_ignored"])
+def test_inference_tools_honour_the_tokenizer_flag(trained, mutate, monkeypatch, capsys):
+    """tools/generate.py's parser (flags given there win over the checkpoint's): without
+    --tokenizer-model the checkpoint's is taken, unless --no-use-tokenizer-model-from-checkpoint-args
+    says not to, and then one line asks for it."""
+    from megatron_moe.inference.arguments import parse_inference_args
+    from megatron_moe.training import checkpoint_args
+    from tools.generate import add_text_generate_args
+
+    if mutate:
+        monkeypatch.setattr(checkpoint_args, "TOKENIZER", ())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def error(argv):
+        with pytest.raises(SystemExit):
+            parse_inference_args(argv, add_text_generate_args, prog="generate.py")
+        return capsys.readouterr().err.splitlines()[0]
+
+    base = ["--load", trained["pre"], "--use-checkpoint-args", "--prompts", "x"]
+    assert f"--tokenizer-model: {trained['tok_there']} does not exist" in error(base)
+    err = error(base + ["--no-use-tokenizer-model-from-checkpoint-args"])
+    asked = "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model" in err
+    assert asked is (mutate is None), err
+    assert "--pretrained-checkpoint is a training flag" in error(base + [
+        "--pretrained-checkpoint", trained["pre"]])
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
     (["--use-checkpoint-args", "--load", "{empty}"],

@@ -91,8 +91,10 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     if args.use_checkpoint_args:
         stored = vars(common.get("args") or argparse.Namespace())
         dests = {a.dest for a in parser._actions}
+        from megatron_moe.training import checkpoint_args
+
         kept = NOT_FROM_CHECKPOINT | (set() if args.use_tokenizer_model_from_checkpoint_args
-                                      else {"tokenizer_model", "tokenizer_type"})
+                                      else set(checkpoint_args.TOKENIZER))
         for key, value in stored.items():
             if key in dests and key not in kept and key not in explicit:
                 setattr(args, key, value)
@@ -146,6 +148,10 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
 
 
 def _check_tokenizer_files(args):
+    from megatron_moe.arguments import TOKENIZERS_WITH_MODEL
+
+    if args.tokenizer_type in TOKENIZERS_WITH_MODEL and args.tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     for flag in ("tokenizer_model", "vocab_file", "merge_file"):
         path = getattr(args, flag, None)
         if path is not None and not os.path.exists(path):
