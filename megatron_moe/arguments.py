@@ -344,6 +344,9 @@ def validate_extension_args(args):
 
 def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_size=None,
                check_data_paths=True):
+    """Parse and validate. ``extra_args_provider(parser)`` adds an entry point's flags; it may
+    set ``parser.validate_extra_args(args)`` (ValueError naming the flag) to check them here,
+    after --use-checkpoint-args filled the model's flags and before validate_args."""
     parser = build_parser(extra_args_provider)
     if args_defaults:
         parser.set_defaults(**args_defaults)
@@ -371,6 +374,12 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
     missing = [a.option_strings[0] for a in required if getattr(args, a.dest, None) is None]
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)}")
+    validate_extra = getattr(parser, "validate_extra_args", None)   # an entry point's own flags
+    if validate_extra is not None:
+        try:
+            validate_extra(args)
+        except ValueError as exc:
+            parser.error(str(exc))
     # the error for a world size that the parallel sizes do not divide names where it came from
     args.world_size_source = env.source if world_size is None else None
     try:
@@ -403,9 +412,10 @@ def _use_checkpoint_args(args, parser):
     except ValueError as exc:
         parser.error(str(exc))
     if args.rank == 0:
-        for ckpt, taken in applied:
-            values = ", ".join(f"{k}={v}" for k, v in taken.items())
-            print(f"> --use-checkpoint-args: from {ckpt}: {values or 'nothing'}", flush=True)
+        for ckpt, changed in applied:
+            values = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            print(f"> --use-checkpoint-args: {ckpt} set {values or 'no flag (all equal)'}",
+                  flush=True)
 
 
 def validate_args(args, check_data_paths=True, training=True):

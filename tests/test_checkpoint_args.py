@@ -122,6 +122,36 @@ def test_tokenizer_model_from_checkpoint(trained, mutate, monkeypatch, capsys):
     assert outcome != (True, True) or not mutate, outcome
 
 
+@pytest.mark.parametrize("mutate", [None, "bert_checked_first"])
+def test_bert_entry_point_checks_its_flags_after_the_checkpoints(trained, mutate, monkeypatch,
+                                                                 capsys):
+    """pretrain_bert_moe.py's own checks (--seq-length leaves room for [CLS]/[SEP], ...) see the
+    flags the checkpoint supplied: no --seq-length on the command line. Mutation: its checks run
+    before the checkpoint's flags are applied (as they did right after argparse)."""
+    import pretrain_bert_moe
+
+    from megatron_moe import arguments
+
+    if mutate:
+        real = arguments._use_checkpoint_args
+
+        def checked_first(args, parser):
+            parser.validate_extra_args(args)
+            real(args, parser)
+
+        monkeypatch.setattr(arguments, "_use_checkpoint_args", checked_first)
+    argv = ["--load", trained["pre"], "--use-checkpoint-args", "--data-path", trained["data"],
+            "--tokenizer-model", trained["tok"], "--no-use-tokenizer-model-from-checkpoint-args",
+            "--train-iters", "3"] + RUN
+    try:
+        args = arguments.parse_args(argv, extra_args_provider=pretrain_bert_moe.extra_args_provider,
+                                    world_size=1)
+    except TypeError:   # None < 4: the check saw no --seq-length
+        assert mutate
+        return
+    assert not mutate and (args.seq_length, args.hidden_size) == (32, 32)
+
+
 @pytest.mark.parametrize("mutate", [None, "flag_ignored"])
 def test_inference_tools_honour_the_tokenizer_flag(trained, mutate, monkeypatch, capsys):
     """tools/generate.py's parser (flags given there win over the checkpoint's): without
@@ -171,8 +201,8 @@ def test_training_resumes_with_checkpoint_args(trained):
     assert run["exit"] == 0, run["text"][-2000:]
     assert "training from iteration 2 to 3" in run["text"], run["text"][-2000:]
     line = next(l for l in run["text"].splitlines() if l.startswith("> --use-checkpoint-args"))
-    assert "hidden_size=32" in line and "normalization=RMSNorm" in line and \
-        "moe_router_topk=2" in line, line
+    assert "hidden_size None -> 32" in line and "normalization LayerNorm -> RMSNorm" in line \
+        and "moe_router_topk 3 -> 2" in line and "swiglu False -> True" in line, line
     assert trained["resume_mutated"]["exit"] == 2   # --hidden-size ... required
 
 

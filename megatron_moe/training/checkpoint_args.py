@@ -87,16 +87,18 @@ def read_checkpoint_common(root: str, iteration: int | None = None,
 
 
 def _apply(args, stored) -> dict:
-    """Megatron-LM's rule, one checkpoint's args onto ``args``; {dest: value} of what it set."""
-    taken = {}
+    """Megatron-LM's rule, one checkpoint's args onto ``args``; {dest: (before, after)} of the
+    values it changed."""
+    changed = {}
 
     def take(name, force):
         if not hasattr(args, name) or (not force and getattr(args, name) is not None):
             return
-        value = getattr(stored, name, None)
+        value, before = getattr(stored, name, None), getattr(args, name)
         if value is not None:
             setattr(args, name, value)
-            taken[name] = value
+            if value != before:
+                changed[name] = (before, value)
 
     for name in UNLESS_GIVEN:
         take(name, force=False)
@@ -109,14 +111,14 @@ def _apply(args, stored) -> dict:
     if args.use_tokenizer_model_from_checkpoint_args:
         for name in TOKENIZER:
             take(name, force=True)
-    return taken
+    return changed
 
 
 def load_args_from_checkpoint(args) -> list:
     """--use-checkpoint-args for training: the model (and tokenizer) flags of the checkpoint under
     --pretrained-checkpoint, then of the one under --load, onto ``args`` (before validation).
     ValueError in one line when neither holds a checkpoint. Returns [(checkpoint dir, {dest:
-    value})] of each checkpoint read."""
+    (before, after)})] of each checkpoint read: the values it changed."""
     if args.load is None and args.pretrained_checkpoint is None:
         raise ValueError("--use-checkpoint-args needs --load (or --pretrained-checkpoint): the "
                          "checkpoint to read the model's flags from")
