@@ -28,6 +28,9 @@ NOT_FROM_CHECKPOINT = frozenset({
     "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples", "lr_decay_iters",
     "lr_warmup_iters", "lr_wsd_decay_iters", "lr_warmup_fraction", "skip_train",
     "exit_on_missing_checkpoint", "eval_num_microbatches",
+    # which checkpoint to read and how: this launch's
+    "ckpt_step", "pretrained_checkpoint", "use_checkpoint_args",
+    "use_tokenizer_model_from_checkpoint_args",
 })
 
 
@@ -63,9 +66,6 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     # --use-checkpoint-args is defined by build_parser (training's flag); here it takes the model,
     # tokenizer and data flags from the checkpoint under --load, flags given here overriding them
     parser = margs.build_parser(extra_args_provider=add_tool_args, prog=prog)
-    parser._option_string_actions["--use-checkpoint-args"].help = (
-        "Take the model, tokenizer and data flags from the checkpoint under --load; flags given "
-        "here override them.")
     # --num-layers is optional in training only because --pipeline-model-parallel-layout may
     # define it; a model to generate with needs it (or the checkpoint's)
     required = {a.dest: a.option_strings[0] for a in parser._actions

@@ -670,7 +670,8 @@ def checkpoint_source(args) -> CheckpointSource:
 
 
 def keep_checkpoint_vocab_padding(args):
-    """Before the model is built: the padded vocabulary of the checkpoint under ``--load``.
+    """Before the model is built: the padded vocabulary of the checkpoint to load
+    (checkpoint_source: ``--load``'s or ``--pretrained-checkpoint``'s).
 
     The padding rule (a multiple of --make-vocab-size-divisible-by x TP) gives another size at
     another TP; megatron-core then loads the embedding and output layer with a shape mismatch
