@@ -122,6 +122,27 @@ def test_tokenizer_model_from_checkpoint(trained, mutate, monkeypatch, capsys):
     assert outcome != (True, True) or not mutate, outcome
 
 
+@pytest.mark.parametrize("mutate", [None, "pretrained_not_read"])
+def test_flags_from_the_pretrained_checkpoint(trained, tmp_path, mutate, monkeypatch, capsys):
+    """A finetune's first launch: --load is still empty, the model's flags come from
+    --pretrained-checkpoint (Megatron-LM reads it first, then --load)."""
+    from megatron_moe.training import checkpoint_args
+
+    if mutate:
+        real = checkpoint_args.has_checkpoint
+        monkeypatch.setattr(checkpoint_args, "has_checkpoint",
+                            lambda root: root != trained["pre"] and real(root))
+    argv = ["--pretrained-checkpoint", trained["pre"], "--load", str(tmp_path),
+            "--use-checkpoint-args", "--data-path", trained["data"], "--tokenizer-model",
+            trained["tok"], "--no-use-tokenizer-model-from-checkpoint-args",
+            "--train-iters", "3"] + RUN
+    args, err = _parse(argv, capsys)
+    if mutate:
+        assert args is None and "--use-checkpoint-args: no checkpoint under --load" in err, err
+    else:
+        assert (args.hidden_size, args.num_experts, args.normalization) == (32, 4, "RMSNorm"), err
+
+
 @pytest.mark.parametrize("mutate", [None, "bert_checked_first"])
 def test_bert_entry_point_checks_its_flags_after_the_checkpoints(trained, mutate, monkeypatch,
                                                                  capsys):
