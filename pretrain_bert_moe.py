@@ -95,22 +95,17 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     return bert_model_provider(get_args(), pre_process, post_process, vp_stage)
 
 
+def _validate_bert_args(args):
+    validate_bert_args(args)
+    validate_embedding_args(args)
+
+
 def extra_args_provider(parser):
-    """BERT flags, checked right after parsing so a bad value fails before any process group."""
+    """BERT flags, checked by arguments.parse_args before any process group (after the flags a
+    checkpoint supplies with --use-checkpoint-args)."""
     add_bert_arguments(parser)
     parser.prog = "pretrain_bert_moe.py"
-    parse = parser.parse_args
-
-    def parse_and_check(*args, **kwargs):
-        namespace = parse(*args, **kwargs)
-        try:
-            validate_bert_args(namespace)
-            validate_embedding_args(namespace)
-        except ValueError as exc:
-            parser.error(str(exc))
-        return namespace
-
-    parser.parse_args = parse_and_check
+    parser.validate_extra_args = _validate_bert_args
     return parser
 
 

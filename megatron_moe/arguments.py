@@ -15,6 +15,11 @@ import os
 from megatron_moe import features
 from megatron_moe.flags.types import layer_freq as _layer_freq
 
+# the --tokenizer-type values that read a --tokenizer-model file
+TOKENIZERS_WITH_MODEL = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                         "HuggingFaceTokenizer", "TikTokenizer")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         # one line naming the flag; the full usage is a wall of text on every rank
@@ -294,6 +299,19 @@ def _add_checkpoint_args(p):
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
                    action="store_true",
                    dest="override_opt_param_scheduler")
+    from megatron_moe.flags import add_megatron_argument as add
+
+    add(g, "--pretrained-checkpoint",
+        help="Directory containing a pretrained model checkpoint for finetuning: loaded when "
+             "--load holds no checkpoint, weights only (as --finetune: iteration 0, no optimizer, "
+             "scheduler or RNG state).")
+    add(g, "--use-checkpoint-args",
+        help="Take the model flags (Megatron-LM's list) from the checkpoint under "
+             "--pretrained-checkpoint, then --load: they override this command line's; "
+             "--num-layers, --hidden-size, --seq-length, ... fill only what is not given.")
+    add(g, "--no-use-tokenizer-model-from-checkpoint-args",
+        help="With --use-checkpoint-args: keep this command line's --tokenizer-type and "
+             "--tokenizer-model (by default the checkpoint's).")
 
 
 def _add_logging_args(p):
@@ -326,9 +344,16 @@ def validate_extension_args(args):
 
 def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_size=None,
                check_data_paths=True):
+    """Parse and validate. ``extra_args_provider(parser)`` adds an entry point's flags; it may
+    set ``parser.validate_extra_args(args)`` (ValueError naming the flag) to check them here,
+    after --use-checkpoint-args filled the model's flags and before validate_args."""
     parser = build_parser(extra_args_provider)
     if args_defaults:
         parser.set_defaults(**args_defaults)
+    # --use-checkpoint-args may supply the model's size: required flags are checked after it
+    required = [a for a in parser._actions if a.required]
+    for action in required:
+        action.required = False
     args = parser.parse_args(argv)
     from megatron_moe import flags
 
@@ -344,6 +369,17 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
         parser.error(str(exc))
     args.world_size = env.world_size if world_size is None else world_size
     args.rank = env.rank
+    if args.use_checkpoint_args:   # Megatron-LM: before the flags are validated
+        _use_checkpoint_args(args, parser)
+    missing = [a.option_strings[0] for a in required if getattr(args, a.dest, None) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
+    validate_extra = getattr(parser, "validate_extra_args", None)   # an entry point's own flags
+    if validate_extra is not None:
+        try:
+            validate_extra(args)
+        except ValueError as exc:
+            parser.error(str(exc))
     # the error for a world size that the parallel sizes do not divide names where it came from
     args.world_size_source = env.source if world_size is None else None
     try:
@@ -364,6 +400,22 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
     except (AssertionError, ValueError) as exc:
         parser.error(f"invalid model configuration: {exc}")
     return args
+
+
+def _use_checkpoint_args(args, parser):
+    """--use-checkpoint-args (megatron_moe/training/checkpoint_args.py); rank 0 says what the
+    checkpoint set, as Megatron-LM does."""
+    from megatron_moe.training.checkpoint_args import load_args_from_checkpoint
+
+    try:
+        applied = load_args_from_checkpoint(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.rank == 0:
+        for ckpt, changed in applied:
+            values = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            print(f"> --use-checkpoint-args: {ckpt} set {values or 'no flag (all equal)'}",
+                  flush=True)
 
 
 def validate_args(args, check_data_paths=True, training=True):
@@ -571,9 +623,7 @@ def validate_args(args, check_data_paths=True, training=True):
                         raise ValueError(
                             f"--{flag.replace('_', '-')}: {prefix + ext} does not exist (a data path "
                             f"is the prefix that both .bin and .idx extend)")
-    if args.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                               "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer") \
-            and not args.mock_data:
+    if args.tokenizer_type in TOKENIZERS_WITH_MODEL and not args.mock_data:
         if args.tokenizer_model is None:
             raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
         if not os.path.exists(args.tokenizer_model):
@@ -584,6 +634,13 @@ def validate_args(args, check_data_paths=True, training=True):
             raise ValueError(f"--{flag.replace('_', '-')}: {path} does not exist")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise ValueError(f"--load: {args.load} is not a directory")
+    if training and args.pretrained_checkpoint is not None:
+        from megatron_moe.training.checkpoint_args import has_checkpoint
+
+        if not has_checkpoint(args.load) and not has_checkpoint(args.pretrained_checkpoint):
+            raise ValueError(f"--pretrained-checkpoint: no checkpoint under "
+                             f"{args.pretrained_checkpoint} (no latest_checkpointed_iteration.txt)"
+                             f"{'' if args.load is None else ' nor under --load ' + args.load}")
     return args
 
 

@@ -171,8 +171,8 @@ def run_pretrain_steps(rank, world_size, steps):
     """pretrain() runs one after the other in the same ranks, each step a dict: ``argv``;
     ``prepare``: a callable rank 0 runs first (damaging files, say), the other ranks waiting;
     ``mutate``: a callable run on every rank that installs a monkeypatch and returns its undo.
-    Each run returns its printed text and exit code (0, the SystemExit's, or "raised ..." for an
-    exception that left pretrain())."""
+    Each run returns its printed text, exit code (0, the SystemExit's, or "raised ..." for an
+    exception that left pretrain()) and history (pretrain()'s; None when it did not return)."""
     import contextlib
     import io
 
@@ -191,12 +191,12 @@ def run_pretrain_steps(rank, world_size, steps):
             dist.barrier()
         parallel_state.destroy_model_parallel()
         undo = step["mutate"]() if step.get("mutate") is not None else None
-        buf, code = io.StringIO(), 0
+        buf, code, result = io.StringIO(), 0, None
         try:
             with contextlib.redirect_stdout(buf):
-                pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
-                         pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
-                         pretrain_gpt_moe.forward_step, argv=step["argv"])
+                result = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
+                                  pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                                  pretrain_gpt_moe.forward_step, argv=step["argv"])
         except SystemExit as exc:
             code = exc.code
         except BaseException as exc:   # torch DCP's CheckpointException is a BaseException
@@ -206,5 +206,6 @@ def run_pretrain_steps(rank, world_size, steps):
         finally:
             if undo is not None:
                 undo()
-        out.append({"text": buf.getvalue(), "exit": code})
+        out.append({"text": buf.getvalue(), "exit": code,
+                    "history": result["history"] if result is not None else None})
     return out

@@ -2,8 +2,11 @@
 
 With ``--use-checkpoint-args`` (Megatron-LM's flag) the architecture, tokenizer and data flags come
 from the ``args`` stored in the checkpoint under ``--load``; any flag given on the command line
-wins. The parallel layout (TP/PP/EP/ETP/CP) and the seed always come from the command line: a
-checkpoint is reshardable, so it loads into whatever layout this launch asks for.
+wins (``--no-use-tokenizer-model-from-checkpoint-args``: the tokenizer's too, as in training).
+The parallel layout (TP/PP/EP/ETP/CP) and the seed always come from the command line: a
+checkpoint is reshardable, so it loads into whatever layout this launch asks for. The checkpoint
+is read by ``megatron_moe/training/checkpoint_args.py``, training's reader; training applies
+Megatron-LM's narrower rule there (model flags only; the checkpoint's win).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ NOT_FROM_CHECKPOINT = frozenset({
     # how the experts hold their parameters (one per expert or one per linear): the checkpoint is
     # the same for both, and generation (ring memory) streams experts one at a time
     "moe_single_grouped_weight", "moe_single_grouped_bias",
+    # which checkpoint to read and how: this launch's
+    "ckpt_step", "pretrained_checkpoint", "use_checkpoint_args",
+    "use_tokenizer_model_from_checkpoint_args",
 })
 
 
@@ -47,28 +53,6 @@ def _explicit(parser, argv) -> argparse.Namespace:
             action.default, action.required = default, required
 
 
-def read_checkpoint_common(load: str) -> tuple[str, dict]:
-    """(checkpoint directory, common state) of the latest checkpoint under ``load``; ValueError
-    naming the file when there is none (generation must never run on random weights)."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_moe.training.checkpointing import TRACKER, checkpoint_dir, read_tracker
-
-    if not os.path.isdir(load):
-        raise ValueError(f"--load: {load} is not a directory")
-    iteration = read_tracker(load)
-    if iteration is None:
-        raise ValueError(f"--load: no {TRACKER} under {load}")
-    ckpt = checkpoint_dir(load, iteration)
-    if not os.path.isdir(ckpt):
-        raise ValueError(f"--load: {os.path.join(load, TRACKER)} points at iteration {iteration}, "
-                         f"but {ckpt} does not exist")
-    try:
-        return ckpt, dist_checkpointing.load_common_state_dict(ckpt)
-    except Exception as exc:
-        raise ValueError(f"--load: cannot read {ckpt} ({type(exc).__name__}: {exc})") from None
-
-
 def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = False,
                          keep_batch_size: bool = False, validate_tool=None):
     """Megatron flags + the tool's flags, merged with the checkpoint's args; validated before any
@@ -79,19 +63,12 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     """
     from megatron_moe import arguments as margs
 
-    def tool_args(parser):
-        # registered before build_parser adds Megatron's remaining flags (megatron_moe/flags),
-        # where --use-checkpoint-args is a training refusal that would otherwise conflict
-        parser = add_tool_args(parser) or parser
-        g = parser.add_argument_group("checkpoint args")
-        g.add_argument("--use-checkpoint-args", action="store_true",
-                       help="Take the model, tokenizer and data flags from the checkpoint under "
-                            "--load; flags given here override them.")
-        return parser
-
     from megatron_moe import flags
+    from megatron_moe.training.checkpoint_args import read_checkpoint_common
 
-    parser = margs.build_parser(extra_args_provider=tool_args, prog=prog)
+    # --use-checkpoint-args is defined by build_parser (training's flag); here it takes the model,
+    # tokenizer and data flags from the checkpoint under --load, flags given here overriding them
+    parser = margs.build_parser(extra_args_provider=add_tool_args, prog=prog)
     # --num-layers is optional in training only because --pipeline-model-parallel-layout may
     # define it; a model to generate with needs it (or the checkpoint's)
     required = {a.dest: a.option_strings[0] for a in parser._actions
@@ -105,6 +82,9 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
         flags.check_refused(args)  # a refused Megatron flag: one line saying why
     except ValueError as exc:
         parser.error(str(exc))
+    if args.pretrained_checkpoint is not None:
+        parser.error("--pretrained-checkpoint is a training flag (finetuning); inference loads "
+                     "the checkpoint under --load")
     if args.load is None:
         parser.error("--load is required (a checkpoint directory written by pretrain_gpt_moe.py)")
     try:
@@ -117,8 +97,12 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     if args.use_checkpoint_args:
         stored = vars(common.get("args") or argparse.Namespace())
         dests = {a.dest for a in parser._actions}
+        from megatron_moe.training import checkpoint_args
+
+        kept = NOT_FROM_CHECKPOINT | (set() if args.use_tokenizer_model_from_checkpoint_args
+                                      else set(checkpoint_args.TOKENIZER))
         for key, value in stored.items():
-            if key in dests and key not in NOT_FROM_CHECKPOINT and key not in explicit:
+            if key in dests and key not in kept and key not in explicit:
                 setattr(args, key, value)
         for key in ("micro_batch_size", "global_batch_size"):
             if not keep_batch_size and key not in explicit:
@@ -170,6 +154,10 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
 
 
 def _check_tokenizer_files(args):
+    from megatron_moe.arguments import TOKENIZERS_WITH_MODEL
+
+    if args.tokenizer_type in TOKENIZERS_WITH_MODEL and args.tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     for flag in ("tokenizer_model", "vocab_file", "merge_file"):
         path = getattr(args, flag, None)
         if path is not None and not os.path.exists(path):

@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -626,51 +627,82 @@ def _portable_args(args):
     return argparse.Namespace(**values)
 
 
-def iteration_to_load(args) -> int | None:
-    """The iteration ``--load`` would resume (its tracker's, or ``--ckpt-step``); None when it
-    holds no checkpoint."""
-    root = args.load
+def iteration_to_load(args, root: str | None = None) -> int | None:
+    """The iteration ``root`` (default ``--load``) would resume (its tracker's, or
+    ``--ckpt-step``); None when it holds no checkpoint."""
+    root = args.load if root is None else root
     iteration = read_tracker(root) if os.path.isdir(root) else None
     if getattr(args, "ckpt_step", None) is not None:   # Megatron's --ckpt-step: not the tracker's
         iteration = args.ckpt_step
     return iteration
 
 
+class CheckpointSource(NamedTuple):
+    flag: str                 # the flag that named the directory (error messages say it)
+    root: str | None
+    iteration: int | None     # None: nothing to load
+    finetune: bool            # weights only; iteration, optimizer, scheduler and RNG start fresh
+
+
+def checkpoint_source(args) -> CheckpointSource:
+    """What load_checkpoint reads: the checkpoint under ``--load``; when ``--load`` holds none
+    (no tracker: Megatron-LM's checkpoint_exists), the one under ``--pretrained-checkpoint``,
+    loaded as with ``--finetune`` (Megatron-LM's load_checkpoint). The next launch with the same
+    flags resumes the finetune's own checkpoint under ``--load``. A CheckpointError names the
+    flag."""
+    from megatron_moe.training.checkpoint_args import has_checkpoint
+
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained is not None and not has_checkpoint(args.load):
+        if not has_checkpoint(pretrained):
+            raise CheckpointError(f"--pretrained-checkpoint: no checkpoint under {pretrained} "
+                                  f"(no {TRACKER})" + ("" if args.load is None else
+                                                       f" nor under --load {args.load}"))
+        source = CheckpointSource("--pretrained-checkpoint", pretrained, None, True)
+    elif args.load is None:
+        return CheckpointSource("--load", None, None, args.finetune)
+    else:
+        source = CheckpointSource("--load", args.load, None, args.finetune)
+    try:
+        return source._replace(iteration=iteration_to_load(args, source.root))
+    except CheckpointError as exc:   # an unreadable tracker
+        raise CheckpointError(f"{source.flag}: {exc}") from None
+
+
 def keep_checkpoint_vocab_padding(args):
-    """Before the model is built: the padded vocabulary of the checkpoint under ``--load``.
+    """Before the model is built: the padded vocabulary of the checkpoint to load
+    (checkpoint_source: ``--load``'s or ``--pretrained-checkpoint``'s).
 
     The padding rule (a multiple of --make-vocab-size-divisible-by x TP) gives another size at
     another TP; megatron-core then loads the embedding and output layer with a shape mismatch
     (they allow it) and leaves the extra rows at their random init, which changes every softmax.
     The trained size is right whenever TP divides it."""
-    if not args.load:
-        return
-    iteration = iteration_to_load(args)
-    if iteration is None or not os.path.isdir(checkpoint_dir(args.load, iteration)):
+    root, iteration = checkpoint_source(args)[1:3]
+    if iteration is None or not os.path.isdir(checkpoint_dir(root, iteration)):
         return
     try:
-        common = dist_checkpointing.load_common_state_dict(checkpoint_dir(args.load, iteration))
+        common = dist_checkpointing.load_common_state_dict(checkpoint_dir(root, iteration))
     except (Exception, CheckpointException):  # megatron-core >= 0.19 reads it through torch DCP
         return  # load_checkpoint reports an unreadable checkpoint with its directory
     stored = getattr(common.get("args"), "padded_vocab_size", None)
     if stored and stored != args.padded_vocab_size:
         if stored % args.tensor_model_parallel_size:
             raise CheckpointError(
-                f"{checkpoint_dir(args.load, iteration)}: its padded vocabulary ({stored}) does "
+                f"{checkpoint_dir(root, iteration)}: its padded vocabulary ({stored}) does "
                 f"not divide into --tensor-model-parallel-size {args.tensor_model_parallel_size} "
                 f"shards")
         args.padded_vocab_size = stored
 
 
 def load_checkpoint(model, optimizer, scheduler, args):
-    """Load the latest checkpoint under ``--load``.
+    """Load the latest checkpoint under ``--load`` (or ``--pretrained-checkpoint``'s:
+    checkpoint_source).
 
     Returns (iteration, consumed_train_samples, consumed_valid_samples, extra_state); iteration 0
     when ``--load`` holds no checkpoint yet (Megatron's behaviour: the same launch script starts a
     run and resumes it).
     """
-    root = args.load
-    iteration = iteration_to_load(args)
+    _, root, iteration, finetune = checkpoint_source(args)
     if iteration is None:
         if dist.get_rank() == 0:
             print(f" WARNING: no {TRACKER} under --load {root}; starting from scratch", flush=True)
@@ -693,13 +725,13 @@ def load_checkpoint(model, optimizer, scheduler, args):
         raise CheckpointError(f"{ckpt}: {_unreadable(verified)}: cannot read its common state "
                               f"({_describe_load_error(exc)})") from None
     same_layout = common.get("parallel_layout") == parallel_layout(args)
-    load_rng = not args.no_load_rng and not args.finetune and common.get("has_rng", False)
+    load_rng = not args.no_load_rng and not finetune and common.get("has_rng", False)
     if load_rng and not same_layout:
         load_rng = False
         if dist.get_rank() == 0:
             print(f" note: parallel layout changed {common.get('parallel_layout')} -> "
                   f"{parallel_layout(args)}; RNG state is not restored", flush=True)
-    load_optim = (not args.no_load_optim and not args.finetune and optimizer is not None
+    load_optim = (not args.no_load_optim and not finetune and optimizer is not None
                   and common.get("has_optimizer", False))
     if load_optim and common.get("optimizer_count") != _optimizer_count(optimizer):
         # megatron-core chains one optimizer per parameter class (dense, expert) and merges them
@@ -741,7 +773,7 @@ def load_checkpoint(model, optimizer, scheduler, args):
         compat_checkpoint.align_loaded_param_group_bounds(state["optimizer"], args.lr, args.min_lr)
         optimizer.load_state_dict(state["optimizer"])
     if (scheduler is not None and state.get("opt_param_scheduler") and not args.no_load_optim
-            and not args.finetune):
+            and not finetune):
         try:
             scheduler.load_state_dict(state["opt_param_scheduler"])
         except AssertionError as exc:  # megatron-core's check that the schedule flags match
@@ -751,7 +783,10 @@ def load_checkpoint(model, optimizer, scheduler, args):
             _schedule_bounds_to_param_groups(optimizer, scheduler)
     if load_rng:
         _set_rng_state(state["rng_state"])
-    if args.finetune:
+    if finetune:
+        if dist.get_rank() == 0:
+            print(f" loaded the weights of {ckpt} for finetuning (iteration 0; optimizer, "
+                  f"scheduler and RNG state not loaded)", flush=True)
         return 0, 0, 0, {}
     if dist.get_rank() == 0:
         print(f" successfully loaded checkpoint from {root} at iteration {iteration}", flush=True)

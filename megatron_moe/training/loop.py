@@ -109,22 +109,26 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
 
         prestart_writer()  # the checkpoint writer's one-time start (~0.1 s), not in the first save
     _build_tokenizer(args)
-    if args.load and args.exit_on_missing_checkpoint:
-        from megatron_moe.training.checkpointing import iteration_to_load
+    from megatron_moe.training.checkpointing import checkpoint_source
 
-        if iteration_to_load(args) is None:   # Megatron-LM's message; it exits with status 0
-            print_rank_0(f" WARNING: no checkpoint under --load {args.load}")
-            print_rank_0(">> '--exit-on-missing-checkpoint' set ... exiting. <<")
-            dist.barrier()
-            exit_conditions.close()
-            return dict(run_result(new_history(), 0, 0), exited="--exit-on-missing-checkpoint")
-    if args.load:
+    try:   # --load's checkpoint, else --pretrained-checkpoint's (finetuning)
+        source = checkpoint_source(args)
+    except CheckpointError as exc:   # it names the flag
+        raise TrainingError(str(exc)) from None
+    if args.load and args.exit_on_missing_checkpoint and source.iteration is None:
+        # Megatron-LM's message; it exits with status 0
+        print_rank_0(f" WARNING: no checkpoint under --load {args.load}")
+        print_rank_0(">> '--exit-on-missing-checkpoint' set ... exiting. <<")
+        dist.barrier()
+        exit_conditions.close()
+        return dict(run_result(new_history(), 0, 0), exited="--exit-on-missing-checkpoint")
+    if source.root:
         from megatron_moe.training.checkpointing import keep_checkpoint_vocab_padding
 
         try:
             keep_checkpoint_vocab_padding(args)   # resuming at another TP: the trained padding
         except CheckpointError as exc:
-            raise TrainingError(f"--load: {exc}") from None
+            raise TrainingError(f"{source.flag}: {exc}") from None
     print_rank_0(f"> initialized {args.world_size} ranks on {args.distributed_backend}: "
                  f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                  f"EP={args.expert_model_parallel_size} ETP={args.expert_tensor_parallel_size} "
@@ -175,13 +179,13 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     init_microbatch_calculator(args)   # the batch per iteration (--rampup-batch-size)
 
     iteration, consumed_train, consumed_valid, extra = 0, 0, 0, {}
-    if args.load is not None:
+    if source.root is not None:
         try:
             with hooks.checkpoint_io(load=True):  # ssd expert offload: real tensors to load into
                 iteration, consumed_train, consumed_valid, extra = load_checkpoint(
                     model, optimizer, scheduler, args)
         except CheckpointError as exc:
-            raise TrainingError(f"--load: {exc}") from None
+            raise TrainingError(f"{source.flag}: {exc}") from None
         hooks.load_state_dict(extra.get("hooks", {}))
     args.iteration = iteration
     args.consumed_train_samples = consumed_train
