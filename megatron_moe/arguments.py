@@ -162,6 +162,11 @@ def _add_moe_args(p):
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="Benchmarking only: route tokens uniformly (megatron-core's forced balance).")
+    g.add_argument("--moe-router-force-biased", type=float, default=None, metavar="STD",
+                   help="Benchmarking only (megatron-core >= 0.19): add a random per-expert bias "
+                        "of standard deviation |STD| to the router logits, the same on every "
+                        "rank; negative: drawn once per layer and kept (a fixed skew). Skewed "
+                        "expert load for measuring the balance policies.")
     g.add_argument("--moe-grouped-gemm", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true")
 
@@ -534,6 +539,12 @@ def validate_args(args, check_data_paths=True, training=True):
             if not mcore_at_least("0.19"):
                 raise ValueError(f"--moe-router-load-balancing-type quantile_balancing needs "
                                  f"megatron-core >= 0.19; installed {megatron_core_version()}")
+        if args.moe_router_force_biased is not None:
+            from megatron_moe.compat.versions import mcore_at_least, megatron_core_version
+
+            if not mcore_at_least("0.19"):   # its router applies the bias (TopKRouter.forward)
+                raise ValueError(f"--moe-router-force-biased needs megatron-core >= 0.19; "
+                                 f"installed {megatron_core_version()}")
         if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
             raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1, got "
                              f"{args.moe_router_topk} (megatron-core applies one probability "
