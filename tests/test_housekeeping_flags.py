@@ -92,8 +92,14 @@ def _check_retention(tmp_path, mutate=None, async_save=False):
     return first, second, _progress(ckpt)
 
 
-def test_save_retain_interval_keeps_megatrons_checkpoints_and_resumes(tmp_path):
-    first, second, _ = _check_retention(tmp_path)
+@pytest.fixture(scope="module")
+def retained(tmp_path_factory):
+    """The two jobs of _check_retention, run once for the retention and progress-log tests."""
+    return _check_retention(tmp_path_factory.mktemp("retain"))
+
+
+def test_save_retain_interval_keeps_megatrons_checkpoints_and_resumes(retained):
+    first, second, _ = retained
     straight = _train(run_pretrain, EXACT + ["--train-iters", "12"])
     assert first["lm_loss"] + second["lm_loss"] == straight["lm_loss"]
 
@@ -130,9 +136,8 @@ def _check_progress_log(lines):
             assert unit == "TFLOP/s/GPU" and float(value) >= 0
 
 
-def test_log_progress_writes_megatrons_progress_file(tmp_path):
-    _, _, lines = _check_retention(tmp_path)
-    _check_progress_log(lines)
+def test_log_progress_writes_megatrons_progress_file(retained):
+    _check_progress_log(retained[2])
 
 
 def test_log_progress_mutation_fails(tmp_path):
