@@ -175,6 +175,49 @@ def test_progress_log_cumulative_start_follows_megatrons_reading(tmp_path):
         start_of_this_world_size(str(tmp_path), 4)   # none since the last change of world size
 
 
+@pytest.mark.parametrize("mutate", [None, "start-flops-dropped"])
+def test_progress_log_throughputs(tmp_path, monkeypatch, mutate):
+    """A save's line from known times and FLOPs (one process: 1 GPU): this job 100 s and 2e16
+    FLOPs (200.0 TFLOP/s/GPU); the jobs of this world size 600 s since the first of them started,
+    after a checkpoint of 5e14 FLOPs: (2.1e16 - 5e14) / 600 s = 34.2 TFLOP/s/GPU. The mutation
+    forgets the FLOPs done before that first job started (35.0)."""
+    import datetime as dt
+    import types
+
+    from megatron_moe.training import progress_log as P
+
+    (tmp_path / "progress.txt").write_text(
+        "2026-11-29 05:50:00\tJob ID: \t# GPUs: 1\tStarting job\n"
+        "2026-11-29 05:55:00\tJob ID: \t# GPUs: 1\tSaved checkpoint\tIteration: 5\tJob throughput: "
+        "1.0 TFLOP/s/GPU\tCumulative throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: "
+        "5.00e+14\tTokens (in billions): 0.00\n"
+        "2026-11-29 05:58:00\tJob ID: \t# GPUs: 4\tStarting job\n"
+        "2026-11-29 06:00:00\tJob ID: \t# GPUs: 1\tStarting job\n")
+
+    class Clock(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 11, 29, 6, 10, 0)
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(P, "datetime", Clock)
+    monkeypatch.setattr(P, "time", types.SimpleNamespace(time=lambda: 1100.0))
+    if mutate:
+        real = P.start_of_this_world_size
+        monkeypatch.setattr(P, "start_of_this_world_size", lambda *a: (real(*a)[0], 0.0))
+    args = types.SimpleNamespace(save=str(tmp_path), world_size=1, seq_length=4096,
+                                 consumed_train_samples=500_000, async_save=False)
+    P.ProgressLog(args, job_start_s=1000.0, flops_at_job_start=1e15).checkpoint_saved(7, 2.1e16)
+    last = (tmp_path / "progress.txt").read_text().splitlines()[-1]
+    expected = ("2026-11-29 06:10:00\tJob ID: \t# GPUs: 1\tSaved checkpoint\tIteration: 7\t"
+                "Job throughput: 200.0 TFLOP/s/GPU\tCumulative throughput: 34.2 TFLOP/s/GPU\t"
+                "Floating-point operations: 2.10e+16\tTokens (in billions): 2.05")
+    if mutate:
+        assert last != expected and "Cumulative throughput: 35.0 TFLOP/s/GPU" in last, last
+    else:
+        assert last == expected, last
+
+
 # --- --disable-gloo-process-groups ---------------------------------------------------------------
 def _check_no_gloo_groups(tmp_path, mutate=None):
     ckpt = str(tmp_path / "ckpt")
