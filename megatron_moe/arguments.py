@@ -731,6 +731,16 @@ def _add_megatron_ci_args(p):
              "host tensors need no staging).")
     add(g, "--verify-integrity",
         help="Write a per-file hash manifest at save and re-hash at load (megatron-core >= 0.19).")
+    add(g, "--save-retain-interval",
+        help="Checkpoints at multiples of N are kept; every other one is deleted once a newer "
+             "one is complete and named by the tracker (Megatron-LM's rule).")
+    add(g, "--log-progress",
+        help="Append job start, checkpoint saves (throughput, FLOPs, tokens) and deletions to "
+             "<save>/progress.txt.")
+    add(g, "--no-create-attention-mask-in-dataloader",
+        help="GPT data: no [s, s] attention mask per sample; the attention's own causal mask.")
+    add(g, "--disable-gloo-process-groups",
+        help="NCCL runs: megatron-core creates no Gloo copies of its process groups.")
     g = p.add_argument_group("Megatron-LM parallel mapping")
     add(g, "--num-distributed-optimizer-instances",
         help="Distributed-optimizer shards replicated over N instances (megatron-core).")
@@ -802,6 +812,7 @@ def validate_megatron_ci_args(args):
     """Checks of the flags above, before any process group starts (ValueError names the flag)."""
     _validate_determinism(args)
     _validate_checkpoint_housekeeping(args)
+    _validate_mask_and_gloo_groups(args)
     _validate_parallel_mapping(args)
     _validate_model_options(args)
     _validate_context_parallel(args)
@@ -823,8 +834,23 @@ def _validate_determinism(args):
     check_environment(os.environ)
 
 
+def _validate_mask_and_gloo_groups(args):
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        # Megatron-LM's get_ltor_masks_and_position_ids asserts the same
+        raise ValueError("--reset-attention-mask edits the dataloader's attention mask, which "
+                         "--no-create-attention-mask-in-dataloader turns off")
+    if not args.use_gloo_process_groups and args.distributed_backend == "gloo":
+        raise ValueError("--disable-gloo-process-groups needs --distributed-backend nccl: on a "
+                         "gloo run every process group is a Gloo group")
+
+
 def _validate_checkpoint_housekeeping(args):
     from megatron_moe.compat import checkpoint_options as ckpt_compat
+
+    retain = args.save_retain_interval
+    if args.save is not None and retain is not None and (retain <= 0 or retain % args.save_interval):
+        raise ValueError(f"--save-retain-interval {retain} must be a positive multiple of "
+                         f"--save-interval {args.save_interval}")
 
     if args.verify_integrity and not ckpt_compat.HAS_INTEGRITY_MANIFEST:
         raise ValueError(f"--verify-integrity needs megatron-core >= 0.19 (its checkpoint integrity "

@@ -31,7 +31,8 @@ def _config(prefix, split):
     args = types.SimpleNamespace(
         seed=1, seq_length=32, data_path=[prefix], train_data_path=None, valid_data_path=None,
         test_data_path=None, split=split, data_cache_path=None, reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False)
+        reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask_in_dataloader=True)
     return gpt_dataset_config(args, tokenizer=types.SimpleNamespace(vocab_size=256))
 
 

@@ -72,7 +72,8 @@ def test_gpt_dataset_builds_on_the_output(data, tmp_path):
         seed=1234, seq_length=32, data_path=[prefix + "_text_document"], train_data_path=None,
         valid_data_path=None, test_data_path=None, split="90,10,0",
         data_cache_path=str(tmp_path / "cache"), reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, mock_data=False)
+        reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask_in_dataloader=True, mock_data=False)
     train, valid, test = build_gpt_datasets(args, data.tok, num_samples=[64, 8, 0])
     assert len(train) >= 64 and valid is not None
     all_tokens = np.fromfile(prefix + "_text_document.bin", dtype=np.uint16)

@@ -14,11 +14,13 @@ ITERS = 4
 LAYERS = 2
 EVAL = 2   # after training: one batch each of the validation and test sets (forward only)
 
-# name: (ranks, flags). GQA; gpt-oss's learned sinks with a sliding window on layer 1 and full
-# attention on layer 2, at TP 2 with SP (heads and sinks split); DeepSeek's MLA (unequal q/k and
-# v head dims, YaRN mscale in the softmax scale)
+# name: (ranks, flags). GQA without the dataloader's mask (SDPA's own causal mask: the flash path);
+# gpt-oss's learned sinks with a sliding window on layer 1 and full attention on layer 2, at TP 2
+# with SP (heads and sinks split); DeepSeek's MLA (unequal q/k and v head dims, YaRN mscale in the
+# softmax scale). The last two take the dataloader's causal mask (Megatron's default).
 MODELS = {
-    "gqa": (1, "--group-query-attention --num-query-groups 2"),
+    "gqa": (1, "--group-query-attention --num-query-groups 2 "
+               "--no-create-attention-mask-in-dataloader"),
     "gpt-oss-tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel "
                        "--group-query-attention --num-query-groups 2 --softmax-type learnable "
                        "--window-size 5,0 --window-attn-skip-freq 2"),

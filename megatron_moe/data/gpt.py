@@ -29,7 +29,10 @@ def gpt_dataset_config(args, tokenizer) -> GPTDatasetConfig:
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False,  # causal mask is built inside the attention
+        # Megatron-LM's default: each sample carries its [1, s, s] mask (True = masked), which the
+        # attention applies; --no-create-attention-mask-in-dataloader: none, the attention's own
+        # causal mask (the flash-eligible SDPA path, no mask copies)
+        create_attention_mask=args.create_attention_mask_in_dataloader,
     )
 
 

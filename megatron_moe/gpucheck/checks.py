@@ -53,7 +53,10 @@ COMMON = ("--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --mock
           "--tokenizer-type NullTokenizer --moe-token-dispatcher-type alltoall "
           "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --clip-grad 1.0 "
           "--weight-decay 0.1 --lr-decay-style cosine --log-interval 1 --eval-interval 1000000 "
-          "--eval-iters 1 --seed 1234").split()
+          "--eval-iters 1 --seed 1234 "
+          # as Megatron-LM's GPT examples: no [s, s] mask per sample, the attention's own causal
+          # mask (torch SDPA's flash path; the kit's runs of 2026-11-28 had no mask either)
+          "--no-create-attention-mask-in-dataloader").split()
 # ~1B parameters (16 layers, hidden 1024, 32 experts of 512, top-8, sequence 2048)
 BIG = {"gpu": ("--num-layers 16 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 "
                "--seq-length 2048 --max-position-embeddings 2048 --num-experts 32 "

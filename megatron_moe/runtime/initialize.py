@@ -55,6 +55,8 @@ def initialize_distributed(args):
             num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
             order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False)
             else "tp-cp-ep-dp-pp",
+            # --disable-gloo-process-groups (NCCL runs): no Gloo copies of the groups
+            create_gloo_process_groups=getattr(args, "use_gloo_process_groups", True),
         )
     args.rank = dist.get_rank()
     args.world_size = dist.get_world_size()

@@ -25,6 +25,7 @@ import functools
 import os
 import random
 import shutil
+import threading
 import warnings
 from typing import NamedTuple
 
@@ -40,6 +41,7 @@ from megatron.core.dist_checkpointing.serialization import (
 
 from megatron_moe.models.builder import unwrap
 from megatron_moe.training import checkpoint_manifest as manifest
+from megatron_moe.training import progress_log
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -184,7 +186,10 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     from megatron_moe.compat import checkpoint_options   # Megatron's housekeeping flags
 
     strategy = sharded_strategy or checkpoint_options.save_strategy(args)
-    commit = functools.partial(_commit, root, iteration, tmp_dir, final_dir)
+    commit = functools.partial(_commit, root, iteration, tmp_dir, final_dir,
+                               retain=getattr(args, "save_retain_interval", None),
+                               log_progress=getattr(args, "log_progress", False),
+                               async_save=getattr(args, "async_save", False))
     if getattr(args, "async_save", False):
         global _async_queue
         from megatron_moe.compat.checkpoint import async_save_kwargs
@@ -394,9 +399,10 @@ def _previous_good(root: str, iteration: int) -> str:
     return f"no earlier checkpoint under {root} verifies"
 
 
-def _commit(root, iteration, tmp_dir, final_dir):
+def _commit(root, iteration, tmp_dir, final_dir, retain=None, log_progress=False,
+            async_save=False):
     """Every rank's shards are on disk: checksum them, rename into place, then move the tracker
-    (rank 0)."""
+    (rank 0), then retire the checkpoint the tracker named before (--save-retain-interval)."""
     dist.barrier()
     _write_checksums(tmp_dir, iteration)
     if dist.get_rank() == 0:
@@ -404,8 +410,72 @@ def _commit(root, iteration, tmp_dir, final_dir):
         _fsync_tree_files(tmp_dir, [n for n in os.listdir(tmp_dir) if not n.endswith(".distcp")])
         _fsync_dir(tmp_dir)
         _rename_into_place(root, tmp_dir, final_dir)
+        previous = _tracked_iteration(root)
         _write_tracker(root, iteration)
+        if log_progress and async_save:
+            progress_log.append(root, f"Saved async checkpoint\tIteration: {iteration}",
+                                barrier=False)
+        retired = retired_iteration(previous, iteration, retain)
+        if retired is not None:
+            _delete_in_background(root, retired, log_progress)
     dist.barrier()
+
+
+# --- --save-retain-interval -----------------------------------------------------------------------
+def retired_iteration(previous, iteration, retain):
+    """Megatron-LM's rule, applied once the tracker names ``iteration``: the checkpoint it named
+    before (``previous``) is deleted unless it is a multiple of ``retain`` (or there is none, or it
+    is this one, re-saved). Only ever the previous one: a checkpoint the tracker never named (a
+    crashed save's leftovers, another run's) is not touched, and the tracker's is never deleted."""
+    if retain is None or not previous or previous == iteration or previous % retain == 0:
+        return None
+    return previous
+
+
+def _tracked_iteration(root):
+    try:
+        return read_tracker(root)
+    except CheckpointError:   # a tracker we cannot read names nothing to retire
+        return None
+
+
+_deletion = None   # the background deletion in flight (at most one), a thread
+
+
+def _delete_in_background(root, iteration, log_progress):
+    """Delete ``iter_<iteration>`` in a thread, as Megatron-LM does, so training goes on; a
+    symbolic link is left alone (Megatron's rule) and a failure is reported, never fatal."""
+    global _deletion
+    path = checkpoint_dir(root, iteration)
+    if os.path.islink(path):
+        print(f"  skipping deleting checkpoint from iteration {iteration:7d} at {root} since it "
+              f"is a symbolic link", flush=True)
+        return
+    wait_for_deletion()
+
+    def delete():
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            print(f"  encountered exception \"{exc}\" when trying to delete checkpoint from "
+                  f"iteration {iteration:7d} at {root}", flush=True)
+            return
+        print(f"  successfully deleted checkpoint from iteration {iteration:7d} at {root}",
+              flush=True)
+        if log_progress:
+            progress_log.append(root, f"Deleted checkpoint\tIteration: {iteration}",
+                                barrier=False)
+
+    _deletion = threading.Thread(target=delete, name=f"delete-{os.path.basename(path)}")
+    _deletion.start()
+
+
+def wait_for_deletion():
+    """The background deletion, if any, finished (before the next one, and at the end of a run)."""
+    global _deletion
+    if _deletion is not None:
+        _deletion.join()
+        _deletion = None
 
 
 # _rename_into_place and _write_tracker are separate steps so that the crash tests can slow each

@@ -104,6 +104,12 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
 
     exit_conditions = ExitConditions(args, start)  # handler first: a notice may come during setup
     initialize_distributed(args)
+    progress = None
+    if args.log_progress and args.save:   # Megatron-LM: the line right after initialisation
+        from megatron_moe.training.progress_log import ProgressLog
+
+        progress = ProgressLog(args, job_start_s=start)
+        progress.job_started()
     if args.save:
         from megatron_moe.compat.checkpoint import prestart_writer
 
@@ -149,7 +155,10 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         install_torch_adam_bridge()
     optimizer_config = _optimizer_config(args, OptimizerConfig)
     optimizer_config.timers = timers               # the optimizer's phases (level 1)
-    optimizer = get_megatron_optimizer(optimizer_config, model)
+    # --disable-gloo-process-groups: megatron-core's optimizer then takes no Gloo group (it needs
+    # them only for the legacy dp-zero checkpoint format, not for our fully reshardable one)
+    optimizer = get_megatron_optimizer(optimizer_config, model,
+                                       use_gloo_process_groups=args.use_gloo_process_groups)
     from megatron_moe.compat.optimizer import fuse_torch_adam
 
     fuse_torch_adam(optimizer)   # torch's fused Adam kernel on CUDA (without TE or apex)
@@ -214,7 +223,13 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
                      f"(setup {time.time() - start:.1f}s)")
     trainer = Trainer(args, model, optimizer, scheduler, forward_step_func, hooks, exit_conditions,
                       timers=timers)
-    from megatron_moe.training.checkpointing import finalize_async_save
+    # model FLOPs of every iteration trained so far, this job's and the checkpoint's (Megatron-LM's
+    # num_floating_point_operations_so_far: --log-progress's throughputs)
+    trainer.flops_so_far = extra.get("num_floating_point_operations_so_far", 0.0)
+    if progress is not None:
+        progress.flops_at_job_start = trainer.flops_so_far
+    trainer.progress = progress
+    from megatron_moe.training.checkpointing import finalize_async_save, wait_for_deletion
 
     try:
         if args.skip_train:
@@ -224,6 +239,7 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
             if result["completed"]:   # Megatron-LM: not after an exit condition
                 trainer.evaluate_after_training(valid_iter, test_iter, result["iteration"])
         finalize_async_save(blocking=True)  # --async-save: the last checkpoint is complete on exit
+        wait_for_deletion()   # --save-retain-interval: the last retired checkpoint is gone
     except CheckpointError as exc:   # a save that failed (a full disk): one line, --save's path
         raise TrainingError(f"--save: {exc}") from None
     finally:
@@ -363,6 +379,8 @@ class Trainer:
         _AGREED_LOSS_NAMES = None      # a new run agrees on its loss names once
         self.skipped_iters = 0
         self.nan_iters = 0
+        self.flops_so_far = 0.0   # model FLOPs trained so far (the checkpoint's included)
+        self.progress = None      # --log-progress's ProgressLog
         if exit_conditions is None:
             from megatron_moe.runtime.dist_signal_handler import ExitConditions
 
@@ -464,6 +482,7 @@ class Trainer:
     def train(self, train_iter, valid_iter, iteration, consumed_train, consumed_valid):
         from megatron.core.num_microbatches_calculator import update_num_microbatches
 
+        from megatron_moe.flops import num_floating_point_operations
         from megatron_moe.training.checkpointing import finalize_async_save, save_checkpoint
 
         args = self.args
@@ -505,8 +524,11 @@ class Trainer:
                     save_checkpoint(it, self.model, self.optimizer, self.scheduler, args,
                                     consumed_train, consumed_valid,
                                     {"hooks": self.hooks.state_dict(),
-                                     "skipped_train_samples": args.skipped_train_samples})
+                                     "skipped_train_samples": args.skipped_train_samples,
+                                     "num_floating_point_operations_so_far": self.flops_so_far})
                 saved_at = it
+                if self.progress is not None:
+                    self.progress.checkpoint_saved(it, self.flops_so_far)
                 how = "scheduled async save" if args.async_save else "saved checkpoint"
                 print_rank_0(f"  {how} at iteration {it:7d} to {args.save} "
                              f"in {time.time() - t0:.2f}s")
@@ -534,6 +556,7 @@ class Trainer:
             loss_dict, grad_norm, ok = self.train_step(train_iter)
             iteration += 1
             consumed_train += batch
+            self.flops_so_far += num_floating_point_operations(args, batch)
             window.samples += batch
             args.skipped_train_samples += current_global_batch_size() - batch
             args.iteration, args.consumed_train_samples = iteration, consumed_train
