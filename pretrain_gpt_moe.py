@@ -25,6 +25,14 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     return gpt_model_provider(get_args(), pre_process, post_process, vp_stage)
 
 
+def needs_attention_mask(args) -> bool:
+    """Whether the model needs the dataloader's attention mask. Without --reset-attention-mask it is
+    Megatron's plain causal mask, which megatron-core's attentions build themselves from None (and
+    Transformer Engine's causal attention ignores): not copied to the device, and torch SDPA keeps
+    its flash kernel, which an explicit mask rules out (docs/gpu.md)."""
+    return bool(args.reset_attention_mask)
+
+
 def get_batch(data_iterator, vp_stage=None):
     """This rank's micro-batch; middle pipeline stages take their input from the previous stage
     (with virtual stages: this model chunk's place in the pipeline)."""
@@ -34,6 +42,8 @@ def get_batch(data_iterator, vp_stage=None):
     if not (first or last):
         return None, None, None, None, None
     batch = next(data_iterator)
+    if not needs_attention_mask(get_args()):
+        batch.pop("attention_mask", None)
     device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
     batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
              for k, v in batch.items()}

@@ -4,23 +4,33 @@ reach it); the test expects that run to fail its assertions."""
 
 
 def train_seeing_masks(rank, world_size, argv, mutate=None):
-    """pretrain() with the attention mask of every micro-batch the forward step hands the model
-    recorded: (losses, [None, or (mask shape, masked entries)]). ``mutate``: 'flag-ignored' (the
-    dataset builds masks whatever the flag says) or 'mask-dropped' (the model is given a mask that
-    masks nothing: each token sees the ones after it)."""
+    """pretrain() with the attention mask of every micro-batch recorded twice: as the dataloader
+    yields it and as the forward step hands it to the model. Returns (losses, dataloader masks,
+    model masks), each mask None or (shape, masked entries). ``mutate``: 'flag-ignored' (the
+    dataset builds masks whatever the flag says) or 'mask-never-needed' (the forward step drops
+    the mask even where --reset-attention-mask edits it)."""
     import pretrain_gpt_moe
     from megatron_moe.data import gpt
     from tests._train_cases import run_pretrain
 
-    seen = []
+    data_seen, model_seen = [], []
     get_batch, dataset_config = pretrain_gpt_moe.get_batch, gpt.gpt_dataset_config
+    needs = pretrain_gpt_moe.needs_attention_mask
+    fact = lambda mask: None if mask is None else (tuple(mask.shape), int(mask.sum()))  # noqa
+
+    class Recorded:
+        def __init__(self, it):
+            self.it = it
+
+        def __next__(self):
+            batch = next(self.it)
+            data_seen.append(fact(batch.get("attention_mask")))
+            return batch
 
     def recording_get_batch(data_iterator, vp_stage=None):
-        tokens, labels, loss_mask, mask, position_ids = get_batch(data_iterator, vp_stage)
-        seen.append(None if mask is None else (tuple(mask.shape), int(mask.sum())))
-        if mask is not None and mutate == "mask-dropped":
-            mask = mask & False
-        return tokens, labels, loss_mask, mask, position_ids
+        out = get_batch(Recorded(data_iterator), vp_stage)
+        model_seen.append(fact(out[3]))
+        return out
 
     def masks_always(args, tokenizer):
         config = dataset_config(args, tokenizer)
@@ -30,11 +40,14 @@ def train_seeing_masks(rank, world_size, argv, mutate=None):
     pretrain_gpt_moe.get_batch = recording_get_batch
     if mutate == "flag-ignored":
         gpt.gpt_dataset_config = masks_always
+    if mutate == "mask-never-needed":
+        pretrain_gpt_moe.needs_attention_mask = lambda args: False
     try:
         history = run_pretrain(rank, world_size, argv)
     finally:
         pretrain_gpt_moe.get_batch, gpt.gpt_dataset_config = get_batch, dataset_config
-    return history["lm_loss"], seen
+        pretrain_gpt_moe.needs_attention_mask = needs
+    return history["lm_loss"], data_seen, model_seen
 
 
 def train_retaining(rank, world_size, argv, mutate=None):

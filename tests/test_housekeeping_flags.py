@@ -1,9 +1,9 @@
 """Four Megatron-LM training flags, end to end on tiny CPU runs (each case also fails under a
 mutation, run in the spawned ranks):
 
-* --no-create-attention-mask-in-dataloader: no mask in any batch; the same fp32 losses as with
-  the dataloader's causal mask (which the attention does apply: a mask that masks nothing
-  changes them);
+* --no-create-attention-mask-in-dataloader: no mask in any batch; with the dataloader's plain
+  causal mask the model is given none (its attention builds the same), the same fp32 losses; with
+  --reset-attention-mask the model is given the edited mask;
 * --save-retain-interval: exactly Megatron's checkpoints remain, the tracker's checkpoint is
   complete whenever one is deleted, a resume continues bit-exactly;
 * --log-progress: Megatron's progress.txt lines, FLOPs carried over a resume;
@@ -32,22 +32,35 @@ def _train(fn, argv, world=1, **kw):
 # --- --no-create-attention-mask-in-dataloader ---------------------------------------------------
 def _check_masks(mutate=None):
     argv = EXACT + ["--train-iters", "3"]
-    with_mask, masks = _train(cases.train_seeing_masks, argv, mutate=mutate)
-    without, none = _train(cases.train_seeing_masks, argv + NO_MASK, mutate=mutate)
+    with_mask, data_masks, model_masks = _train(cases.train_seeing_masks, argv, mutate=mutate)
+    without, data_none, model_none = _train(cases.train_seeing_masks, argv + NO_MASK,
+                                            mutate=mutate)
+    reset, _, reset_masks = _train(cases.train_seeing_masks, argv + ["--reset-attention-mask"],
+                                   mutate=mutate)
     # 3 iterations, then one validation and one test batch: 4 micro-batches each
-    assert len(masks) == len(none) == (3 + 2) * GLOBAL // MICRO
+    n = (3 + 2) * GLOBAL // MICRO
+    assert len(data_masks) == len(data_none) == len(reset_masks) == n
     causal = MICRO * SEQ * (SEQ - 1) // 2   # the masked (future) positions of a micro-batch
-    assert masks == [((MICRO, 1, SEQ, SEQ), causal)] * len(masks), masks[:2]
-    assert none == [None] * len(none), none[:2]
+    # the dataloader builds Megatron's causal mask unless told not to
+    assert data_masks == [((MICRO, 1, SEQ, SEQ), causal)] * n, data_masks[:2]
+    assert data_none == [None] * n, data_none[:2]
+    # the plain causal mask is not handed to the model (its attention builds the same one):
+    # the same fp32 losses either way
+    assert model_masks == model_none == [None] * n, (model_masks[:2], model_none[:2])
     assert without == with_mask, (without, with_mask)
     assert len(set(with_mask)) == 3   # it trained
+    # --reset-attention-mask edits it per document: then the model gets it (at least the future
+    # positions masked, more where a document starts inside the sequence)
+    assert all(m is not None and m[0] == (MICRO, 1, SEQ, SEQ) and m[1] >= causal
+               for m in reset_masks), reset_masks[:2]
+    assert len(set(reset)) == 3
 
 
 def test_attention_mask_in_dataloader_on_and_off():
     _check_masks()
 
 
-@pytest.mark.parametrize("mutate", ["flag-ignored", "mask-dropped"])
+@pytest.mark.parametrize("mutate", ["flag-ignored", "mask-never-needed"])
 def test_attention_mask_mutation_fails(mutate):
     with pytest.raises(AssertionError):
         _check_masks(mutate)
