@@ -7,9 +7,10 @@ parameters) bit for bit and grad norms within fp32 rounding (a norm over one sta
 of per-expert ones); the stacked path ran (one main_grad add per stacked weight, not one per
 expert); checkpoints move both ways between the single-weight experts and megatron-core's
 SequentialMLP loop, with the plain and the distributed optimizer, at EP = 2 and at ETP = 2 with
-biases; planted faults fail each (the checkpoint factory stacking experts in reverse, the stacked
-weight gradient marked added without adding, every group adding the first expert's bias). The
-per-parameter work of DDP and the optimizer no longer grows with the experts: the model's
+biases; the expert offload's host and ssd tiers move the stacked parameters (bit-equal to
+resident); planted faults fail each (the checkpoint factory stacking experts in reverse, the
+stacked weight gradient marked added without adding, every group adding the first expert's bias,
+the offload's backward re-bind left out). The per-parameter work of DDP and the optimizer no longer grows with the experts: the model's
 parameter count is the same at 4 and 16 experts, and its plain state dict keeps SequentialMLP's
 keys. Plus the parse-time refusals."""
 
@@ -100,6 +101,38 @@ def test_single_grouped_bias_with_gpt_oss_experts():
     assert abs(h(2)[-1] - h(0)[-1]) > 1e-4 * abs(h(0)[-1]), (h(2), h(0))
 
 
+def test_single_grouped_weight_under_expert_offload(tmp_path):
+    """The expert offload (host and ssd tiers, 2 of 4 layers cached, NaN-filled placeholders)
+    moves the stacked parameters like any others: losses and grad norms equal the resident
+    single-weight run's bit for bit; leaving out the backward re-bind fails the run."""
+    from tests.test_grouped_features import _offload_argv
+
+    host = ["--moe-expert-offload", "host", "--moe-offload-cache-layers", "2",
+            "--moe-offload-debug-nan-fill"]
+    ssd = ["--moe-expert-offload", "ssd", "--moe-offload-cache-layers", "2",
+           "--moe-offload-debug-nan-fill", "--moe-offload-dir", str(tmp_path / "ssd"),
+           "--moe-offload-host-cache-gb", "0.0002"]   # smaller than the experts: evictions
+    runs = [_offload_argv(3, GROUPED, SINGLE),                # 0 resident
+            _offload_argv(3, GROUPED, SINGLE, *host),         # 1 host tier
+            _offload_argv(3, GROUPED, SINGLE, *ssd),          # 2 ssd tier
+            _offload_argv(2, GROUPED, SINGLE, *host)]         # 3 backward re-bind left out
+    out = run_distributed(G.run_counted, 2, runs, mutations={3: "skip_rebind"}, timeout_s=600)
+    r = out[-1]
+    h = lambda k, key="lm_loss": r[k]["history"][key]
+    assert len(h(0)) == 3 and all(x == x for x in h(0))
+    for k in (1, 2):
+        assert h(k) == h(0) and h(k, "grad_norm") == h(0, "grad_norm"), (k, h(k), h(0))
+        for rank_out in out:
+            s = rank_out[k]["stats"]
+            assert s["steps"] >= 1 and s["layers"] == 4 and s["link_bytes"] > 0
+            # 2 stacked weights x 4 layers x 2 micro-batches x 3 steps
+            assert rank_out[k]["wgrads_into_main_grad"] == 2 * 4 * 2 * 3
+    assert out[0][2]["stats"]["ssd_read"] > 0
+    bad = r[3]
+    assert bad.get("exit") not in (None, 0) or "error" in bad or \
+        any(x != x for x in bad["history"]["lm_loss"]), bad
+
+
 def _model_facts(rank, world, experts_list):
     """For each expert count and layout (loop, grouped, single): the model's parameter count and
     expert parameter shapes, its plain state dict's keys, and whether a plain state dict of the
@@ -161,8 +194,6 @@ def test_parameters_do_not_grow_with_experts_and_the_state_dict_keeps_sequential
      "--moe-single-grouped-bias needs --add-bias-linear"),
     ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-balance-policy", "proprophet"],
      "--moe-single-grouped-weight cannot run --moe-balance-policy proprophet"),
-    ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-expert-offload", "host"],
-     "--moe-single-grouped-weight cannot run --moe-expert-offload"),
 ])
 def test_refusals(extra, message, capsys):
     from megatron_moe import arguments

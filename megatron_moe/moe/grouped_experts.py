@@ -118,9 +118,6 @@ def _validate_single(args):
         raise ValueError(f"{flag} cannot run --moe-balance-policy {policy} (its replicas and "
                          "placements address each expert's own parameters): use --moe-grouped-gemm "
                          f"without {flag}")
-    if getattr(args, "moe_expert_offload", None) not in (None, "none"):
-        raise ValueError(f"{flag} cannot run --moe-expert-offload (it moves each expert's own "
-                         f"parameters): use --moe-grouped-gemm without {flag}")
     if getattr(args, "optimizer", "adam") == "muon":
         raise ValueError(f"{flag} cannot run --optimizer muon (Muon orthogonalises 2-D matrices; "
                          f"a stacked expert weight is 3-D)")
