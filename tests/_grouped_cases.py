@@ -149,6 +149,15 @@ def _planted(name):
         G.stacked = orig_stacked
 
 
+def offload_tiers(tmp_path):
+    """The expert offload's host and ssd tiers as the grouped-expert tests run them: 2 layers
+    cached, NaN-filled placeholders; the ssd tier's host cache smaller than the experts (evictions)."""
+    common = ["--moe-offload-cache-layers", "2", "--moe-offload-debug-nan-fill"]
+    return (["--moe-expert-offload", "host", *common],
+            ["--moe-expert-offload", "ssd", *common, "--moe-offload-dir", str(tmp_path / "ssd"),
+             "--moe-offload-host-cache-gb", "0.0002"])
+
+
 def run_counted(rank, world, argvs, plant_shift=None, mutations=None, skew=None):
     """``mutations[k]``: the fault planted in run k (``plant_shift=k`` is ``{k: "shift"}``);
     ``skew=(strength, period)``: a hot expert that moves (tests/_flexmoe_persistent_cases), so the

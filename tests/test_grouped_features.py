@@ -81,11 +81,7 @@ def _offload_argv(iters, *extra):
 
 def test_grouped_experts_under_expert_offload(tmp_path):
     g = "--moe-grouped-gemm"
-    host = ["--moe-expert-offload", "host", "--moe-offload-cache-layers", "2",
-            "--moe-offload-debug-nan-fill"]
-    ssd = ["--moe-expert-offload", "ssd", "--moe-offload-cache-layers", "2",
-           "--moe-offload-debug-nan-fill", "--moe-offload-dir", str(tmp_path / "ssd"),
-           "--moe-offload-host-cache-gb", "0.0002"]   # smaller than the experts: evictions
+    host, ssd = G.offload_tiers(tmp_path)
     runs = [_offload_argv(3),                 # 0 resident, expert loop
             _offload_argv(3, g, *host),       # 1 host tier, grouped
             _offload_argv(3, g, *ssd),        # 2 ssd tier, grouped

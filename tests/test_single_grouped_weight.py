@@ -107,11 +107,7 @@ def test_single_grouped_weight_under_expert_offload(tmp_path):
     single-weight run's bit for bit; leaving out the backward re-bind fails the run."""
     from tests.test_grouped_features import _offload_argv
 
-    host = ["--moe-expert-offload", "host", "--moe-offload-cache-layers", "2",
-            "--moe-offload-debug-nan-fill"]
-    ssd = ["--moe-expert-offload", "ssd", "--moe-offload-cache-layers", "2",
-           "--moe-offload-debug-nan-fill", "--moe-offload-dir", str(tmp_path / "ssd"),
-           "--moe-offload-host-cache-gb", "0.0002"]   # smaller than the experts: evictions
+    host, ssd = G.offload_tiers(tmp_path)
     runs = [_offload_argv(3, GROUPED, SINGLE),                # 0 resident
             _offload_argv(3, GROUPED, SINGLE, *host),         # 1 host tier
             _offload_argv(3, GROUPED, SINGLE, *ssd),          # 2 ssd tier
