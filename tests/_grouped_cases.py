@@ -12,7 +12,9 @@ planted faults in the grouped path that the equality must catch:
   weight (``--moe-single-grouped-weight``);
 * ``stack_merge_reversed``: the single grouped weight's checkpoint entry stacks the loaded experts
   in reverse order;
-* ``single_one_bias``: every group adds the first expert's biases from the single grouped bias.
+* ``single_one_bias``: every group adds the first expert's biases from the single grouped bias;
+* ``slices_added_twice``: a balanced layer's slices of the single grouped weight leave the stacked
+  parameter unmarked (DDP's hook adds its gradient again).
 
 A run with a planted fault may stop (a NaN loss exits 1): its exit code or error is returned.
 """
@@ -122,6 +124,23 @@ def _planted(name):
             yield
         finally:
             G._StackedGroupedLinear.backward = orig_backward
+        return
+    if name == "slices_added_twice":
+        # a balanced layer's slices of the single grouped weight add into main_grad without
+        # marking the stacked parameter: DDP's hook adds its gradient a second time
+        orig_slices = G._slices_into_main_grad
+
+        def slices(param):
+            parts = orig_slices(param)
+            for part in parts:
+                if hasattr(part, "stacked_parameter"):
+                    del part.stacked_parameter
+            return parts
+        G._slices_into_main_grad = slices
+        try:
+            yield
+        finally:
+            G._slices_into_main_grad = orig_slices
         return
     if name == "wgrad_not_added":
         orig_acc = G._accumulate_into_main_grads

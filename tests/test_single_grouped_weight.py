@@ -8,9 +8,11 @@ of per-expert ones); the stacked path ran (one main_grad add per stacked weight,
 expert); checkpoints move both ways between the single-weight experts and megatron-core's
 SequentialMLP loop, with the plain and the distributed optimizer, at EP = 2 and at ETP = 2 with
 biases; the expert offload's host and ssd tiers move the stacked parameters (bit-equal to
-resident); planted faults fail each (the checkpoint factory stacking experts in reverse, the
+resident); Pro-Prophet, FasterMoE and FlexMoE with transient replicas run the local experts as
+slices next to the replicas (equal to the per-expert grouped path); planted faults fail each (the checkpoint factory stacking experts in reverse, the
 stacked weight gradient marked added without adding, every group adding the first expert's bias,
-the offload's backward re-bind left out). The per-parameter work of DDP and the optimizer no longer grows with the experts: the model's
+the offload's backward re-bind left out, the slices' stacked parameter left unmarked). The
+per-parameter work of DDP and the optimizer no longer grows with the experts: the model's
 parameter count is the same at 4 and 16 experts, and its plain state dict keeps SequentialMLP's
 keys. Plus the parse-time refusals."""
 
@@ -101,6 +103,44 @@ def test_single_grouped_bias_with_gpt_oss_experts():
     assert abs(h(2)[-1] - h(0)[-1]) > 1e-4 * abs(h(0)[-1]), (h(2), h(0))
 
 
+def test_single_grouped_weight_under_transient_balance_policies(tmp_path):
+    """Pro-Prophet, FasterMoE and FlexMoE with transient replicas (the planners replicate under a
+    moving hot expert): the local experts run as slices of the stacked parameters next to the
+    replicas in one grouped call, their gradients added into the slices of DDP's main_grad; losses
+    and grad norms equal the per-expert grouped path's (fp32 rounding of the norm). Mutation: the
+    stacked parameter left unmarked, its gradient is added twice."""
+    import json
+
+    from tests.test_grouped_features import _argv as balance_argv
+
+    profile = tmp_path / "free_comm.json"     # free communication: the planners replicate
+    profile.write_text(json.dumps({"a2a_bandwidth": 1e15, "trans_bandwidth": 1e15,
+                                   "throughput": 1.0}))
+    policies = {"proprophet": ["--moe-balance-alpha", "0", "--moe-balance-overlap"],
+                "fastermoe": ["--moe-balance-profile", str(profile)],
+                "flexmoe": ["--moe-balance-profile", str(profile), "--moe-balance-interval", "1",
+                            "--moe-flexmoe-replicas", "transient"]}
+    runs = []
+    for name, extra in policies.items():
+        base = balance_argv(3, "--moe-balance-policy", name, *extra, GROUPED)
+        runs += [base, base + [SINGLE]]
+    runs.append(runs[1])                                       # 6: proprophet, slices unmarked
+    out = run_distributed(G.run_counted, 2, runs, mutations={6: "slices_added_twice"},
+                          skew=(4.0, 2), timeout_s=600)
+    h = lambda k, key="lm_loss": out[0][k]["history"][key]
+    for i, name in enumerate(policies):
+        grouped, single = 2 * i, 2 * i + 1
+        assert len(h(grouped)) == 3 and all(x == x for x in h(grouped)), name
+        assert h(single) == h(grouped), (name, h(single), h(grouped))
+        assert h(single, "grad_norm") == pytest.approx(h(grouped, "grad_norm"), rel=1e-6), name
+        # replicas ran as groups of the grouped call (on some rank)
+        assert sum(rank_out[single]["replica_groups"] for rank_out in out) > 0, name
+    # the doubled expert gradients move the norm far beyond fp32 rounding (the experts are a
+    # part of it: 3e-4 relative here)
+    assert abs(h(6, "grad_norm")[1] - h(1, "grad_norm")[1]) > 1e-5 * h(1, "grad_norm")[1], \
+        (h(6, "grad_norm"), h(1, "grad_norm"))
+
+
 def test_single_grouped_weight_under_expert_offload(tmp_path):
     """The expert offload (host and ssd tiers, 2 of 4 layers cached, NaN-filled placeholders)
     moves the stacked parameters like any others: losses and grad norms equal the resident
@@ -188,8 +228,11 @@ def test_parameters_do_not_grow_with_experts_and_the_state_dict_keeps_sequential
     ([SINGLE, "--disable-bias-linear"], "--moe-single-grouped-weight needs --moe-grouped-gemm"),
     ([GROUPED, SINGLE_BIAS, "--disable-bias-linear", "--expert-model-parallel-size", "2"],
      "--moe-single-grouped-bias needs --add-bias-linear"),
-    ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-balance-policy", "proprophet"],
-     "--moe-single-grouped-weight cannot run --moe-balance-policy proprophet"),
+    ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-balance-policy", "flexmoe"],
+     "--moe-single-grouped-weight cannot run --moe-balance-policy flexmoe with "
+     "--moe-flexmoe-replicas persistent"),
+    ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-balance-policy", "auto"],
+     "--moe-single-grouped-weight cannot run --moe-balance-policy auto"),
 ])
 def test_refusals(extra, message, capsys):
     from megatron_moe import arguments

@@ -84,7 +84,7 @@ class LayerBalance:
         self.rank = dist.get_rank(ep_group) if ep_group is not None else 0
         self.num_local = num_experts // self.D
         self.template = experts.local_experts[0]
-        named = list(self.template.named_parameters())
+        named = list(zip(*self._expert_parameters(0)))
         self.names = [n for n, _ in named]
         self.shapes = [p.shape for _, p in named]
         self.numels = [p.numel() for _, p in named]
@@ -172,7 +172,15 @@ class LayerBalance:
         return ((self.layer_number or 0) * self.num_experts + e) * _KINDS + kind
 
     def owner_params(self, e: int) -> List[torch.Tensor]:
-        return list(self.experts.local_experts[e - self.rank * self.num_local].parameters())
+        return self._expert_parameters(e - self.rank * self.num_local)[1]
+
+    def _expert_parameters(self, i: int):
+        """(names, tensors) of local expert ``i``: its MLP's parameters, or with the grouped
+        experts' single grouped weight the slices that stand for them (moe/grouped_experts.py)."""
+        if hasattr(self.experts, "expert_parameters"):
+            return self.experts.expert_parameter_names(), self.experts.expert_parameters(i)
+        named = list(self.experts.local_experts[i].named_parameters())
+        return [n for n, _ in named], [p for _, p in named]
 
     def my_replica_experts(self) -> List[int]:
         return [e for e, s in enumerate(self._active_placement.replica_sets)
@@ -337,7 +345,7 @@ class LayerBalance:
     def _ref_params(self) -> List[torch.Tensor]:
         """This rank's owner-equivalent params (local expert 0, names order): same layer, same names,
         so the same megatron-core param group (lr, wd, betas, eps) and optimizer-state layout."""
-        return list(self.template.parameters())
+        return self._expert_parameters(0)[1]
 
     def _state_layout(self) -> List[Tuple[int, str, tuple, torch.dtype]]:
         """(param index, key, shape, dtype) of the optimizer state a replica needs. Read from the local

@@ -112,12 +112,16 @@ def _validate_single(args):
                              f"Transformer Engine >= 2.14); this is megatron-core "
                              f"{megatron_core_version()}")
         return
-    # the features that address the experts one module at a time
+    # persistent replicas keep an optimizer state per expert parameter (FlexMoE; auto may choose
+    # it): transient replicas (Pro-Prophet, FasterMoE, FlexMoE transient) run on slices
     policy = getattr(args, "moe_balance_policy", "none")
-    if policy not in (None, "none"):
-        raise ValueError(f"{flag} cannot run --moe-balance-policy {policy} (its replicas and "
-                         "placements address each expert's own parameters): use --moe-grouped-gemm "
-                         f"without {flag}")
+    if policy == "auto" or (policy == "flexmoe"
+                            and getattr(args, "moe_flexmoe_replicas", None) == "persistent"):
+        what = ("--moe-balance-policy auto" if policy == "auto" else
+                "--moe-balance-policy flexmoe with --moe-flexmoe-replicas persistent")
+        raise ValueError(f"{flag} cannot run {what} (persistent replicas keep an optimizer state "
+                         "per expert parameter): use --moe-flexmoe-replicas transient, or "
+                         f"--moe-grouped-gemm without {flag}")
     if getattr(args, "optimizer", "adam") == "muon":
         raise ValueError(f"{flag} cannot run --optimizer muon (Muon orthogonalises 2-D matrices; "
                          f"a stacked expert weight is 3-D)")
@@ -276,6 +280,23 @@ class _StackedGroupedLinear(torch.autograd.Function):
         return dx, None, dw
 
 
+def _slices_into_main_grad(param):
+    """``param``'s slices along the expert axis (autograd's unbind: their gradients stack back into
+    ``param.grad``), each carrying its slice of DDP's ``main_grad``, so the grouped backward adds
+    their gradients into it as for per-expert parameters and marks ``param`` itself as added
+    (DDP's hook then skips the stacked gradient, as it does for a micro-batch without replicas)."""
+    parts = param.unbind(0)
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None or not hasattr(param, "grad_added_to_main_grad"):
+        return parts
+    for i, part in enumerate(parts):
+        part.main_grad = main_grad[i]
+        part.grad_added_to_main_grad = False
+        part.zero_out_wgrad = getattr(param, "zero_out_wgrad", False)
+        part.stacked_parameter = param
+    return parts
+
+
 def _into_main_grad(weights) -> list:
     """Indices of the weights megatron-core's DDP gave a ``main_grad`` (it sets
     ``grad_added_to_main_grad`` on each); not with ``zero_out_wgrad`` (its hook then adds the
@@ -306,6 +327,9 @@ def _accumulate_into_main_grads(weights, dw):
         torch._foreach_add_([weights[i].main_grad for i in idx], [src[i] for i in idx])
     for i in fused:
         weights[i].grad_added_to_main_grad = True
+        stacked_parameter = getattr(weights[i], "stacked_parameter", None)
+        if stacked_parameter is not None:    # a slice of a single grouped weight
+            stacked_parameter.grad_added_to_main_grad = True
     GroupedSequentialMLP.wgrads_into_main_grad += len(fused)
     return grads
 
@@ -324,6 +348,8 @@ class _Stack(torch.autograd.Function):
 
 
 _LINEARS = ("linear_fc1", "linear_fc2")
+# one expert MLP's parameters in its named_parameters() order
+_PARAMETERS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
 
 
 def _run_forward_pre_hooks(experts):
@@ -428,14 +454,56 @@ class GroupedSequentialMLP(SequentialMLP):
         GroupedSequentialMLP.grouped_calls += 1
         replicas = [e for e in experts if not isinstance(e, torch.nn.Module)]
         GroupedSequentialMLP.replica_groups += len(replicas)
-        if self.single_names and experts != list(self.local_experts):   # identities, in C
-            raise RuntimeError(f"{SINGLE_WEIGHT}: the grouped experts run their own local experts "
-                               "only (balance replicas are refused at parse time)")
-        return grouped_mlp(self._activation, x, probs, counts,
-                           *(self._single(name) if name in self.single_names else stacked(experts, name)
-                             for name in ("linear_fc1.weight", "linear_fc2.weight",
-                                          "linear_fc1.bias", "linear_fc2.bias")),
+        own = experts == list(self.local_experts)    # identities, in C
+        if self.single_names and not own:
+            # a balanced layer's selection (local experts in its order, replicas): the stacked
+            # parameters' slices (autograd's unbind: the gradients stack back into them)
+            experts = self._with_slices(experts)
+        w1, b1, w2, b2 = (self._single(name) if name in self.single_names and own
+                          else stacked(experts, name) for name in _PARAMETERS)
+        return grouped_mlp(self._activation, x, probs, counts, w1, w2, b1, b2,
                            recompute_activation=self.recompute_activation)
+
+    def _with_slices(self, experts):
+        """``experts`` with each local MLP module replaced by a name -> tensor dict: its slices of
+        the stacked parameters, and its own parameters for the rest."""
+        index = {id(m): i for i, m in enumerate(self.local_experts)}
+        slices = {name: _slices_into_main_grad(self._single(name)) for name in self.single_names}
+        out = []
+        for e in experts:
+            if isinstance(e, torch.nn.Module):
+                i = index[id(e)]
+                out.append({name: slices[name][i] if name in slices else
+                            e._modules[name.split(".")[0]]._parameters[name.split(".")[1]]
+                            for name in self.expert_parameter_names()})
+            else:
+                out.append(e)
+        return out
+
+    def expert_parameter_names(self) -> list:
+        """The names of one expert's parameters, in an MLP's ``named_parameters()`` order
+        (``linear_fc1.weight``, ``linear_fc1.bias``, ...), stacked or not."""
+        first = self.local_experts[0]
+        return [name for name in _PARAMETERS if name in self.single_names or
+                first._modules[name.split(".")[0]]._parameters.get(name.split(".")[1]) is not None]
+
+    def expert_parameters(self, i: int) -> list:
+        """Local expert ``i``'s parameters in :meth:`expert_parameter_names` order: its own, or
+        detached slices of the stacked ones carrying the slice of DDP's ``main_grad`` (what the
+        balance layer sends to replica holders and adds replica gradients into)."""
+        out = []
+        for name in self.expert_parameter_names():
+            linear, attr = name.split(".")
+            if name not in self.single_names:
+                out.append(self.local_experts[i]._modules[linear]._parameters[attr])
+                continue
+            param = self._modules[linear]._parameters[attr]
+            part = param.detach()[i]
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                part.main_grad = main_grad[i]
+            out.append(part)
+        return out
 
     def _single(self, name):
         linear, attr = name.split(".")
