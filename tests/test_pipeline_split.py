@@ -9,7 +9,9 @@ Megatron seeds each pipeline rank's initialisation differently, so the splits st
 iteration-1 checkpoint: their iterations 2-4 must equal the PP=1 run's (up to summation order:
 another data-parallel size; weights and Adam state resharded onto the uneven layout by
 megatron-core's sharded state dict with its global layer offsets). The 1+2 split's own
-iteration-2 checkpoint then resumes at PP=1: iterations 3-4 equal PP=1's again.
+iteration-2 checkpoint then resumes at PP=1: iterations 3-4 equal PP=1's again, and
+tools/generate.py reads it at PP=1 with --use-checkpoint-args (the split is the training run's
+layout, not taken from the checkpoint).
 
 Mutation: the model's TransformerConfig built without the split's fields (the builder not
 passing them): the 1+2 run cannot build a 3-layer model on 2 even stages, so the test fails.
@@ -129,6 +131,28 @@ def test_uneven_splits_continue_pp1_and_back(tmp_path, mutate):
                   and r[0]["lm_loss"] == pytest.approx(ref[0]["lm_loss"][2:], rel=REL)
                   for r in back)
     assert ok == (mutate == "none"), per_rank
+    if mutate == "none":
+        _generate_reads_the_uneven_checkpoint(uneven_ckpt)
+
+
+def _generate_reads_the_uneven_checkpoint(ckpt):
+    """tools/generate.py's flags at PP=1 from the 1+2 split's checkpoint (--use-checkpoint-args):
+    the split is that run's layout, not the model's, so it is not taken from the checkpoint."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from megatron_moe.inference.arguments import parse_inference_args
+    from tools.generate import add_text_generate_args, validate_generation_args
+
+    os.environ["WORLD_SIZE"] = "1"
+    try:
+        args = parse_inference_args(["--load", ckpt, "--prompts", "x", "--use-checkpoint-args"],
+                                    add_text_generate_args, prog="generate.py",
+                                    validate_tool=validate_generation_args)
+    finally:
+        del os.environ["WORLD_SIZE"]
+    assert (args.num_layers, args.pipeline_model_parallel_size) == (3, 1)
+    assert args.decoder_first_pipeline_num_layers is None
 
 
 # --- parse time: Megatron's rules, one line naming the flag ----------------------------------
