@@ -30,11 +30,12 @@ BASE[BASE.index("--num-layers") + 1] = "3"
 BASE += ["--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--lr-decay-style", "constant", "--expert-model-parallel-size", "1"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
-SPLITS = {   # flags -> decoder layers (1-based layer_number) on pipeline rank 0, rank 1
-    "first-1": (["--decoder-first-pipeline-num-layers", "1"], [[1], [2, 3]]),
-    "last-1": (["--decoder-last-pipeline-num-layers", "1"], [[1, 2], [3]]),
-    "embedding": (["--account-for-embedding-in-pipeline-split"], [[1], [2, 3]]),
-    "loss": (["--account-for-loss-in-pipeline-split"], [[1, 2], [3]]),
+SPLITS = {   # flags -> decoder layers (1-based layer_number) of each model chunk on pipeline
+    # rank 0, rank 1
+    "first-1": (["--decoder-first-pipeline-num-layers", "1"], [[[1]], [[2, 3]]]),
+    "last-1": (["--decoder-last-pipeline-num-layers", "1"], [[[1, 2]], [[3]]]),
+    "embedding": (["--account-for-embedding-in-pipeline-split"], [[[1]], [[2, 3]]]),
+    "loss": (["--account-for-loss-in-pipeline-split"], [[[1, 2]], [[3]]]),
 }
 REL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,8 +98,8 @@ def run_recording_layers(rank, world_size, argvs, mutate):
 
 
 def _layers_ok(runs, expected):
-    """Each rank built (and the helper reports) expected[pp rank] as its one chunk."""
-    return all(not isinstance(r, str) and r[1] == [expected[rank]] and r[2] == [expected[rank]]
+    """Each rank built (and the helper reports) the chunks expected[pp rank]."""
+    return all(not isinstance(r, str) and r[1] == expected[rank] and r[2] == expected[rank]
                for rank, r in enumerate(runs))
 
 
@@ -203,3 +204,26 @@ def test_memory_report_follows_the_split(mutate, monkeypatch):
     ok = all(got[n] == want[n] for n in want) and \
         got["first-1:experts"] == [False, True] and got["last-1:experts"] == [True, True]
     assert ok == (mutate == "none"), got
+
+
+def test_uneven_split_with_virtual_stages():
+    """6 layers, 2 on the first stage, 2 virtual stages per rank (Megatron-LM: uneven stages with
+    --num-virtual-stages-per-pipeline-rank): rank 0 holds layers 1 and 4, rank 1 layers 2-3 and
+    5-6; iterations 2-3 from PP=1's iteration-1 checkpoint give PP=1's losses."""
+    import tempfile
+
+    six = list(BASE)
+    six[six.index("--num-layers") + 1] = "6"
+    six[six.index("--train-iters") + 1] = "3"
+    with tempfile.TemporaryDirectory() as ckpt:
+        argvs = [six + ["--save", ckpt, "--save-interval", "1"],
+                 six + PP2 + ["--num-virtual-stages-per-pipeline-rank", "2",
+                              "--decoder-first-pipeline-num-layers", "2",
+                              "--load", ckpt, "--ckpt-step", "1"]]
+        per_rank = run_distributed(run_recording_layers, 2, argvs, "none", timeout_s=500)
+    ref = per_rank[0][0]
+    runs = [per_rank[rank][1] for rank in range(2)]
+    assert _layers_ok(runs, [[[1], [4]], [[2, 3], [5, 6]]]), runs
+    for r in runs:
+        assert r[0]["iteration"] == [2, 3]
+        assert r[0]["lm_loss"] == pytest.approx(ref[0]["lm_loss"][1:], rel=REL)
