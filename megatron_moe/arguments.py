@@ -1021,6 +1021,14 @@ def _resolve_virtual_pipeline(args):
     elif per_rank is not None:
         vpp = per_rank
     elif per_stage is not None:
+        uneven = [f for f, v in (("--decoder-first-pipeline-num-layers",
+                                  args.decoder_first_pipeline_num_layers),
+                                 ("--decoder-last-pipeline-num-layers",
+                                  args.decoder_last_pipeline_num_layers)) if v is not None]
+        if uneven:
+            raise ValueError(f"{uneven[0]} with virtual pipeline stages needs "
+                             f"--num-virtual-stages-per-pipeline-rank, not "
+                             f"--num-layers-per-virtual-pipeline-stage (Megatron-LM's rule)")
         # Megatron-LM: the embedding / loss counted in the split count here too
         layers = None if args.num_layers is None else args.num_layers + \
             bool(args.account_for_embedding_in_pipeline_split) + \

@@ -16,6 +16,12 @@ layout, not taken from the checkpoint).
 Mutation: the model's TransformerConfig built without the split's fields (the builder not
 passing them): the 1+2 run cannot build a 3-layer model on 2 even stages, so the test fails.
 The six pretrain() runs share one 2-rank spawn.
+
+Also: an uneven split with virtual stages (6 layers, 2 on the first stage, 2 chunks per rank)
+builds Megatron's interleaved layers and continues PP=1's checkpoint with its losses; bad
+combinations exit at parse time with one line naming the flag; the memory report
+(tools/report_theoretical_memory.py) places a dense first layer and the MoE layers on the stages
+that hold them (mutation: the former even split assumed).
 """
 
 import os
@@ -169,6 +175,12 @@ def _generate_reads_the_uneven_checkpoint(ckpt):
     ("", "--num-layers (3) must be divisible by --pipeline-model-parallel-size (2)"),
     ("--decoder-first-pipeline-num-layers 1 --pipeline-model-parallel-layout Et|ttL",
      "--decoder-first-pipeline-num-layers cannot be used with --pipeline-model-parallel-layout"),
+    ("--decoder-first-pipeline-num-layers 1 --num-layers-per-virtual-pipeline-stage 1",
+     "--decoder-first-pipeline-num-layers with virtual pipeline stages needs "
+     "--num-virtual-stages-per-pipeline-rank"),
+    ("--decoder-first-pipeline-num-layers 1 --num-virtual-stages-per-pipeline-rank 2",
+     "--decoder-first-pipeline-num-layers with --num-layers 3, --pipeline-model-parallel-size 2: "
+     "number of layers at first stage: 1"),   # megatron-core's: not divisible by the 2 chunks
 ])
 def test_bad_split_is_one_line_at_parse_time(extra, needle, capsys):
     from megatron_moe.arguments import parse_args

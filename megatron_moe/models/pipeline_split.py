@@ -105,10 +105,6 @@ def validate_split_args(args):
             raise ValueError(f"{flag} must be > 0 (got {value})")
     if uneven and accounted:
         raise ValueError(f"{uneven[0]} cannot be used with {accounted[0]} (megatron-core's rule)")
-    if uneven and getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
-        raise ValueError(f"{uneven[0]} with virtual pipeline stages needs "
-                         f"--num-virtual-stages-per-pipeline-rank, not "
-                         f"--num-layers-per-virtual-pipeline-stage (Megatron-LM's rule)")
     if not uneven:
         total = args.num_layers + len(accounted)
         if total % pp:
