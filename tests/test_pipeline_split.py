@@ -151,13 +151,17 @@ def _generate_reads_the_uneven_checkpoint(ckpt):
     from megatron_moe.inference.arguments import parse_inference_args
     from tools.generate import add_text_generate_args, validate_generation_args
 
+    was = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = "1"
     try:
         args = parse_inference_args(["--load", ckpt, "--prompts", "x", "--use-checkpoint-args"],
                                     add_text_generate_args, prog="generate.py",
                                     validate_tool=validate_generation_args)
     finally:
-        del os.environ["WORLD_SIZE"]
+        if was is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = was
     assert (args.num_layers, args.pipeline_model_parallel_size) == (3, 1)
     assert args.decoder_first_pipeline_num_layers is None
 
