@@ -481,9 +481,6 @@ def validate_args(args, check_data_paths=True, training=True):
             f"of --eval-micro-batch-size ({args.eval_micro_batch_size}) x data-parallel size "
             f"({args.data_parallel_size})")
     args.eval_num_microbatches = args.eval_global_batch_size // eval_step
-    if pp > 1 and args.num_layers % pp != 0 and args.pipeline_model_parallel_layout is None:
-        raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
-                         f"--pipeline-model-parallel-size ({pp})")
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads != 0:
         raise ValueError(f"--hidden-size ({args.hidden_size}) must be divisible by "
                          f"--num-attention-heads ({args.num_attention_heads}) (or set --kv-channels)")
@@ -753,6 +750,17 @@ def _add_megatron_ci_args(p):
         help="Virtual pipeline stages (model chunks) per rank: megatron-core's interleaved 1F1B.")
     add(g, "--num-layers-per-virtual-pipeline-stage",
         help="Layers per virtual pipeline stage (the other way to ask for the interleaved schedule).")
+    add(g, "--decoder-first-pipeline-num-layers",
+        help="Transformer layers on the first pipeline stage (default: an even split); the rest "
+             "split evenly over the other stages (megatron-core's uneven pipeline).")
+    add(g, "--decoder-last-pipeline-num-layers",
+        help="Transformer layers on the last pipeline stage (default: an even split).")
+    add(g, "--account-for-embedding-in-pipeline-split",
+        help="Count the embedding as one layer of the first pipeline stage when splitting "
+             "(it builds one transformer layer fewer).")
+    add(g, "--account-for-loss-in-pipeline-split",
+        help="Count the output layer and loss as one layer of the last pipeline stage when "
+             "splitting (it builds one transformer layer fewer).")
     g2 = p.add_argument_group("Megatron-LM sample-based and WSD schedules")
     add(g2, "--lr-decay-samples", help="Samples to decay the LR over (default --train-samples).")
     add(g2, "--lr-warmup-samples", help="Samples of linear LR warmup.")
@@ -1013,11 +1021,23 @@ def _resolve_virtual_pipeline(args):
     elif per_rank is not None:
         vpp = per_rank
     elif per_stage is not None:
-        if args.num_layers is None or args.num_layers % pp or (args.num_layers // pp) % per_stage:
+        uneven = [f for f, v in (("--decoder-first-pipeline-num-layers",
+                                  args.decoder_first_pipeline_num_layers),
+                                 ("--decoder-last-pipeline-num-layers",
+                                  args.decoder_last_pipeline_num_layers)) if v is not None]
+        if uneven:
+            raise ValueError(f"{uneven[0]} with virtual pipeline stages needs "
+                             f"--num-virtual-stages-per-pipeline-rank, not "
+                             f"--num-layers-per-virtual-pipeline-stage (Megatron-LM's rule)")
+        # Megatron-LM: the embedding / loss counted in the split count here too
+        layers = None if args.num_layers is None else args.num_layers + \
+            bool(args.account_for_embedding_in_pipeline_split) + \
+            bool(args.account_for_loss_in_pipeline_split)
+        if layers is None or layers % pp or (layers // pp) % per_stage:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({per_stage}) must divide "
                              f"the layers per pipeline stage (--num-layers / "
                              f"--pipeline-model-parallel-size)")
-        vpp = args.num_layers // pp // per_stage
+        vpp = layers // pp // per_stage
     if args.num_layers is None:
         raise ValueError("--num-layers is required (or --pipeline-model-parallel-layout)")
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
@@ -1027,6 +1047,9 @@ def _resolve_virtual_pipeline(args):
         if pp == 2 and not getattr(args, "overlap_p2p_comm", True):
             raise ValueError("virtual pipeline stages with --pipeline-model-parallel-size 2 need "
                              "p2p overlap (drop --no-overlap-p2p-communication; Megatron's rule)")
+    from megatron_moe.models.pipeline_split import validate_split_args
+
+    validate_split_args(args)   # layers per stage: even, uneven first/last, embedding/loss counted
 
 
 def _validate_rampup(args) -> None:

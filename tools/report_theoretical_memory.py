@@ -96,6 +96,12 @@ def parse(argv):
             parser.error(f"world size {args.world_size} is not divisible by {what} = {d} "
                          "(pass --world-size or WORLD_SIZE)")
     args.data_parallel_size = args.world_size // (tp * pp * cp)
+    from megatron_moe.models.pipeline_split import validate_split_args
+
+    try:   # the layers each stage holds (an uneven split too): checked as training checks them
+        validate_split_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.ffn_hidden_size is None:
@@ -200,26 +206,13 @@ def layer_params(args):
 
 
 def stage_pattern(args, stage) -> list:
-    """The MoE-or-dense pattern of the decoder layers on pipeline rank ``stage``: an even split,
-    or the layers --pipeline-model-parallel-layout puts there (all its virtual stages)."""
-    pattern = _moe_pattern(args)
-    pp = args.pipeline_model_parallel_size
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    if layout is None:
-        per = args.num_layers // pp
-        return pattern[stage * per:(stage + 1) * per]
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    """The MoE-or-dense pattern of the decoder layers on pipeline rank ``stage`` (all its virtual
+    stages): the layers megatron-core builds there (even split, uneven first / last stage,
+    embedding / loss counted in the split, or --pipeline-model-parallel-layout)."""
+    from megatron_moe.models.pipeline_split import stage_layers
 
-    parsed = PipelineParallelLayerLayout.from_str(layout, pp).layout   # [pp rank][virtual stage]
-    mine, offset = [], 0
-    for vp in range(len(parsed[0])):            # megatron-core's order: virtual stage, then rank
-        for rank in range(pp):
-            n = parsed[rank][vp].count(LayerType.decoder)
-            if rank == stage:
-                mine += pattern[offset:offset + n]
-            offset += n
-    return mine
+    pattern = _moe_pattern(args)
+    return [pattern[i] for chunk in stage_layers(args, stage) for i in chunk]
 
 
 def stage_params(args, stage):

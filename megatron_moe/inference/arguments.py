@@ -22,6 +22,12 @@ NOT_FROM_CHECKPOINT = frozenset({
     "overlap_grad_reduce", "overlap_param_gather", "local_rank", "rank", "world_size",
     "data_parallel_size", "num_microbatches", "load", "save", "seed", "tensorboard_dir",
     "moe_routing_trace_dir", "exit_interval", "exit_signal_handler",
+    # how the training run split the layers over its pipeline stages (models/pipeline_split.py):
+    # its layout, not the model's (the split it would need at this launch's PP is this launch's)
+    "pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
     # the training run's length and schedule: a run given in samples stores the iterations it
     # derived too, and the two are exclusive on a command line
     "train_iters", "train_samples", "rampup_batch_size", "decrease_batch_size_if_needed",

@@ -46,7 +46,9 @@ def validate_ring_memory_args(args):
     if args.ring_memory_link_gbps is not None and args.ring_memory_link_gbps <= 0:
         raise ValueError(f"--ring-memory-link-gbps must be > 0 (got {args.ring_memory_link_gbps})")
     if k > 0:
-        layers = args.num_layers // args.pipeline_model_parallel_size
+        from megatron_moe.models.pipeline_split import layers_per_stage
+
+        layers = min(layers_per_stage(args))   # the split megatron-core builds (may be uneven)
         if k > layers:
             raise ValueError(f"--ring-memory-slots {k} exceeds the {layers} transformer layers of "
                              f"a pipeline stage (K <= N; K = N streams nothing)")

@@ -21,6 +21,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe.models.mla import yarn_config_fields
+from megatron_moe.models.pipeline_split import SPLIT_FIELDS
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,6 +30,7 @@ _RENAMED = {
     "num_experts": "num_moe_experts",
     "norm_epsilon": "layernorm_epsilon",
     "swiglu": "gated_linear_unit",
+    **SPLIT_FIELDS,   # Megatron-LM's pipeline split flags (uneven first / last stage, ...)
 }
 
 

@@ -817,7 +817,9 @@ def load_checkpoint(model, optimizer, scheduler, args):
         raise CheckpointError(f"{ckpt}: {changed}")
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
                              include_rng=load_rng, is_loading=True)
-    mismatch = _model_mismatch(sharded["model"], ckpt, common.get("args"), args)
+    # every model chunk's tensors ("model", or "model0", "model1", ... with virtual stages)
+    mismatch = _model_mismatch({key: sharded[key] for key in model_keys(model)}, ckpt,
+                               common.get("args"), args)
     if mismatch:
         raise CheckpointError(mismatch)
     try:
