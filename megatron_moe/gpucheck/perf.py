@@ -49,7 +49,7 @@ from megatron_moe.gpucheck.host_time import HostProfile, format_breakdown
 from megatron_moe.gpucheck.process import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SYSTEMS = ("ours", "ours-eager", "stock", "torchtitan", "transformers")
+SYSTEMS = ("ours", "ours-eager", "ours-per-expert", "stock", "torchtitan", "transformers")
 # Megatron-style (layers, hidden, heads, query groups, head dim, expert FFN, experts, top-k,
 # vocabulary, sequence, micro-batch = global batch, q/k RMSNorm as Qwen3). Every layer is MoE, no
 # shared experts, untied embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, SwiGLU, no biases.
@@ -71,7 +71,8 @@ SHAPES = {
 ITERS = {"gpu": dict(warmup=3, timed=5, profiled=2), "cpu": dict(warmup=1, timed=2, profiled=1)}
 # seconds each row may take at most (GPU, CPU), start-up included; the runner also keeps the whole
 # section inside its budget (on the GPU 540 s: the section fits one 10-minute device call)
-ROW_CAP_S = {"ours": (90, 300), "ours-eager": (60, 300), "stock": (100, 300),
+ROW_CAP_S = {"ours": (90, 300), "ours-eager": (60, 300), "ours-per-expert": (60, 300),
+             "stock": (100, 300),
              "torchtitan": (70, 300),
              "transformers": (70, 300)}
 SECTION_BUDGET_S = {"gpu": 540.0, "cpu": 1500.0}
@@ -91,6 +92,12 @@ SPEED_CANDIDATES = ((("--moe-grouped-gemm",), ("--moe-torch-grouped-gemm",)),
 # for above), so the report measures what they bring (models/builder.py _fusion_selectors)
 EAGER_OPTIONS = ("--no-bias-swiglu-fusion", "--no-bias-dropout-fusion")
 EAGER_ON_CPU = "the compiled fusions apply on CUDA only: on the CPU ours is eager"
+# "ours-per-expert": ours with one parameter per expert linear (without --moe-single-grouped-weight),
+# so the report measures what the single grouped weight brings on the device; on the CPU
+# bench/single_grouped_weight.py measures it (ops, Python calls, host time)
+SINGLE_WEIGHT_OPTION = "--moe-single-grouped-weight"
+PER_EXPERT_ON_CPU = "measured on the CPU by bench/single_grouped_weight.py; this row is CUDA only"
+CUDA_ONLY_ROWS = {"ours-eager": EAGER_ON_CPU, "ours-per-expert": PER_EXPERT_ON_CPU}
 TARGETS = {"mixtral": dict(mfu=0.40), "finegrained": dict(mfu=0.25),
            "vs_torchtitan": 1.0, "vs_stock": 5.0}
 LR, MIN_LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 3e-5, 0.1, (0.9, 0.95), 1.0
@@ -316,7 +323,7 @@ def _init_dist(gpu):
     dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
 
 
-def row_megatron(s, gpu, meter, stock, eager=False):
+def row_megatron(s, gpu, meter, stock, eager=False, per_expert=False):
     """``pretrain()`` of pretrain_gpt_moe.py on the synthetic batch, each iteration through the
     meter (its ``Trainer.train_step`` wrapped)."""
     import torch
@@ -330,6 +337,8 @@ def row_megatron(s, gpu, meter, stock, eager=False):
     options, refused = ([], []) if stock else speed_options(argv)
     if eager:
         options = [o for o in options if o != "--cross-entropy-loss-fusion"] + list(EAGER_OPTIONS)
+    if per_expert:
+        options = [o for o in options if o != SINGLE_WEIGHT_OPTION]
     # stock names megatron-core's local attention: auto is this package's SDPA on CUDA
     stock_attention = ["--attention-backend", "local"] if stock else []
     batch = synthetic_batch(s)
@@ -579,10 +588,11 @@ def run_row(system, shape, mode, eager=False):
     meter = Meter(gpu, n["warmup"], n["timed"], n["profiled"])
     if system in ("ours", "stock"):
         out = row_megatron(s, gpu, meter, stock=system == "stock")
-    elif system == "ours-eager":
+    elif system in CUDA_ONLY_ROWS:
         if not gpu:
-            raise RowSkipped(EAGER_ON_CPU)
-        out = row_megatron(s, gpu, meter, stock=False, eager=True)
+            raise RowSkipped(CUDA_ONLY_ROWS[system])
+        out = row_megatron(s, gpu, meter, stock=False, eager=system == "ours-eager",
+                           per_expert=system == "ours-per-expert")
     elif system == "torchtitan":
         out = row_torchtitan(s, gpu, meter, eager=eager)
     elif system == "transformers":
@@ -648,7 +658,7 @@ def verdict(shape, mode, rows, peak_tflops):
             problems.append(f"{name}: non-finite loss {r.get('losses')}")
     ratios = {}
     ours = (rows.get("ours") or {}).get("tokens_per_s")
-    for peer in ("torchtitan", "stock", "transformers", "ours-eager"):
+    for peer in ("torchtitan", "stock", "transformers", "ours-eager", "ours-per-expert"):
         theirs = (rows.get(peer) or {}).get("tokens_per_s")
         ratios[f"ours/{peer}"] = ours / theirs if ours and theirs else None
     for name, r in rows.items():
@@ -720,8 +730,8 @@ def run_section(cpu, work, log, budget_s, shapes=None, systems=None):
             rows[shape][system] = dict(error=f"not run: the section's {budget_s:.0f} s budget "
                                              "was spent")
             continue
-        if cpu and system == "ours-eager":   # no process: nothing differs from ours there
-            rows[shape][system] = dict(skipped=EAGER_ON_CPU)
+        if cpu and system in CUDA_ONLY_ROWS:   # no process: see CUDA_ONLY_ROWS
+            rows[shape][system] = dict(skipped=CUDA_ONLY_ROWS[system])
             continue
         limit = min(ROW_CAP_S[system][1 if cpu else 0], left - reserve)
         result = os.path.join(work, f"perf_{shape}_{system}.json")
