@@ -33,3 +33,38 @@ def train_marking_iterations(rank, world_size, argv, mutate=None):
         return pretrain_with_step(argv, wrap)["history"]["lm_loss"]
     finally:
         profiling.Profiler.before_step, profiling._profiled_rank = before_step, profiled_rank
+
+
+def train_recording_memory(rank, world_size, argv, mutate=None):
+    """pretrain() with --record-memory-history on a CPU: torch's CUDA allocator calls replaced by
+    recorders (and parse-time's CUDA check by True). Returns [('record', kwargs) | ('dump', path,
+    iteration)] in order. ``mutate``: 'dump-every-step' (the log interval ignored)."""
+    import torch
+
+    from megatron_moe.training import loop, profiling
+
+    calls, done = [], [0]
+    memory = torch.cuda.memory
+    real = memory._record_memory_history, memory._dump_snapshot, profiling._cuda_available
+    memory._record_memory_history = lambda *a, **k: calls.append(("record", k))
+    memory._dump_snapshot = lambda path: calls.append(("dump", path, done[0]))
+    profiling._cuda_available = lambda: True
+    after_step = profiling.MemoryHistory.after_step
+    if mutate == "dump-every-step":
+        profiling.MemoryHistory.after_step = lambda self, it: memory._dump_snapshot(
+            profiling.snapshot_path(self.args, rank))
+    step = loop.Trainer.train_step
+
+    def counted(self, data_iterator):
+        done[0] += 1
+        return step(self, data_iterator)
+
+    loop.Trainer.train_step = counted
+    try:
+        from tests._train_cases import _pretrain
+        _pretrain(argv)
+    finally:
+        memory._record_memory_history, memory._dump_snapshot, profiling._cuda_available = real
+        profiling.MemoryHistory.after_step = after_step
+        loop.Trainer.train_step = step
+    return calls

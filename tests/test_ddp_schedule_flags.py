@@ -76,8 +76,8 @@ def _check_schedule(mutate=None):
     base, groups, flush = _run(cases.train_interleaved, PP_VP)[1]
     assert set(groups) == {2} and flush == [False] * 3, (groups, flush)   # default: PP
     assert len(set(base)) == 3
-    # one flag a run: megatron-core 0.16's forward-only interleaved schedule (evaluation) stalls
-    # on gloo with both (a group of all 4 micro-batches and the warmup/flush overlap)
+    # one flag a run: megatron-core's forward-only interleaved schedule (evaluation) stalls with
+    # both here (training/pipeline_schedule.py's docstring)
     group = ["--microbatch-group-size-per-virtual-pipeline-stage", "4"]
     losses, groups, flush = _run(cases.train_interleaved, PP_VP + group, mutate=mutate)[1]
     assert groups and set(groups) == {4} and flush == [False] * 3, (groups, flush)

@@ -1,7 +1,11 @@
 """Megatron-LM's --profile with --use-pytorch-profiler on a tiny CPU run of 2 gloo ranks: the
 trace of the one listed rank holds exactly the steps of iterations [start, end) (one profiler
 step, its ops, no other iteration's marker); the other rank writes none; training is unchanged.
-Mutations (run in the spawned ranks): the profiler never stepped, --profile-ranks ignored."""
+Mutations (run in the spawned ranks): the profiler never stepped, --profile-ranks ignored.
+--record-memory-history on a CPU with torch's CUDA allocator calls replaced by recorders: recording
+starts before the first step on the listed rank only, snapshots at Megatron's iterations and path;
+mutation: a snapshot every step. Parse-time refusals: bad window, no --tensorboard-dir, the
+CUDA-only forms on a CPU."""
 
 import gzip
 import json
@@ -73,3 +77,37 @@ def test_profile_refused_at_parse_time(flags, message, tmp_path, capsys):
     args = parse_args(TINY + ["--train-iters", "4", "--profile", "--use-pytorch-profiler",
                               "--tensorboard-dir", str(tmp_path)], world_size=1)
     assert (args.profile_step_start, args.profile_step_end, args.profile_ranks) == (10, 12, [])
+
+
+def _check_memory_history(tmp_path, mutate=None):
+    snap = str(tmp_path / "mem" / "snap.pickle")
+    argv = TINY + ["--train-iters", "5", "--log-interval", "2", "--record-memory-history",
+                   "--memory-snapshot-path", snap, "--profile-ranks", "1"]
+    calls = run_distributed(cases.train_recording_memory, 2, argv, timeout_s=300, mutate=mutate)
+    assert calls[0] == []                                   # rank 0 is not listed
+    want = str(tmp_path / "mem" / "snap_1.pickle")          # Megatron's _<rank> suffix
+    # recording from before the first step; a snapshot at the first iteration and each log line
+    assert calls[1] == [("record", {"max_entries": 100_000}), ("dump", want, 1),
+                        ("dump", want, 2), ("dump", want, 4)], calls[1]
+
+
+def test_record_memory_history_on_cpu_with_recorders(tmp_path):
+    _check_memory_history(tmp_path)
+
+
+def test_record_memory_history_mutation_fails(tmp_path):
+    with pytest.raises(AssertionError):
+        _check_memory_history(tmp_path, "dump-every-step")
+
+
+def test_record_memory_history_refused_on_cpu(capsys):
+    import torch
+
+    from megatron_moe.arguments import parse_args
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is there")
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--train-iters", "4", "--record-memory-history"], world_size=1)
+    err = capsys.readouterr().err
+    assert "--record-memory-history" in err and "needs a GPU" in err, err

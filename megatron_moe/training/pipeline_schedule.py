@@ -7,7 +7,11 @@ names (0.16 and 0.19 alike; ``models/builder.py`` copies every field-named arg i
   phases too (needs megatron-core's overlap_p2p_comm, on here with virtual stages).
 
 Both only act in the interleaved schedule; megatron-core's own checks of them run at the first
-step, so they are made here at parse time, with the flag's name.
+step, so they are made here at parse time, with the flag's name. Seen on 2 gloo ranks (PP 2, 2
+virtual stages) with megatron-core 0.16.1 and 0.19: training runs with both flags, but evaluation
+(the forward-only interleaved schedule) with both stalls until the collective timeout when the
+group is larger than the pipeline and divides the micro-batches (group 4 of 4, 3 of 6; not 4 of 6
+or 2 of 4); each flag alone evaluates. Not refused here: the exact condition is megatron-core's.
 """
 
 from __future__ import annotations

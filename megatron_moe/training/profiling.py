@@ -13,6 +13,12 @@
   ``cudaProfilerStop`` after iteration ``end``) for ``nsys profile --capture-range=cudaProfilerApi``;
   ``--record-shapes`` adds torch's NVTX ranges with shapes (``emit_nvtx``). It needs CUDA: on a
   host without one it is refused at parse time (Megatron's call would fail in the loop).
+
+``--record-memory-history`` on the same ranks (``--profile-ranks``, with or without ``--profile``):
+the CUDA caching allocator records its allocation history (torch's ``_record_memory_history``,
+from the start of training), and a snapshot is written at the first iteration and every
+``--log-interval`` iterations to ``--memory-snapshot-path`` with ``_<rank>`` before its extension
+(Megatron's training_log), for PyTorch's memory_viz. CUDA only: refused on a CPU at parse time.
 """
 
 from __future__ import annotations
@@ -43,9 +49,20 @@ def add_arguments(parser):
                           help="torch.profiler with_stack.")
     add_megatron_argument(g, "--record-shapes",
                           help="nsys path: NVTX ranges with tensor shapes (torch emit_nvtx).")
+    add_megatron_argument(g, "--record-memory-history",
+                          help="Record the CUDA allocator's history; snapshots each log interval.")
+    add_megatron_argument(g, "--memory-snapshot-path",
+                          help="Snapshot file; _<rank> is added before its extension.")
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
 
 
 def validate_args(args):
+    if args.record_memory_history and not _cuda_available():
+        raise ValueError("--record-memory-history records the CUDA caching allocator's history, "
+                         "which needs a GPU")
     if not args.profile:
         return
     if args.profile_step_end <= args.profile_step_start or args.profile_step_start < 0:
@@ -55,7 +72,7 @@ def validate_args(args):
         if not args.tensorboard_dir:
             raise ValueError("--use-pytorch-profiler needs --tensorboard-dir (Megatron writes the "
                              "trace to <--tensorboard-dir>/../torch_profile/)")
-    elif not torch.cuda.is_available():
+    elif not _cuda_available():
         raise ValueError("--profile without --use-pytorch-profiler drives the CUDA profiler API "
                          "(nsys), which needs a GPU: add --use-pytorch-profiler on a CPU")
 
@@ -67,6 +84,28 @@ def _profiled_rank(args) -> bool:
 def trace_path(args, rank) -> str:
     """Where --use-pytorch-profiler writes rank ``rank``'s trace (Megatron's path)."""
     return os.path.join(args.tensorboard_dir, "..", "torch_profile", f"rank-{rank}.json.gz")
+
+
+def snapshot_path(args, rank) -> str:
+    """Where --record-memory-history writes rank ``rank``'s snapshot (Megatron's name)."""
+    base, ext = os.path.splitext(args.memory_snapshot_path)
+    return f"{base}_{rank}{ext}"
+
+
+class MemoryHistory:
+    """--record-memory-history on one profiled rank: recording from construction (before the
+    first step), a snapshot at the run's first iteration and at each log interval."""
+
+    def __init__(self, args):
+        self.args = args
+        self.first = True
+        # Megatron's settings: up to 100k alloc/free events, each with its Python stack
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def after_step(self, iteration):
+        if self.first or iteration % self.args.log_interval == 0:
+            torch.cuda.memory._dump_snapshot(snapshot_path(self.args, dist.get_rank()))
+        self.first = False
 
 
 class Profiler:
@@ -127,7 +166,31 @@ class Profiler:
                 self.nvtx.__exit__(None, None, None)
 
 
+class Profiling:
+    """This rank's profiling run hooks: the profiler and/or the memory history."""
+
+    def __init__(self, args):
+        self.parts = [part(args) for on, part in ((args.profile, Profiler),
+                                                   (args.record_memory_history, MemoryHistory))
+                      if on]
+
+    def before_step(self, iteration):
+        for part in self.parts:
+            if hasattr(part, "before_step"):
+                part.before_step(iteration)
+
+    def after_step(self, iteration):
+        for part in self.parts:
+            part.after_step(iteration)
+
+    def close(self):
+        for part in self.parts:
+            if hasattr(part, "close"):
+                part.close()
+
+
 def run_hooks(args, model, optimizer, tracker):
-    if getattr(args, "profile", False) and _profiled_rank(args):
-        return Profiler(args)
+    if (getattr(args, "profile", False) or getattr(args, "record_memory_history", False)) \
+            and _profiled_rank(args):
+        return Profiling(args)
     return None
