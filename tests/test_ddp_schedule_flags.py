@@ -2,7 +2,7 @@
 on 2 gloo ranks (tiny CPU runs), each also failing under a mutation run in the spawned ranks:
 
 * --grad-reduce-in-bf16 (with --bf16): every main_grad is bf16 (fp32 without it), the local grouped
-  experts add their weight gradients into it, the losses stay close to the fp32-reduce run;
+  experts add their weight gradients into it, the losses stay within 0.1% of the fp32-reduce run;
   mutation: DDP keeps grad_reduce_in_fp32;
 * --ddp-average-in-collective: the data-parallel all-reduces run ReduceOp.AVG (none without it),
   the same losses as scaling then summing; mutation: the flag not given to DDP;
@@ -39,7 +39,7 @@ def _check_bf16(mutate=None):
     assert fp32_dtypes == [["torch.float32"]] * 3, fp32_dtypes
     assert dtypes == [["torch.bfloat16"]] * 3, dtypes
     assert adds > 0 and adds == fp32_adds   # the grouped experts' main_grad adds ran in bf16
-    assert len(set(losses)) == 3 and _close(losses, fp32_losses, 2e-2), (losses, fp32_losses)
+    assert len(set(losses)) == 3 and _close(losses, fp32_losses, 1e-3), (losses, fp32_losses)
 
 
 def test_grad_reduce_in_bf16():
