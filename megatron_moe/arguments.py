@@ -221,10 +221,19 @@ def _add_training_args(p):
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    # gradients are always accumulated and reduced in fp32 here (DDP grad_reduce_in_fp32, what
-    # Megatron-LM turns on for --bf16): the flag is accepted with that meaning
+    from megatron_moe.flags import add_megatron_argument
+
+    # gradients are accumulated and reduced in fp32 (DDP grad_reduce_in_fp32, what Megatron-LM
+    # turns on for --bf16) unless --bf16 --grad-reduce-in-bf16 (then in bf16, as Megatron)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="Accumulate and all-reduce gradients in fp32 (always on here).")
+                   help="Accumulate and all-reduce gradients in fp32 (on unless --bf16 "
+                        "--grad-reduce-in-bf16).")
+    add_megatron_argument(g, "--grad-reduce-in-bf16",
+                          help="With --bf16: accumulate and reduce gradients in bf16 (DDP "
+                               "grad_reduce_in_fp32=False; main_grad is bf16).")
+    add_megatron_argument(g, "--ddp-average-in-collective",
+                          help="Average gradients in the data-parallel collective (ReduceOp.AVG) "
+                               "instead of scaling them by 1/DP before a sum.")
     g.add_argument("--main-grads-dtype", default="fp32",
                    help="dtype of the main gradients: fp32 (bf16 is refused).")
     g.add_argument("--loss-scale", type=float, default=None)
@@ -501,7 +510,12 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError(f"--main-grads-dtype {args.main_grads_dtype}: only fp32 (gradients are "
                          "accumulated and reduced in fp32 here)" + (
                              "" if args.main_grads_dtype == "bf16" else "; Megatron's choices: fp32, bf16"))
-    args.accumulate_allreduce_grads_in_fp32 = True
+    # Megatron-LM's rule for --bf16 (--grad-reduce-in-bf16 wins); fp32 otherwise here
+    args.accumulate_allreduce_grads_in_fp32 = not (args.bf16 and args.grad_reduce_in_bf16)
+    if args.ddp_average_in_collective and getattr(args, "calculate_per_token_loss", False):
+        raise ValueError("--ddp-average-in-collective cannot be used with "
+                         "--calculate-per-token-loss (megatron-core's DDP: the per-token loss "
+                         "sums gradients)")
     if args.recompute_activations:
         args.recompute_granularity = "selective"
     if args.recompute_granularity == "full" and (args.recompute_method is None

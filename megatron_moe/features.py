@@ -28,7 +28,7 @@ from megatron_moe.flags import exclusions
 from megatron_moe.models import architecture, attention, embedding, gpt_oss, mla
 from megatron_moe.moe import dispatcher, grouped_experts, topo_router
 from megatron_moe.runtime import dist_signal_handler
-from megatron_moe.training import megatron_logging, wandb_writer
+from megatron_moe.training import megatron_logging, pipeline_schedule, profiling, wandb_writer
 
 FEATURES = (
     comm,                 # --moe-a2a-algorithm / compression / overlap, emulated link, topology
@@ -42,6 +42,8 @@ FEATURES = (
     dist_signal_handler,  # --exit-signal, --exit-duration-in-mins
     wandb_writer,         # --wandb-project, --wandb-exp-name, ...
     megatron_logging,     # params norm, zeros in grad, timers, memory, validation ppl, log level
+    pipeline_schedule,    # --microbatch-group-size-per-virtual-pipeline-stage, warmup/flush overlap
+    profiling,            # --profile, --use-pytorch-profiler, --profile-step-start/-end/-ranks
     mla,                  # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
     gpt_oss,              # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
     architecture,         # activation, init, RoPE variants, q/k L2 norm, fp32 residual (Megatron-LM)
@@ -79,7 +81,7 @@ def customize_spec(args, spec, features=FEATURES):
 class RunHooks:
     """The features' parts of one training run, called by the training loop in this order:
 
-    forward/backward of all micro-batches; ``before_finalize_grads`` / ``after_finalize_grads``
+    ``before_step(iteration)`` at the top of each loop pass; forward/backward of all micro-batches; ``before_finalize_grads`` / ``after_finalize_grads``
     around megatron-core's grad finalisation; ``after_optimizer_step(ok, grad_norm)`` before the
     learning rate moves; ``after_step(iteration)``; ``metrics()`` and ``log_lines()`` each log
     interval; ``checkpoint_io(load)`` around every save and load; ``state_dict()`` into the
@@ -122,6 +124,9 @@ class RunHooks:
 
     def after_optimizer_step(self, update_successful, grad_norm):
         self._call("after_optimizer_step", update_successful, grad_norm)
+
+    def before_step(self, iteration):
+        self._call("before_step", iteration)
 
     def after_step(self, iteration):
         self._call("after_step", iteration)

@@ -255,7 +255,8 @@ def weight_and_optimizer_bytes(args, stage):
     nonexp, exp = stage_params(args, stage)
     mixed = args.bf16 or args.fp16
     p_bytes = 2 if mixed else 4
-    grad_bytes = 4                          # megatron-core DDP with grad_reduce_in_fp32 (model.py)
+    # megatron-core DDP's main_grad: fp32 (grad_reduce_in_fp32) unless --bf16 --grad-reduce-in-bf16
+    grad_bytes = 2 if args.bf16 and getattr(args, "grad_reduce_in_bf16", False) else 4
     state = 8 if args.optimizer == "adam" else 4             # Adam m, v (fp32); SGD momentum
     opt_per_param = state + (4 if mixed else 0)               # + the fp32 main copy of a 16-bit param
     dp = args.data_parallel_size * args.context_parallel_size

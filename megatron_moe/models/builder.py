@@ -263,7 +263,9 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
         if args.bf16 or args.fp16:
             chunk = Float16Module(config, chunk)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
+            # bf16 gradients with --bf16 --grad-reduce-in-bf16 (arguments.py)
+            grad_reduce_in_fp32=getattr(args, "accumulate_allreduce_grads_in_fp32", True),
+            average_in_collective=getattr(args, "ddp_average_in_collective", False),
             overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather,
             use_distributed_optimizer=args.use_distributed_optimizer,

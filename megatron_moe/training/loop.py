@@ -535,6 +535,7 @@ class Trainer:
 
         stop = None   # why the loop ended early (an exit condition), else None
         while iteration < args.train_iters:
+            self.hooks.before_step(iteration)   # --profile: Megatron steps its profiler here
             finalize_async_save(blocking=False)  # --async-save: commit finished writes
             # --rampup-batch-size: this iteration's batch from the samples consumed so far;
             # Megatron-LM saves a checkpoint before the batch changes

@@ -1,0 +1,105 @@
+"""Rank functions for tests/test_ddp_schedule_flags.py (spawned by run_distributed). ``mutate``
+breaks the feature inside the spawned rank; the test expects that run to fail its assertions."""
+
+
+def _ignoring_ddp_field(field, value):
+    """models.builder's DistributedDataParallelConfig with ``field`` forced to ``value`` (the
+    flag not passed on); returns a restore function."""
+    from megatron_moe.models import builder
+
+    real = builder.DistributedDataParallelConfig
+
+    def forced(**kw):
+        kw[field] = value
+        return real(**kw)
+
+    builder.DistributedDataParallelConfig = forced
+    return lambda: setattr(builder, "DistributedDataParallelConfig", real)
+
+
+def train_main_grads(rank, world_size, argv, mutate=None):
+    """pretrain(); returns (losses, [main_grad dtypes after each step], main_grad adds by the
+    grouped experts' backward, gradient all-reduces run with ReduceOp.AVG). ``mutate``:
+    'bf16-ignored' (DDP keeps fp32 grads), 'average-ignored' (DDP scales then sums, the default)."""
+    import torch.distributed as dist
+
+    from megatron_moe.models.builder import unwrap
+    from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
+    from tests._train_cases import pretrain_with_step
+
+    restore = lambda: None   # noqa: E731
+    if mutate == "bf16-ignored":
+        restore = _ignoring_ddp_field("grad_reduce_in_fp32", True)
+    if mutate == "average-ignored":
+        restore = _ignoring_ddp_field("average_in_collective", False)
+    averaged, dtypes = [0], []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, *a, **k):
+        # a gradient bucket, not a loss or a norm (those are a few elements)
+        averaged[0] += op == dist.ReduceOp.AVG and tensor.numel() > 1000
+        return all_reduce(tensor, op, *a, **k)
+
+    def wrap(step):
+        def train_step(self, data_iterator):
+            out = step(self, data_iterator)
+            dtypes.append(sorted({str(p.main_grad.dtype) for chunk in self.model
+                                  for p in unwrap(chunk).parameters()
+                                  if getattr(p, "main_grad", None) is not None}))
+            return out
+        return train_step
+
+    dist.all_reduce = counting_all_reduce
+    adds_before = GroupedSequentialMLP.wgrads_into_main_grad
+    try:
+        losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    finally:
+        dist.all_reduce = all_reduce
+        restore()
+    return losses, dtypes, GroupedSequentialMLP.wgrads_into_main_grad - adds_before, averaged[0]
+
+
+def train_interleaved(rank, world_size, argv, mutate=None):
+    """pretrain() with megatron-core's interleaved schedule watched: returns (losses, [the
+    micro-batch group size each get_schedule_table call got], [the model config's
+    overlap_p2p_comm_warmup_flush at each step]). ``mutate``: 'group-ignored' (the config keeps
+    its default group), 'flush-ignored' (the config never gets the warmup/flush overlap)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_moe.models import builder
+    from tests._train_cases import pretrain_with_step
+
+    groups, flush = [], []
+    table = schedules.get_schedule_table
+
+    def recording_table(num_microbatches, num_model_chunks, group):
+        groups.append(group)
+        return table(num_microbatches, num_model_chunks, group)
+
+    def wrap(step):
+        def train_step(self, data_iterator):
+            flush.append(builder.unwrap(self.model[0]).config.overlap_p2p_comm_warmup_flush)
+            return step(self, data_iterator)
+        return train_step
+
+    config_from_args = builder.transformer_config_from_args
+
+    def mutated_config(args, *a, **k):
+        field = {"group-ignored": "microbatch_group_size_per_vp_stage",
+                 "flush-ignored": "overlap_p2p_comm_warmup_flush"}[mutate]
+        saved = getattr(args, field)
+        setattr(args, field, {"group-ignored": None, "flush-ignored": False}[mutate])
+        try:
+            return config_from_args(args, *a, **k)
+        finally:
+            setattr(args, field, saved)
+
+    schedules.get_schedule_table = recording_table
+    if mutate:
+        builder.transformer_config_from_args = mutated_config
+    try:
+        losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    finally:
+        schedules.get_schedule_table = table
+        builder.transformer_config_from_args = config_from_args
+    return losses, groups, flush

@@ -1,0 +1,127 @@
+"""Megatron-LM's DDP and interleaved-schedule pass-through flags, each in the real training loop
+on 2 gloo ranks (tiny CPU runs), each also failing under a mutation run in the spawned ranks:
+
+* --grad-reduce-in-bf16 (with --bf16): every main_grad is bf16 (fp32 without it), the local grouped
+  experts add their weight gradients into it, the losses stay within 0.1% of the fp32-reduce run;
+  mutation: DDP keeps grad_reduce_in_fp32;
+* --ddp-average-in-collective: the data-parallel all-reduces run ReduceOp.AVG (none without it),
+  the same losses as scaling then summing; mutation: the flag not given to DDP;
+* --microbatch-group-size-per-virtual-pipeline-stage: megatron-core's interleaved schedule table
+  is built with the group size given (the pipeline size without it), the same losses;
+  --overlap-p2p-communication-warmup-flush reaches the config the schedule reads, same losses;
+  mutations: the config keeps its default.
+"""
+
+import math
+
+import pytest
+
+from megatron_moe.runtime.local_ranks import run_distributed
+from tests import _ddp_schedule_cases as cases
+from tests.test_training import TINY
+
+EXACT = "--attention-dropout 0 --hidden-dropout 0 --train-iters 3".split()
+
+
+def _run(fn, argv, mutate=None):
+    return run_distributed(fn, 2, TINY + EXACT + argv, timeout_s=300, mutate=mutate)
+
+
+def _close(a, b, rel):
+    return all(math.isclose(x, y, rel_tol=rel) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def _check_bf16(mutate=None):
+    bf16 = ["--bf16", "--moe-grouped-gemm"]
+    (fp32_losses, fp32_dtypes, fp32_adds, _), _ = _run(cases.train_main_grads, bf16)
+    (losses, dtypes, adds, _), _ = _run(cases.train_main_grads, bf16 + ["--grad-reduce-in-bf16"],
+                                        mutate=mutate)
+    assert fp32_dtypes == [["torch.float32"]] * 3, fp32_dtypes
+    assert dtypes == [["torch.bfloat16"]] * 3, dtypes
+    assert adds > 0 and adds == fp32_adds   # the grouped experts' main_grad adds ran in bf16
+    assert len(set(losses)) == 3 and _close(losses, fp32_losses, 1e-3), (losses, fp32_losses)
+
+
+def test_grad_reduce_in_bf16():
+    _check_bf16()
+
+
+def test_grad_reduce_in_bf16_mutation_fails():
+    with pytest.raises(AssertionError):
+        _check_bf16("bf16-ignored")
+
+
+def _check_average(mutate=None):
+    (summed, _, _, avg_default), _ = _run(cases.train_main_grads, [])
+    (averaged, _, _, avg_calls), _ = _run(cases.train_main_grads, ["--ddp-average-in-collective"],
+                                          mutate=mutate)
+    assert avg_default == 0 and avg_calls >= 3, (avg_default, avg_calls)   # >= 1 per step
+    assert len(set(summed)) == 3 and _close(averaged, summed, 1e-5), (averaged, summed)
+
+
+def test_ddp_average_in_collective():
+    _check_average()
+
+
+def test_ddp_average_in_collective_mutation_fails():
+    with pytest.raises(AssertionError):
+        _check_average("average-ignored")
+
+
+PP_VP = ("--pipeline-model-parallel-size 2 --num-layers 4 "
+         "--num-layers-per-virtual-pipeline-stage 1").split()   # 2 stages x 2 chunks, 4 micro-batches
+
+
+def _check_schedule(mutate=None):
+    base, groups, flush = _run(cases.train_interleaved, PP_VP)[1]
+    assert set(groups) == {2} and flush == [False] * 3, (groups, flush)   # default: PP
+    assert len(set(base)) == 3
+    # one flag a run: megatron-core's forward-only interleaved schedule (evaluation) stalls with
+    # both here (training/pipeline_schedule.py's docstring)
+    group = ["--microbatch-group-size-per-virtual-pipeline-stage", "4"]
+    losses, groups, flush = _run(cases.train_interleaved, PP_VP + group, mutate=mutate)[1]
+    assert groups and set(groups) == {4} and flush == [False] * 3, (groups, flush)
+    assert _close(losses, base, 1e-5), (losses, base)
+    losses, groups, flush = _run(cases.train_interleaved,
+                                 PP_VP + ["--overlap-p2p-communication-warmup-flush"],
+                                 mutate=mutate)[1]
+    assert set(groups) == {2} and flush == [True] * 3, (groups, flush)
+    assert _close(losses, base, 1e-5), (losses, base)
+
+
+def test_interleaved_schedule_options():
+    _check_schedule()
+
+
+@pytest.mark.parametrize("mutate", ["group-ignored", "flush-ignored"])
+def test_interleaved_schedule_options_mutation_fails(mutate):
+    with pytest.raises(AssertionError):
+        _check_schedule(mutate)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--overlap-p2p-communication-warmup-flush", "needs virtual pipeline stages"),
+    ("--microbatch-group-size-per-virtual-pipeline-stage 2", "needs virtual pipeline stages"),
+    (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 1", "must be in"),
+    (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 3", "last group of 1"),
+    ("--ddp-average-in-collective --calculate-per-token-loss", "--calculate-per-token-loss"),
+])
+def test_refused_at_parse_time(flags, message, capsys):
+    from megatron_moe.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--train-iters", "4"] + flags.split(), world_size=2)
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 2, err
+
+
+def test_grad_reduce_in_bf16_sets_megatrons_accumulate_flag():
+    from megatron_moe.arguments import parse_args
+
+    def accumulate(flags):
+        return parse_args(TINY + ["--train-iters", "4"] + flags.split(),
+                          world_size=1).accumulate_allreduce_grads_in_fp32
+
+    assert accumulate("--bf16") and accumulate("") and accumulate("--grad-reduce-in-bf16")
+    assert not accumulate("--bf16 --grad-reduce-in-bf16")
+    assert not accumulate("--bf16 --grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32")
