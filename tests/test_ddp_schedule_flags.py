@@ -105,6 +105,8 @@ def test_interleaved_schedule_options_mutation_fails(mutate):
     (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 1", "must be in"),
     (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 3", "last group of 1"),
     ("--ddp-average-in-collective --calculate-per-token-loss", "--calculate-per-token-loss"),
+    (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 4 "
+     "--overlap-p2p-communication-warmup-flush", "stalls with both"),
 ])
 def test_refused_at_parse_time(flags, message, capsys):
     from megatron_moe.arguments import parse_args

@@ -11,7 +11,9 @@ step, so they are made here at parse time, with the flag's name. Seen on 2 gloo 
 virtual stages) with megatron-core 0.16.1 and 0.19: training runs with both flags, but evaluation
 (the forward-only interleaved schedule) with both stalls until the collective timeout when the
 group is larger than the pipeline and divides the micro-batches (group 4 of 4, 3 of 6; not 4 of 6
-or 2 of 4); each flag alone evaluates. Not refused here: the exact condition is megatron-core's.
+or 2 of 4); each flag alone evaluates. The exact condition is megatron-core's and evaluation runs
+its own micro-batch count: both flags with a group larger than the pipeline are refused at parse
+time (a run that would hang at its first evaluation), each flag alone is kept.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def validate_args(args):
     if args.rampup_batch_size is None and not pp <= group <= m:
         raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage {group} must be in "
                          f"[--pipeline-model-parallel-size {pp}, micro-batches per iteration {m}]")
+    if args.overlap_p2p_comm_warmup_flush and group > pp:
+        raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage {group} (larger than "
+                         f"--pipeline-model-parallel-size {pp}) with "
+                         "--overlap-p2p-communication-warmup-flush: megatron-core's forward-only "
+                         "interleaved schedule (evaluation) stalls with both; use one of them")
     if args.rampup_batch_size is None and 0 < m % group < pp:
         raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: the "
                          f"micro-batches per iteration ({m}) leave a last group of {m % group}, "
