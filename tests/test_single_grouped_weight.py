@@ -107,8 +107,9 @@ def test_single_grouped_weight_under_transient_balance_policies(tmp_path):
     """Pro-Prophet, FasterMoE and FlexMoE with transient replicas (the planners replicate under a
     moving hot expert): the local experts run as slices of the stacked parameters next to the
     replicas in one grouped call, their gradients added into the slices of DDP's main_grad; losses
-    and grad norms equal the per-expert grouped path's (fp32 rounding of the norm). Mutation: the
-    stacked parameter left unmarked, its gradient is added twice."""
+    and grad norms equal the per-expert grouped path's (fp32 rounding of the norm). FlexMoE's
+    persistent replicas, asked for in fp32, fall back to transient ones (equal to them). Mutation:
+    the stacked parameter left unmarked, its gradient is added twice."""
     import json
 
     from tests.test_grouped_features import _argv as balance_argv
@@ -125,6 +126,11 @@ def test_single_grouped_weight_under_transient_balance_policies(tmp_path):
         base = balance_argv(3, "--moe-balance-policy", name, *extra, GROUPED)
         runs += [base, base + [SINGLE]]
     runs.append(runs[1])                                       # 6: proprophet, slices unmarked
+    # fp32, FlexMoE's persistent replicas asked for (its default): with the single grouped weight
+    # they fall back to transient ones (one optimizer state holds all of a layer's experts)
+    flex = [a for a in balance_argv(3, "--moe-balance-policy", "flexmoe",
+                                    *policies["flexmoe"][:-2], GROUPED) if a != "--bf16"]
+    runs += [flex + ["--moe-flexmoe-replicas", "transient"], flex + [SINGLE]]   # 7, 8
     out = run_distributed(G.run_counted, 2, runs, mutations={6: "slices_added_twice"},
                           skew=(4.0, 2), timeout_s=600)
     h = lambda k, key="lm_loss": out[0][k]["history"][key]
@@ -139,6 +145,7 @@ def test_single_grouped_weight_under_transient_balance_policies(tmp_path):
     # part of it: 3e-4 relative here)
     assert abs(h(6, "grad_norm")[1] - h(1, "grad_norm")[1]) > 1e-5 * h(1, "grad_norm")[1], \
         (h(6, "grad_norm"), h(1, "grad_norm"))
+    assert h(8) == h(7) and sum(rank_out[8]["replica_groups"] for rank_out in out) > 0
 
 
 def test_single_grouped_weight_under_expert_offload(tmp_path):
@@ -228,11 +235,6 @@ def test_parameters_do_not_grow_with_experts_and_the_state_dict_keeps_sequential
     ([SINGLE, "--disable-bias-linear"], "--moe-single-grouped-weight needs --moe-grouped-gemm"),
     ([GROUPED, SINGLE_BIAS, "--disable-bias-linear", "--expert-model-parallel-size", "2"],
      "--moe-single-grouped-bias needs --add-bias-linear"),
-    ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-balance-policy", "flexmoe"],
-     "--moe-single-grouped-weight cannot run --moe-balance-policy flexmoe with "
-     "--moe-flexmoe-replicas persistent"),
-    ([GROUPED, SINGLE, "--disable-bias-linear", "--moe-balance-policy", "auto"],
-     "--moe-single-grouped-weight cannot run --moe-balance-policy auto"),
 ])
 def test_refusals(extra, message, capsys):
     from megatron_moe import arguments

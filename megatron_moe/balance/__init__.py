@@ -284,6 +284,10 @@ class BalanceManager:
         if not self.persistent_requested or self.replica_fallback:
             return self.replica_mode
         lookup, reason = _optimizer_lookup(optimizer)
+        if reason is None and any(getattr(m.balance.experts, "single_names", ()) for m in self.layers):
+            # a persistent replica copies its owner's optimizer state per expert parameter
+            reason = ("--moe-single-grouped-weight: one parameter and optimizer state hold all of "
+                      "a layer's experts")
         if reason is None:
             missing = [m.balance.layer_number for m in self.layers
                        if any(p not in lookup for p in m.balance._ref_params())]

@@ -112,16 +112,9 @@ def _validate_single(args):
                              f"Transformer Engine >= 2.14); this is megatron-core "
                              f"{megatron_core_version()}")
         return
-    # persistent replicas keep an optimizer state per expert parameter (FlexMoE; auto may choose
-    # it): transient replicas (Pro-Prophet, FasterMoE, FlexMoE transient) run on slices
-    policy = getattr(args, "moe_balance_policy", "none")
-    if policy == "auto" or (policy == "flexmoe"
-                            and getattr(args, "moe_flexmoe_replicas", None) == "persistent"):
-        what = ("--moe-balance-policy auto" if policy == "auto" else
-                "--moe-balance-policy flexmoe with --moe-flexmoe-replicas persistent")
-        raise ValueError(f"{flag} cannot run {what} (persistent replicas keep an optimizer state "
-                         "per expert parameter): use --moe-flexmoe-replicas transient, or "
-                         f"--moe-grouped-gemm without {flag}")
+    # the balance policies' replicas run on slices of the stacked parameters; FlexMoE's persistent
+    # replicas (an optimizer state per expert parameter) fall back to transient ones, with the
+    # reason in the log, as they do wherever they cannot apply (balance.BalanceManager.set_optimizer)
     if getattr(args, "optimizer", "adam") == "muon":
         raise ValueError(f"{flag} cannot run --optimizer muon (Muon orthogonalises 2-D matrices; "
                          f"a stacked expert weight is 3-D)")
