@@ -104,8 +104,8 @@ def test_single_grouped_bias_with_gpt_oss_experts():
 
 
 def test_single_grouped_weight_under_transient_balance_policies(tmp_path):
-    """Pro-Prophet, FasterMoE and FlexMoE with transient replicas (the planners replicate under a
-    moving hot expert): the local experts run as slices of the stacked parameters next to the
+    """Pro-Prophet, FasterMoE, FlexMoE with transient replicas and auto (the planners replicate
+    under a moving hot expert): the local experts run as slices of the stacked parameters next to the
     replicas in one grouped call, their gradients added into the slices of DDP's main_grad; losses
     and grad norms equal the per-expert grouped path's (fp32 rounding of the norm). FlexMoE's
     persistent replicas, asked for in fp32, fall back to transient ones (equal to them). Mutation:
@@ -120,18 +120,19 @@ def test_single_grouped_weight_under_transient_balance_policies(tmp_path):
     policies = {"proprophet": ["--moe-balance-alpha", "0", "--moe-balance-overlap"],
                 "fastermoe": ["--moe-balance-profile", str(profile)],
                 "flexmoe": ["--moe-balance-profile", str(profile), "--moe-balance-interval", "1",
-                            "--moe-flexmoe-replicas", "transient"]}
+                            "--moe-flexmoe-replicas", "transient"],
+                "auto": ["--moe-balance-profile", str(profile)]}
     runs = []
     for name, extra in policies.items():
         base = balance_argv(3, "--moe-balance-policy", name, *extra, GROUPED)
         runs += [base, base + [SINGLE]]
-    runs.append(runs[1])                                       # 6: proprophet, slices unmarked
+    runs.append(runs[1])                                       # 8: proprophet, slices unmarked
     # fp32, FlexMoE's persistent replicas asked for (its default): with the single grouped weight
     # they fall back to transient ones (one optimizer state holds all of a layer's experts)
     flex = [a for a in balance_argv(3, "--moe-balance-policy", "flexmoe",
                                     *policies["flexmoe"][:-2], GROUPED) if a != "--bf16"]
-    runs += [flex + ["--moe-flexmoe-replicas", "transient"], flex + [SINGLE]]   # 7, 8
-    out = run_distributed(G.run_counted, 2, runs, mutations={6: "slices_added_twice"},
+    runs += [flex + ["--moe-flexmoe-replicas", "transient"], flex + [SINGLE]]   # 9, 10
+    out = run_distributed(G.run_counted, 2, runs, mutations={8: "slices_added_twice"},
                           skew=(4.0, 2), timeout_s=600)
     h = lambda k, key="lm_loss": out[0][k]["history"][key]
     for i, name in enumerate(policies):
@@ -143,9 +144,9 @@ def test_single_grouped_weight_under_transient_balance_policies(tmp_path):
         assert sum(rank_out[single]["replica_groups"] for rank_out in out) > 0, name
     # the doubled expert gradients move the norm far beyond fp32 rounding (the experts are a
     # part of it: 3e-4 relative here)
-    assert abs(h(6, "grad_norm")[1] - h(1, "grad_norm")[1]) > 1e-5 * h(1, "grad_norm")[1], \
-        (h(6, "grad_norm"), h(1, "grad_norm"))
-    assert h(8) == h(7) and sum(rank_out[8]["replica_groups"] for rank_out in out) > 0
+    assert abs(h(8, "grad_norm")[1] - h(1, "grad_norm")[1]) > 1e-5 * h(1, "grad_norm")[1], \
+        (h(8, "grad_norm"), h(1, "grad_norm"))
+    assert h(10) == h(9) and sum(rank_out[10]["replica_groups"] for rank_out in out) > 0
 
 
 def test_single_grouped_weight_under_expert_offload(tmp_path):
