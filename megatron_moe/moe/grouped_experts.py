@@ -84,17 +84,19 @@ def local_grouped(args) -> bool:
     return getattr(args, "transformer_impl", None) != "transformer_engine"
 
 
-def single_grouped(args) -> tuple:
-    """(weight, bias): whether the local grouped experts hold one parameter per linear."""
-    if not local_grouped(args):
-        return False, False
+def _single_flags(args) -> tuple:
+    """(--moe-single-grouped-weight, --moe-single-grouped-bias) as given."""
     return (bool(getattr(args, "moe_single_grouped_weight", False)),
             bool(getattr(args, "moe_single_grouped_bias", False)))
 
 
+def single_grouped(args) -> tuple:
+    """(weight, bias): whether the local grouped experts hold one parameter per linear."""
+    return _single_flags(args) if local_grouped(args) else (False, False)
+
+
 def _validate_single(args):
-    weight, bias = (bool(getattr(args, "moe_single_grouped_weight", False)),
-                    bool(getattr(args, "moe_single_grouped_bias", False)))
+    weight, bias = _single_flags(args)
     if not (weight or bias):
         return
     flag = SINGLE_WEIGHT if weight else SINGLE_BIAS
@@ -462,13 +464,15 @@ class GroupedSequentialMLP(SequentialMLP):
         the stacked parameters, and its own parameters for the rest."""
         index = {id(m): i for i, m in enumerate(self.local_experts)}
         slices = {name: _slices_into_main_grad(self._single(name)) for name in self.single_names}
+        own = [(name, *name.split(".")) for name in self.expert_parameter_names()
+               if name not in slices]        # the expert's own parameters (e.g. its biases)
         out = []
         for e in experts:
             if isinstance(e, torch.nn.Module):
                 i = index[id(e)]
-                out.append({name: slices[name][i] if name in slices else
-                            e._modules[name.split(".")[0]]._parameters[name.split(".")[1]]
-                            for name in self.expert_parameter_names()})
+                part = {name: s[i] for name, s in slices.items()}
+                part.update({name: e._modules[linear]._parameters[attr] for name, linear, attr in own})
+                out.append(part)
             else:
                 out.append(e)
         return out
