@@ -223,11 +223,11 @@ def _add_training_args(p):
     g.add_argument("--fp16", action="store_true")
     from megatron_moe.flags import add_megatron_argument
 
-    # gradients are accumulated and reduced in fp32 (DDP grad_reduce_in_fp32, what Megatron-LM
-    # turns on for --bf16) unless --bf16 --grad-reduce-in-bf16 (then in bf16, as Megatron)
+    # Megatron-LM's rule: with --bf16 gradients are accumulated and reduced in fp32 (DDP
+    # grad_reduce_in_fp32) unless --grad-reduce-in-bf16; with --fp16 in fp16 unless this flag
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="Accumulate and all-reduce gradients in fp32 (on unless --bf16 "
-                        "--grad-reduce-in-bf16).")
+                   help="Accumulate and all-reduce gradients in fp32 (always with --bf16 unless "
+                        "--grad-reduce-in-bf16; with --fp16 only when given).")
     add_megatron_argument(g, "--grad-reduce-in-bf16",
                           help="With --bf16: accumulate and reduce gradients in bf16 (DDP "
                                "grad_reduce_in_fp32=False; main_grad is bf16).")
@@ -510,8 +510,11 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError(f"--main-grads-dtype {args.main_grads_dtype}: only fp32 (gradients are "
                          "accumulated and reduced in fp32 here)" + (
                              "" if args.main_grads_dtype == "bf16" else "; Megatron's choices: fp32, bf16"))
-    # Megatron-LM's rule for --bf16 (--grad-reduce-in-bf16 wins); fp32 otherwise here
-    args.accumulate_allreduce_grads_in_fp32 = not (args.bf16 and args.grad_reduce_in_bf16)
+    # Megatron-LM's rule: --bf16 accumulates and reduces in fp32 unless --grad-reduce-in-bf16;
+    # --fp16 in the parameters' fp16 unless --accumulate-allreduce-grads-in-fp32 (fp32 parameters'
+    # gradients are fp32 either way)
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
     if args.ddp_average_in_collective and getattr(args, "calculate_per_token_loss", False):
         raise ValueError("--ddp-average-in-collective cannot be used with "
                          "--calculate-per-token-loss (megatron-core's DDP: the per-token loss "

@@ -4,6 +4,9 @@ on 2 gloo ranks (tiny CPU runs), each also failing under a mutation run in the s
 * --grad-reduce-in-bf16 (with --bf16): every main_grad is bf16 (fp32 without it), the local grouped
   experts add their weight gradients into it, the losses stay within 0.1% of the fp32-reduce run;
   mutation: DDP keeps grad_reduce_in_fp32;
+* --fp16: every main_grad is fp16 (Megatron-LM's rule: fp16 gradients are accumulated and reduced
+  in fp16), fp32 with --accumulate-allreduce-grads-in-fp32, losses within 0.1%; mutation: DDP keeps
+  grad_reduce_in_fp32;
 * --ddp-average-in-collective: the data-parallel all-reduces run ReduceOp.AVG (none without it),
   the same losses as scaling then summing; mutation: the flag not given to DDP;
 * --microbatch-group-size-per-virtual-pipeline-stage: megatron-core's interleaved schedule table
@@ -49,6 +52,26 @@ def test_grad_reduce_in_bf16():
 def test_grad_reduce_in_bf16_mutation_fails():
     with pytest.raises(AssertionError):
         _check_bf16("bf16-ignored")
+
+
+def _check_fp16(mutate=None):
+    fp16 = ["--fp16", "--initial-loss-scale", "4096", "--moe-grouped-gemm"]
+    (losses, dtypes, adds, _), _ = _run(cases.train_main_grads, fp16, mutate=mutate)
+    (fp32_losses, fp32_dtypes, fp32_adds, _), _ = _run(
+        cases.train_main_grads, fp16 + ["--accumulate-allreduce-grads-in-fp32"])
+    assert dtypes == [["torch.float16"]] * 3, dtypes
+    assert fp32_dtypes == [["torch.float32"]] * 3, fp32_dtypes
+    assert adds > 0 and adds == fp32_adds   # the grouped experts' main_grad adds ran in fp16
+    assert len(set(losses)) == 3 and _close(losses, fp32_losses, 1e-3), (losses, fp32_losses)
+
+
+def test_fp16_gradients_reduced_in_fp16_unless_asked():
+    _check_fp16()
+
+
+def test_fp16_gradients_mutation_fails():
+    with pytest.raises(AssertionError):
+        _check_fp16("bf16-ignored")   # DDP keeps fp32 gradients
 
 
 def _check_average(mutate=None):
@@ -117,13 +140,16 @@ def test_refused_at_parse_time(flags, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 2, err
 
 
-def test_grad_reduce_in_bf16_sets_megatrons_accumulate_flag():
+def test_megatrons_accumulate_flag_rule():
     from megatron_moe.arguments import parse_args
 
     def accumulate(flags):
         return parse_args(TINY + ["--train-iters", "4"] + flags.split(),
                           world_size=1).accumulate_allreduce_grads_in_fp32
 
-    assert accumulate("--bf16") and accumulate("") and accumulate("--grad-reduce-in-bf16")
+    # --bf16: on unless --grad-reduce-in-bf16; --fp16 (and fp32): as given
+    assert accumulate("--bf16") and accumulate("--bf16 --accumulate-allreduce-grads-in-fp32")
+    assert not accumulate("--fp16") and accumulate("--fp16 --accumulate-allreduce-grads-in-fp32")
+    assert not accumulate("") and not accumulate("--grad-reduce-in-bf16")
     assert not accumulate("--bf16 --grad-reduce-in-bf16")
     assert not accumulate("--bf16 --grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32")
