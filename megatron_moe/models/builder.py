@@ -21,6 +21,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe.models.mla import yarn_config_fields
+from megatron_moe.training import cuda_graph
 from megatron_moe.models.pipeline_split import SPLIT_FIELDS
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -102,6 +103,7 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         # hence no batched p2p (megatron-core's rule: the two exclude each other)
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(_fusion_selectors(args, te))
+    kwargs.update(cuda_graph.config_fields(args))   # a full-iteration graph, in this release's terms
     if hasattr(args, "attention_backend"):
         from megatron.core.transformer.enums import AttnBackend
 

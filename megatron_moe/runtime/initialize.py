@@ -61,7 +61,8 @@ def initialize_distributed(args):
     args.rank = dist.get_rank()
     args.world_size = dist.get_world_size()
     _initialize_topology(args)
-    set_random_seed(args.seed)
+    # CUDA graphs need megatron-core's graph-safe RNG states (Megatron-LM's initialize)
+    set_random_seed(args.seed, cudagraphable=getattr(args, "cuda_graph_impl", "none") != "none")
 
 
 def _initialize_topology(args):
@@ -84,12 +85,13 @@ def _initialize_topology(args):
         topology.init_hierarchy_groups(parallel_state.get_expert_model_parallel_group())
 
 
-def set_random_seed(seed: int):
-    """Megatron's rule: seed + 100 x pipeline rank, then the model-parallel RNG tracker."""
+def set_random_seed(seed: int, cudagraphable: bool = False):
+    """Megatron's rule: seed + 100 x pipeline rank, then the model-parallel RNG tracker
+    (``cudagraphable``: its states graph-safe, for CUDA graphs)."""
     from megatron.core import parallel_state, tensor_parallel
 
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cudagraphable)

@@ -362,7 +362,8 @@ class Trainer:
                  exit_conditions=None, timers=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_moe.training import megatron_logging
+        from megatron_moe.models.builder import unwrap
+        from megatron_moe.training import cuda_graph, megatron_logging
 
         # megatron-core's Timers (Megatron's get_timers()); dummies above --timing-log-level
         self.timers = timers if timers is not None else megatron_logging.build_timers(args)
@@ -374,7 +375,9 @@ class Trainer:
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
         self.hooks = hooks
-        self.forward_backward = get_forward_backward_func()
+        # --cuda-graph-impl full_iteration: megatron-core's FullCudaGraphWrapper, as Megatron-LM
+        self.forward_backward = cuda_graph.wrap(get_forward_backward_func(), args,
+                                                unwrap(model[0]).config)
         global _AGREED_LOSS_NAMES
         _AGREED_LOSS_NAMES = None      # a new run agrees on its loss names once
         self.skipped_iters = 0

@@ -1,0 +1,125 @@
+"""Megatron-LM's full-iteration CUDA graph: one training iteration's forward and backward captured
+once and replayed, megatron-core's ``FullCudaGraphWrapper`` around the schedule's
+forward_backward function, as Megatron-LM's ``train`` and ``evaluate`` do.
+
+Spelled as in Megatron-LM: ``--cuda-graph-impl full_iteration`` (core_v0.19) or
+``--cuda-graph-impl local --cuda-graph-scope full_iteration`` (core_v0.16; core_v0.19 migrates
+it); ``--cuda-graph-warmup-steps`` iterations run eagerly first (Megatron's default 3). On a GPU
+a replay is one graph launch where an eager iteration launches thousands of kernels from Python:
+the host time of a fine-grained MoE model (docs/gpu.md) is what it removes. torchtitan's training
+step captures the same way (the perf section's torchtitan row).
+
+A capture fails at the first host read of device data (a ``.item()``, a ``.tolist()``, an op
+whose output size depends on the data) and a replay repeats the captured kernels only: nothing
+that runs Python per iteration inside the region may change what the device does. Refused at parse
+time with one line, what reads the host in the forward or backward or changes per iteration:
+
+* megatron-core's NaN check of the loss (Megatron-LM's own rule: ``--no-check-for-nan-in-loss-and-grad``);
+* expert parallelism: megatron-core's all-to-all reads its split sizes on the host (the one
+  per-layer read left, docs/gpu.md "Host syncs");
+* experts without ``--moe-grouped-gemm``: ``SequentialMLP`` splits the tokens by a host list;
+* ``--moe-balance-policy`` / routing traces, ``--moe-a2a-overlap-degree``: their exchanges read
+  count matrices on the host; ``--moe-expert-offload``: host copies on a thread;
+* fp16 with a dynamic loss scale: megatron-core's scaler makes a new scale tensor when it changes,
+  the graph keeps multiplying by the old one (``--loss-scale`` holds one tensor).
+
+Which shapes qualify is proven on the CPU (tests/test_cuda_graph.py): the region of the GPU kit's
+configurations reads nothing on the host after warm-up. The capture itself runs on CUDA only,
+unverified here until a GPU run (the perf section's ``ours-graphed`` row).
+"""
+
+from __future__ import annotations
+
+FLAG = "--cuda-graph-impl"
+SCOPE_FLAG = "--cuda-graph-scope"
+FULL = "full_iteration"
+
+
+def add_arguments(parser):
+    from megatron_moe.flags import add_megatron_argument
+
+    g = parser.add_argument_group("full-iteration CUDA graph")
+    # core_v0.16's spelling (dest cuda_graph_scope); core_v0.19 keeps it as a deprecated alias
+    add_megatron_argument(g, SCOPE_FLAG, dest="cuda_graph_scope", type=str,
+                          help="core_v0.16's spelling: full_iteration with --cuda-graph-impl local "
+                               "captures a whole training iteration (megatron-core's "
+                               "FullCudaGraphWrapper). Other scopes capture Transformer Engine "
+                               "layers: refused here.")
+    return parser
+
+
+def full_iteration(args) -> bool:
+    """Whether the run captures whole iterations (either release's spelling)."""
+    impl = getattr(args, "cuda_graph_impl", "none")
+    return impl == FULL or (impl == "local" and FULL in (getattr(args, "cuda_graph_scope", None) or ()))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def validate_args(args):
+    """The refusals listed in the module docstring (ValueError names the flag)."""
+    scope = getattr(args, "cuda_graph_scope", None) or []
+    if scope and scope != [FULL]:
+        raise ValueError(f"{SCOPE_FLAG} {' '.join(scope)}: only {FULL} here (per-layer scopes "
+                         f"capture Transformer Engine layers; a dropless MoE layer's shapes change "
+                         f"with every batch)")
+    if scope and args.cuda_graph_impl != "local":
+        raise ValueError(f"{SCOPE_FLAG} {FULL} needs {FLAG} local (Megatron-LM's rule; "
+                         f"{FLAG} {FULL} is the newer spelling)")
+    if not full_iteration(args):
+        return
+    spelling = f"{FLAG} {args.cuda_graph_impl}" + (f" {SCOPE_FLAG} {FULL}" if scope else "")
+    if not _cuda_available():
+        raise ValueError(f"{spelling} needs CUDA: CUDA graphs capture CUDA kernels")
+    why = _refusal(args)
+    if why:
+        raise ValueError(f"{spelling} cannot capture {why}")
+
+
+def _refusal(args) -> str | None:
+    from megatron_moe.moe import grouped_experts
+
+    if getattr(args, "check_for_nan_in_loss", True):
+        return ("megatron-core's NaN check of the loss: add --no-check-for-nan-in-loss-and-grad "
+                "(Megatron-LM's rule)")
+    if getattr(args, "expert_model_parallel_size", 1) > 1:
+        return ("--expert-model-parallel-size > 1: megatron-core's all-to-all reads its split "
+                "sizes on the host")
+    if getattr(args, "num_experts", None) and not (grouped_experts.local_grouped(args) or
+                                                   args.transformer_impl == "transformer_engine"):
+        return ("megatron-core's expert loop (SequentialMLP splits the tokens by a host list): "
+                "add --moe-grouped-gemm")
+    for flag, dest, off in (("--moe-balance-policy", "moe_balance_policy", "none"),
+                            ("--moe-routing-trace-dir", "moe_routing_trace_dir", None),
+                            ("--moe-a2a-overlap-degree", "moe_a2a_overlap_degree", 1),
+                            ("--moe-expert-offload", "moe_expert_offload", "none")):
+        if getattr(args, dest, off) not in (off, None):
+            return f"{flag}: it reads counts or copies on the host in the forward or backward"
+    if getattr(args, "fp16", False) and getattr(args, "loss_scale", None) is None:
+        return ("fp16's dynamic loss scale (a new scale tensor when it changes, the graph keeps "
+                "the old one): give --loss-scale")
+    return None
+
+
+def config_fields(args) -> dict:
+    """The TransformerConfig fields that say "full iteration" to megatron-core (its schedules then
+    build no per-layer graphs); none when the run does not capture whole iterations."""
+    from megatron_moe.compat.cuda_graph import full_iteration_config_fields
+
+    return full_iteration_config_fields() if full_iteration(args) else {}
+
+
+def wrap(forward_backward, args, config):
+    """megatron-core's FullCudaGraphWrapper around ``forward_backward`` when the run captures whole
+    iterations (``forward_backward`` itself otherwise). One wrapper serves training and
+    evaluation: it keeps a graph for each (``forward_only``)."""
+    if not full_iteration(args):
+        return forward_backward
+    from megatron_moe.compat.cuda_graph import full_cuda_graph_wrapper
+
+    return full_cuda_graph_wrapper(forward_backward, args.cuda_graph_warmup_steps,
+                                   getattr(config, "cuda_graph_use_single_mempool", False))

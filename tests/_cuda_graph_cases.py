@@ -1,0 +1,77 @@
+"""Spawned-rank body for tests/test_cuda_graph.py: pretrain() with --cuda-graph-impl full_iteration
+accepted as on a GPU, megatron-core's FullCudaGraphWrapper replaced by an emulated capture that
+runs every post-warm-up call of the region under the host-read counter (a real capture fails at
+the first host read of device data), with optional mutations that bring a host read back."""
+
+from __future__ import annotations
+
+import collections
+
+
+class EmulatedCapture:
+    """Stands in for FullCudaGraphWrapper (same arguments): ``warmup`` eager calls per stage
+    (training / validation), then each call of ``forward_backward`` under the host-read counter,
+    where on CUDA the wrapper would capture once and replay."""
+
+    instances = []
+
+    def __init__(self, forward_backward, warmup_steps, single_mempool):
+        self.forward_backward, self.warmup = forward_backward, warmup_steps
+        self.calls = collections.Counter()
+        self.reads = collections.defaultdict(list)   # stage -> [(owner, where, what)]
+        EmulatedCapture.instances.append(self)
+
+    def __call__(self, **kwargs):
+        from tests._sync_counter import HostReadCounter
+
+        stage = "validation" if kwargs["forward_only"] else "training"
+        self.calls[stage] += 1
+        self.config_impl = kwargs["model"][0].config.cuda_graph_impl
+        if self.calls[stage] <= self.warmup:
+            return self.forward_backward(**kwargs)
+        with HostReadCounter() as counter:
+            out = self.forward_backward(**kwargs)
+        self.reads[stage] += [(owner, where, what) for _, owner, where, what in counter.reads]
+        return out
+
+
+def _mutate_loss_item():
+    """The loss function reads the loss on the host every micro-batch."""
+    import pretrain_gpt_moe
+
+    orig = pretrain_gpt_moe.loss_func
+
+    def loss_func(*a, **k):
+        out = orig(*a, **k)
+        out[0].detach().sum().item()
+        return out
+
+    pretrain_gpt_moe.loss_func = loss_func
+
+
+def train(rank, world_size, argv, mutate=None):
+    """(losses, {stage: calls}, {stage: [(owner, where, what)] read after warm-up}, the model
+    config's cuda_graph_impl as megatron-core saw it)."""
+    from megatron_moe import arguments
+    from megatron_moe.compat import cuda_graph as compat
+    from megatron_moe.training import cuda_graph
+    from tests._train_cases import _pretrain
+
+    from megatron_moe.compat.versions import mcore_at_least
+    from megatron_moe.runtime import initialize
+
+    arguments._cuda_available = cuda_graph._cuda_available = lambda: True   # parse as on a GPU
+    compat.full_cuda_graph_wrapper = EmulatedCapture
+    # CUDA-only parts, left out on the CPU: megatron-core's graph-safe RNG states (CUDA generator
+    # states) and core_v0.16's per-module CudaGraphManager, which its "local" impl builds (it asks
+    # the device's compute capability); test_both_spellings_reach_megatron_cores_config checks
+    # the config fields on both releases
+    seed = initialize.set_random_seed
+    initialize.set_random_seed = lambda s, cudagraphable=False: seed(s)
+    if not mcore_at_least("0.19"):
+        compat.full_iteration_config_fields = lambda: dict(cuda_graph_impl="none")
+    if mutate == "loss-item":
+        _mutate_loss_item()
+    losses = _pretrain(argv)["history"]["lm_loss"]
+    (capture,) = EmulatedCapture.instances
+    return losses, dict(capture.calls), dict(capture.reads), capture.config_impl
