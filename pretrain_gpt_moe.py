@@ -41,12 +41,11 @@ def get_batch(data_iterator, vp_stage=None):
     last = parallel_state.is_pipeline_last_stage(**stage)
     if not (first or last):
         return None, None, None, None, None
-    batch = next(data_iterator)
-    if not needs_attention_mask(get_args()):
-        batch.pop("attention_mask", None)
+    batch = next(data_iterator)   # not edited in place: a CUDA graph's static input buffers
+    keep_mask = needs_attention_mask(get_args())
     device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
     batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
-             for k, v in batch.items()}
+             for k, v in batch.items() if keep_mask or k != "attention_mask"}
     return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
             batch["position_ids"])
 

@@ -115,7 +115,7 @@ def test_perf_section_runs_every_system_on_the_same_model(perf_run):
             if system == "torchtitan" and not have_titan:
                 assert "torchtitan is not installed" in row["skipped"]
                 continue
-            if system in ("ours-eager", "ours-per-expert"):   # CUDA only (perf.CUDA_ONLY_ROWS)
+            if system in perf.CUDA_ONLY_ROWS:   # CUDA only
                 assert "CUDA only" in row["skipped"]
                 continue
             assert row["same_model"] and row["params"] == fig["expected_params"], (system, row)

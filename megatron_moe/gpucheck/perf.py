@@ -49,7 +49,8 @@ from megatron_moe.gpucheck.host_time import HostProfile, format_breakdown
 from megatron_moe.gpucheck.process import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SYSTEMS = ("ours", "ours-eager", "ours-per-expert", "stock", "torchtitan", "transformers")
+SYSTEMS = ("ours", "ours-graphed", "ours-eager", "ours-per-expert", "stock", "torchtitan",
+           "transformers")
 # Megatron-style (layers, hidden, heads, query groups, head dim, expert FFN, experts, top-k,
 # vocabulary, sequence, micro-batch = global batch, q/k RMSNorm as Qwen3). Every layer is MoE, no
 # shared experts, untied embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, SwiGLU, no biases.
@@ -71,7 +72,8 @@ SHAPES = {
 ITERS = {"gpu": dict(warmup=3, timed=5, profiled=2), "cpu": dict(warmup=1, timed=2, profiled=1)}
 # seconds each row may take at most (GPU, CPU), start-up included; the runner also keeps the whole
 # section inside its budget (on the GPU 540 s: the section fits one 10-minute device call)
-ROW_CAP_S = {"ours": (90, 300), "ours-eager": (60, 300), "ours-per-expert": (60, 300),
+ROW_CAP_S = {"ours": (90, 300), "ours-graphed": (80, 300), "ours-eager": (60, 300),
+             "ours-per-expert": (60, 300),
              "stock": (100, 300),
              "torchtitan": (70, 300),
              "transformers": (70, 300)}
@@ -97,7 +99,16 @@ EAGER_ON_CPU = "the compiled fusions apply on CUDA only: on the CPU ours is eage
 # bench/single_grouped_weight.py measures it (ops, Python calls, host time)
 SINGLE_WEIGHT_OPTION = "--moe-single-grouped-weight"
 PER_EXPERT_ON_CPU = "measured on the CPU by bench/single_grouped_weight.py; this row is CUDA only"
-CUDA_ONLY_ROWS = {"ours-eager": EAGER_ON_CPU, "ours-per-expert": PER_EXPERT_ON_CPU}
+# "ours-graphed": ours with Megatron-LM's full-iteration CUDA graph (training/cuda_graph.py: the
+# forward and backward captured once after 2 eager iterations, inside the meter's warm-up, then
+# replayed), as torchtitan's row captures its step; on the CPU tests/test_cuda_graph.py proves the
+# region reads nothing on the host
+GRAPH_OPTIONS = ("--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2",
+                 "--no-check-for-nan-in-loss-and-grad")
+GRAPH_LOSS_RTOL = 1e-2
+GRAPHED_ON_CPU = "CUDA graphs are CUDA only: on the CPU tests/test_cuda_graph.py checks the region"
+CUDA_ONLY_ROWS = {"ours-graphed": GRAPHED_ON_CPU, "ours-eager": EAGER_ON_CPU,
+                  "ours-per-expert": PER_EXPERT_ON_CPU}
 TARGETS = {"mixtral": dict(mfu=0.40), "finegrained": dict(mfu=0.25),
            "vs_torchtitan": 1.0, "vs_stock": 5.0}
 LR, MIN_LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 3e-5, 0.1, (0.9, 0.95), 1.0
@@ -323,7 +334,7 @@ def _init_dist(gpu):
     dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
 
 
-def row_megatron(s, gpu, meter, stock, eager=False, per_expert=False):
+def row_megatron(s, gpu, meter, stock, eager=False, per_expert=False, graphed=False):
     """``pretrain()`` of pretrain_gpt_moe.py on the synthetic batch, each iteration through the
     meter (its ``Trainer.train_step`` wrapped)."""
     import torch
@@ -339,6 +350,8 @@ def row_megatron(s, gpu, meter, stock, eager=False, per_expert=False):
         options = [o for o in options if o != "--cross-entropy-loss-fusion"] + list(EAGER_OPTIONS)
     if per_expert:
         options = [o for o in options if o != SINGLE_WEIGHT_OPTION]
+    if graphed:
+        options = options + list(GRAPH_OPTIONS)
     # stock names megatron-core's local attention: auto is this package's SDPA on CUDA
     stock_attention = ["--attention-backend", "local"] if stock else []
     batch = synthetic_batch(s)
@@ -592,7 +605,8 @@ def run_row(system, shape, mode, eager=False):
         if not gpu:
             raise RowSkipped(CUDA_ONLY_ROWS[system])
         out = row_megatron(s, gpu, meter, stock=False, eager=system == "ours-eager",
-                           per_expert=system == "ours-per-expert")
+                           per_expert=system == "ours-per-expert",
+                           graphed=system == "ours-graphed")
     elif system == "torchtitan":
         out = row_torchtitan(s, gpu, meter, eager=eager)
     elif system == "transformers":
@@ -656,9 +670,21 @@ def verdict(shape, mode, rows, peak_tflops):
         if not finite:
             ok = False
             problems.append(f"{name}: non-finite loss {r.get('losses')}")
+    # the graphed row replays what ours runs eagerly on the same batch and seed: its losses must
+    # agree (bf16 tolerance), the proof that the replays trained
+    graphed, eager = rows.get("ours-graphed") or {}, rows.get("ours") or {}
+    if graphed.get("losses") and eager.get("losses"):
+        diff = max(abs(a - b) / max(abs(b), 1e-12)
+                   for a, b in zip(graphed["losses"], eager["losses"]))
+        graphed["max_rel_loss_diff_vs_ours"] = diff
+        if not diff <= GRAPH_LOSS_RTOL:
+            ok = False
+            problems.append(f"ours-graphed: losses differ from ours' by {diff:.2e} relative "
+                            f"(> {GRAPH_LOSS_RTOL})")
     ratios = {}
     ours = (rows.get("ours") or {}).get("tokens_per_s")
-    for peer in ("torchtitan", "stock", "transformers", "ours-eager", "ours-per-expert"):
+    for peer in ("torchtitan", "stock", "transformers", "ours-graphed", "ours-eager",
+                 "ours-per-expert"):
         theirs = (rows.get(peer) or {}).get("tokens_per_s")
         ratios[f"ours/{peer}"] = ours / theirs if ours and theirs else None
     for name, r in rows.items():
