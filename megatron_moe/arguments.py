@@ -326,6 +326,9 @@ def _add_checkpoint_args(p):
     add(g, "--no-use-tokenizer-model-from-checkpoint-args",
         help="With --use-checkpoint-args: keep this command line's --tokenizer-type and "
              "--tokenizer-model (by default the checkpoint's).")
+    add(g, "--use-mp-args-from-checkpoint-args",
+        help="With --use-checkpoint-args: the tensor, pipeline (and virtual pipeline) and expert "
+             "model-parallel sizes are the checkpoint's too (Megatron-LM's list).")
 
 
 def _add_logging_args(p):
@@ -383,6 +386,9 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
         parser.error(str(exc))
     args.world_size = env.world_size if world_size is None else world_size
     args.rank = env.rank
+    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
+        parser.error("--use-mp-args-from-checkpoint-args needs --use-checkpoint-args (it takes "
+                     "the model-parallel sizes along with the checkpoint's model flags)")
     if args.use_checkpoint_args:   # Megatron-LM: before the flags are validated
         _use_checkpoint_args(args, parser)
     missing = [a.option_strings[0] for a in required if getattr(args, a.dest, None) is None]
