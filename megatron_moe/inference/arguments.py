@@ -30,7 +30,8 @@ NOT_FROM_CHECKPOINT = frozenset({
     "account_for_loss_in_pipeline_split",
     # the training run's length and schedule: a run given in samples stores the iterations it
     # derived too, and the two are exclusive on a command line
-    "train_iters", "train_samples", "rampup_batch_size", "decrease_batch_size_if_needed",
+    "train_iters", "train_samples", "rampup_batch_size", "step_batch_size_schedule",
+    "decrease_batch_size_if_needed",
     "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples", "lr_decay_iters",
     "lr_warmup_iters", "lr_wsd_decay_iters", "lr_warmup_fraction", "skip_train",
     "exit_on_missing_checkpoint", "eval_num_microbatches",
