@@ -167,6 +167,14 @@ def _add_moe_args(p):
                         "of standard deviation |STD| to the router logits, the same on every "
                         "rank; negative: drawn once per layer and kept (a fixed skew). Skewed "
                         "expert load for measuring the balance policies.")
+    from megatron_moe.flags import add_megatron_argument
+
+    add_megatron_argument(
+        g, "--moe-enable-routing-replay",
+        help="Give each router megatron-core's RouterReplay (TransformerConfig "
+             "moe_enable_routing_replay): a program (an RL loop, a debugger) can record the top-k "
+             "choices and replay them in later forward/backward passes "
+             "(megatron.core.transformer.moe.router_replay). Training alone routes as without it.")
     g.add_argument("--moe-grouped-gemm", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true")
 
