@@ -98,3 +98,26 @@ def test_without_use_checkpoint_args_is_one_line(capsys):
     args, err = _parse(TINY + ["--train-iters", "1", "--use-mp-args-from-checkpoint-args"], capsys,
                        world_size=1)
     assert args is None and "--use-mp-args-from-checkpoint-args needs --use-checkpoint-args" in err
+
+
+@pytest.mark.parametrize("mutate", [None, "not_taken"])
+def test_inference_tools_take_the_sizes(runs, mutate, monkeypatch, capsys):
+    """tools/generate.py's parser: the layout is the command line's unless
+    --use-mp-args-from-checkpoint-args, then the checkpoint's TP=2 (a size given there still
+    wins, the inference tools' rule). Mutation: the flag ignored there."""
+    from megatron_moe.inference import arguments as inference_args
+    from tools.generate import add_text_generate_args
+
+    if mutate:
+        monkeypatch.setattr(inference_args, "MP_FROM_CHECKPOINT", frozenset())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = ["--load", runs["pre"], "--use-checkpoint-args", "--prompts", "x", "--sequence-parallel"]
+
+    def parse(argv):
+        return inference_args.parse_inference_args(argv, add_text_generate_args, prog="generate.py")
+
+    assert parse(base).tensor_model_parallel_size == 1
+    taken = parse(base + ["--use-mp-args-from-checkpoint-args"]).tensor_model_parallel_size
+    assert (taken == 2) is (mutate is None), taken
+    assert parse(base + ["--use-mp-args-from-checkpoint-args", "--tensor-model-parallel-size",
+                         "1"]).tensor_model_parallel_size == 1
