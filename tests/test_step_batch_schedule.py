@@ -143,6 +143,6 @@ def test_refusals(argv, says, mutate, capsys, monkeypatch):
 
 @pytest.mark.skipif(mcore_at_least("0.19"), reason="refused on megatron-core 0.16 only")
 def test_refused_on_megatron_core_016(capsys):
-    lines = _parse_error(f"--step-batch-size-schedule 0:2 --train-samples 40", capsys)
+    lines = _parse_error("--step-batch-size-schedule 0:2 --train-samples 40", capsys)
     assert "--step-batch-size-schedule needs megatron-core >= 0.19" in lines[0] and \
         "0.16" in lines[0], lines
