@@ -167,6 +167,14 @@ def _add_moe_args(p):
                         "of standard deviation |STD| to the router logits, the same on every "
                         "rank; negative: drawn once per layer and kept (a fixed skew). Skewed "
                         "expert load for measuring the balance policies.")
+    from megatron_moe.flags import add_megatron_argument
+
+    add_megatron_argument(
+        g, "--moe-enable-routing-replay",
+        help="Give each router megatron-core's RouterReplay (TransformerConfig "
+             "moe_enable_routing_replay): a program (an RL loop, a debugger) can record the top-k "
+             "choices and replay them in later forward/backward passes "
+             "(megatron.core.transformer.moe.router_replay). Training alone routes as without it.")
     g.add_argument("--moe-grouped-gemm", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true")
 
@@ -187,6 +195,14 @@ def _add_training_args(p):
                    help="Grow the global batch from START by INCREMENT up to --global-batch-size "
                         "over SAMPLES consumed samples (megatron-core's calculator; needs "
                         "--train-samples).")
+    from megatron_moe.flags import add_megatron_argument
+
+    add_megatron_argument(
+        g, "--step-batch-size-schedule", metavar="TOKENS:BATCH ...",
+        help="The global batch as a step function of the tokens consumed, e.g. '0:8 1M:16' "
+             "(K/M/B/T suffixes; megatron-core >= 0.19's calculator, thresholds in tokens as "
+             "Megatron-LM passes --seq-length). Excludes --global-batch-size, "
+             "--rampup-batch-size and --decrease-batch-size-if-needed.")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Stop (and save) when iteration %% interval == 0.")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -326,6 +342,9 @@ def _add_checkpoint_args(p):
     add(g, "--no-use-tokenizer-model-from-checkpoint-args",
         help="With --use-checkpoint-args: keep this command line's --tokenizer-type and "
              "--tokenizer-model (by default the checkpoint's).")
+    add(g, "--use-mp-args-from-checkpoint-args",
+        help="With --use-checkpoint-args: the tensor, pipeline (and virtual pipeline) and expert "
+             "model-parallel sizes are the checkpoint's too (Megatron-LM's list).")
 
 
 def _add_logging_args(p):
@@ -383,6 +402,9 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None, world_si
         parser.error(str(exc))
     args.world_size = env.world_size if world_size is None else world_size
     args.rank = env.rank
+    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
+        parser.error("--use-mp-args-from-checkpoint-args needs --use-checkpoint-args (it takes "
+                     "the model-parallel sizes along with the checkpoint's model flags)")
     if args.use_checkpoint_args:   # Megatron-LM: before the flags are validated
         _use_checkpoint_args(args, parser)
     missing = [a.option_strings[0] for a in required if getattr(args, a.dest, None) is None]
@@ -461,6 +483,9 @@ def validate_args(args, check_data_paths=True, training=True):
             f"world size {named} is not divisible by --expert-tensor-parallel-size ({etp}) x "
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
     args.data_parallel_size = world // (tp * pp * cp)
+    if not training:   # a forward pass runs no batch schedule
+        args.step_batch_size_schedule = None
+    _validate_step_batch_schedule(args)   # before --global-batch-size gets its default
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) != 0 and \
@@ -1108,6 +1133,48 @@ def _validate_rampup(args) -> None:
                          f"plans for a fixed number of micro-batches)")
 
 
+def _validate_step_batch_schedule(args) -> None:
+    """--step-batch-size-schedule: Megatron-LM's refusals (with --global-batch-size; megatron-core's
+    with --decrease-batch-size-if-needed), the schedule parsed by megatron-core's own calculator,
+    and what its consistency check would assert mid-run: every batch of the schedule splits into
+    whole micro-batches over the data-parallel ranks."""
+    schedule = args.step_batch_size_schedule
+    if schedule is None:
+        return
+    from megatron_moe.compat.batch_schedule import step_schedule_batches
+    from megatron_moe.compat.versions import mcore_at_least, megatron_core_version
+
+    flag = f"--step-batch-size-schedule {schedule!r}"
+    if not mcore_at_least("0.19"):
+        raise ValueError(f"--step-batch-size-schedule needs megatron-core >= 0.19 (its "
+                         f"step-schedule calculator); installed {megatron_core_version()}")
+    for other, given in (("--global-batch-size", args.global_batch_size is not None),
+                         ("--rampup-batch-size", args.rampup_batch_size is not None),
+                         ("--decrease-batch-size-if-needed", args.decrease_batch_size_if_needed)):
+        if given:
+            raise ValueError(f"--step-batch-size-schedule and {other} exclude each other "
+                             f"(Megatron-LM's rule: the schedule sets the global batch)")
+    batches = step_schedule_batches(schedule, args.seq_length, args.micro_batch_size,
+                                    args.data_parallel_size)
+    if isinstance(batches, str):
+        raise ValueError(f"{flag}: {batches}")
+    step = args.micro_batch_size * args.data_parallel_size
+    uneven = [b for b in batches if b % step]
+    if uneven:
+        raise ValueError(f"{flag}: batch {uneven[0]} is not a multiple of --micro-batch-size "
+                         f"({args.micro_batch_size}) x data-parallel size "
+                         f"({args.data_parallel_size})")
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None and min(batches) // step < pp:
+        raise ValueError(f"{flag}: batch {min(batches)} runs {min(batches) // step} "
+                         f"micro-batch(es); megatron-core's interleaved schedule (virtual "
+                         f"pipeline stages) needs at least --pipeline-model-parallel-size ({pp})")
+    if getattr(args, "moe_balance_policy", "none") not in (None, "none"):
+        raise ValueError(f"--step-batch-size-schedule cannot be combined with "
+                         f"--moe-balance-policy (its scheduler plans for a fixed number of "
+                         f"micro-batches)")
+
+
 def _validate_lr_schedule(args):
     """Megatron's validate_args: iteration-based and sample-based options do not mix; with
     --train-samples the run is --train-samples // --global-batch-size iterations."""
@@ -1135,6 +1202,10 @@ def _validate_lr_schedule(args):
             from megatron_moe.compat.batch_schedule import rampup_train_iters
 
             args.train_iters = rampup_train_iters(args)
+        elif args.step_batch_size_schedule is not None:
+            from megatron_moe.compat.batch_schedule import step_schedule_train_iters
+
+            args.train_iters = step_schedule_train_iters(args)
         else:
             args.train_iters = args.train_samples // args.global_batch_size
         if args.lr_decay_samples is None:

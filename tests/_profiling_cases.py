@@ -68,3 +68,38 @@ def train_recording_memory(rank, world_size, argv, mutate=None):
         profiling.MemoryHistory.after_step = after_step
         loop.Trainer.train_step = step
     return calls
+
+
+def train_recording_nvtx(rank, world_size, argv, mutate=None):
+    """pretrain() with --nvtx-ranges on a CPU: torch.cuda.nvtx's push/pop replaced by recorders
+    (and parse-time's CUDA check by True). Returns [(iteration being trained, 1-based, 'push'
+    message | 'pop')] in order. ``mutate``: 'never-enabled' (megatron-core's switch not turned
+    on)."""
+    import torch
+
+    from megatron_moe.training import loop, profiling
+
+    calls, done = [], [0]
+    nvtx = torch.cuda.nvtx
+    real = nvtx.range_push, nvtx.range_pop, profiling._cuda_available
+    nvtx.range_push = lambda msg: calls.append((done[0], msg))
+    nvtx.range_pop = lambda: calls.append((done[0], "pop"))
+    profiling._cuda_available = lambda: True
+    configure = profiling.configure_nvtx_profiling
+    if mutate == "never-enabled":
+        profiling.configure_nvtx_profiling = lambda enabled: None
+    step = loop.Trainer.train_step
+
+    def counted(self, data_iterator):
+        done[0] += 1
+        return step(self, data_iterator)
+
+    loop.Trainer.train_step = counted
+    try:
+        from tests._train_cases import _pretrain
+        _pretrain(argv)
+    finally:
+        nvtx.range_push, nvtx.range_pop, profiling._cuda_available = real
+        profiling.configure_nvtx_profiling = configure
+        loop.Trainer.train_step = step
+    return calls

@@ -83,6 +83,8 @@ def _install(mutation):
         real = compat_optimizer.mark_decoupled_lr_groups
         compat_optimizer.mark_decoupled_lr_groups = lambda optimizer, lr: 0
         return lambda: setattr(compat_optimizer, "mark_decoupled_lr_groups", real)
+    if mutation == "no_step_schedule":   # the calculator built without --step-batch-size-schedule
+        return _calculator_built_with(step_batch_size_schedule=None)
     if mutation == "no_decrease":   # the calculator without --decrease-batch-size-if-needed
         return _calculator_built_with(decrease_batch_size_if_needed=False)
     if mutation == "skipped_not_resumed":   # a resume that forgets the skipped samples

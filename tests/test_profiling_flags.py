@@ -4,7 +4,9 @@ step, its ops, no other iteration's marker); the other rank writes none; trainin
 Mutations (run in the spawned ranks): the profiler never stepped, --profile-ranks ignored.
 --record-memory-history on a CPU with torch's CUDA allocator calls replaced by recorders: recording
 starts before the first step on the listed rank only, snapshots at Megatron's iterations and path;
-mutation: a snapshot every step. Parse-time refusals: bad window, no --tensorboard-dir, the
+mutation: a snapshot every step. --nvtx-ranges on a CPU with torch.cuda.nvtx's push/pop replaced by
+recorders: megatron-core's ranges in the profiled iteration only, on the listed rank only;
+mutation: megatron-core's switch never turned on. Parse-time refusals: bad window, no --tensorboard-dir, the
 CUDA-only forms on a CPU."""
 
 import gzip
@@ -111,3 +113,48 @@ def test_record_memory_history_refused_on_cpu(capsys):
         parse_args(TINY + ["--train-iters", "4", "--record-memory-history"], world_size=1)
     err = capsys.readouterr().err
     assert "--record-memory-history" in err and "needs a GPU" in err, err
+
+
+def _check_nvtx(tmp_path, mutate=None):
+    """--nvtx-ranges with --profile-step-start 2 --profile-step-end 3 on rank 1 of 2: megatron-core's
+    ranges (its transformer layer's self_attention / mlp, ...) are pushed and popped in iteration
+    3 only (1-based; Megatron-LM switches them on at the top of the pass after --profile-step-start
+    iterations, where it calls cudaProfilerStart, and off after --profile-step-end), none on
+    rank 0."""
+    argv = TINY + ["--train-iters", "4", "--tensorboard-dir", str(tmp_path / "tb"), "--profile",
+                   "--use-pytorch-profiler", "--profile-ranks", "1", "--nvtx-ranges"] + WINDOW
+    calls = run_distributed(cases.train_recording_nvtx, 2, argv, timeout_s=300, mutate=mutate)
+    assert calls[0] == []                                   # rank 0 is not listed
+    pushes = [(it, msg) for it, msg in calls[1] if msg != "pop"]
+    assert {it for it, _ in calls[1]} == {3}, sorted({it for it, _ in calls[1]})
+    assert len(pushes) == len(calls[1]) - len(pushes)       # balanced
+    assert any(msg.endswith(".self_attention") for _, msg in pushes), pushes[:5]
+    assert any(msg.endswith(".mlp") for _, msg in pushes), pushes[:5]
+
+
+def test_nvtx_ranges_over_the_profiled_iterations(tmp_path):
+    _check_nvtx(tmp_path)
+
+
+def test_nvtx_ranges_mutation_fails(tmp_path):
+    with pytest.raises(AssertionError):
+        _check_nvtx(tmp_path, "never-enabled")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--nvtx-ranges", "--nvtx-ranges needs --profile"),
+    ("--nvtx-ranges --profile --use-pytorch-profiler --tensorboard-dir {tb}",
+     "--nvtx-ranges needs CUDA"),
+])
+def test_nvtx_ranges_refused_at_parse_time(flags, message, tmp_path, capsys):
+    import torch
+
+    from megatron_moe.arguments import parse_args
+
+    if "CUDA" in message and torch.cuda.is_available():
+        pytest.skip("CUDA is there")
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--train-iters", "4"] + flags.format(tb=tmp_path).split(),
+                   world_size=1)
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 2, err   # usage + one line

@@ -114,6 +114,10 @@ def _validate_router_topology(args):
         return
     if not getattr(args, "num_experts", None):
         raise ValueError(f"--moe-router-topology {mode} needs an MoE model: set --num-experts")
+    if mode == "congestion" and getattr(args, "moe_enable_routing_replay", False):
+        raise ValueError("--moe-router-topology congestion cannot be combined with "
+                         "--moe-enable-routing-replay (it selects the experts through the same "
+                         "hook)")
     from megatron_moe.runtime.topology import check_topology_flags
     check_topology_flags(mode, num_groups=getattr(args, "moe_router_num_groups", None),
                          group_topk=getattr(args, "moe_router_group_topk", None),

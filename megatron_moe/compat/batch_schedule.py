@@ -1,11 +1,12 @@
 """The global batch per iteration (--global-batch-size, --rampup-batch-size,
---decrease-batch-size-if-needed): megatron-core's num-microbatches calculator, set up as
-Megatron-LM's set_global_variables does.
+--step-batch-size-schedule, --decrease-batch-size-if-needed): megatron-core's num-microbatches
+calculator, set up as Megatron-LM's set_global_variables does.
 
 megatron-core 0.16 ramps the batch itself (``RampupBatchsizeNumMicroBatchesCalculator``). From 0.19
 ``init_num_microbatches_calculator`` ignores ``rampup_batch_size`` (deprecated in favour of
 ``step_batch_size_schedule``); there the ramp is given to megatron-core's step schedule as the
 thresholds at which the 0.16 rule changes the batch, so both releases run the same batches.
+``--step-batch-size-schedule`` is that 0.19 calculator given directly (refused on 0.16).
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def init_microbatch_calculator(args) -> None:
                   data_parallel_size=args.data_parallel_size,
                   decrease_batch_size_if_needed=args.decrease_batch_size_if_needed)
     rampup = args.rampup_batch_size
-    if rampup is None:
+    schedule = getattr(args, "step_batch_size_schedule", None)
+    if schedule is not None:   # Megatron-LM's set_global_variables: thresholds in tokens
+        nmc.init_num_microbatches_calculator(step_batch_size_schedule=schedule,
+                                             seq_length=args.seq_length, **kwargs)
+    elif rampup is None:
         nmc.init_num_microbatches_calculator(rampup_batch_size=None, **kwargs)
     elif _has_rampup_calculator():
         nmc.init_num_microbatches_calculator(rampup_batch_size=list(rampup), **kwargs)
@@ -91,4 +96,37 @@ def rampup_train_iters(args) -> int:
     update_num_microbatches(0, consistency_check=False)
     if args.train_samples > consumed:
         iterations += (args.train_samples - consumed) // args.global_batch_size
+    return iterations
+
+
+def step_schedule_batches(schedule: str, seq_length: int, micro_batch_size: int,
+                          data_parallel_size: int):
+    """The global batches of a --step-batch-size-schedule, parsed and checked by megatron-core's
+    own calculator (thresholds in tokens, as Megatron-LM builds it); its error as a string when
+    the schedule is malformed."""
+    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
+    try:   # rank 1: megatron-core logs the schedule on rank 0 only (the run logs it once)
+        calculator = StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size, data_parallel_size, False, rank=1, schedule=schedule,
+            seq_length=seq_length)
+    except (ValueError, AssertionError) as exc:
+        return str(exc) or "malformed"
+    return [batch for _, batch in calculator.schedule]
+
+
+def step_schedule_train_iters(args) -> int:
+    """Iterations of a --train-samples run with --step-batch-size-schedule: Megatron-LM's
+    update_train_iters (iterations until the consumed samples reach --train-samples; the last
+    batch may overshoot)."""
+    from megatron.core.num_microbatches_calculator import (get_current_global_batch_size,
+                                                           update_num_microbatches)
+
+    init_microbatch_calculator(args)
+    iterations, consumed = 0, 0
+    while consumed < args.train_samples:
+        update_num_microbatches(consumed, consistency_check=False)
+        consumed += get_current_global_batch_size()
+        iterations += 1
+    update_num_microbatches(0, consistency_check=False)
     return iterations

@@ -3,8 +3,11 @@
 With ``--use-checkpoint-args`` (Megatron-LM's flag) the architecture, tokenizer and data flags come
 from the ``args`` stored in the checkpoint under ``--load``; any flag given on the command line
 wins (``--no-use-tokenizer-model-from-checkpoint-args``: the tokenizer's too, as in training).
-The parallel layout (TP/PP/EP/ETP/CP) and the seed always come from the command line: a
-checkpoint is reshardable, so it loads into whatever layout this launch asks for. The checkpoint
+The parallel layout (TP/PP/EP/ETP/CP) and the seed come from the command line: a checkpoint is
+reshardable, so it loads into whatever layout this launch asks for; with
+``--use-mp-args-from-checkpoint-args`` the tensor, pipeline and expert sizes not given here are the
+checkpoint's (Megatron-LM's list without its virtual-pipeline entries: the stage split is this
+launch's, as below). The checkpoint
 is read by ``megatron_moe/training/checkpoint_args.py``, training's reader; training applies
 Megatron-LM's narrower rule there (model flags only; the checkpoint's win).
 """
@@ -30,7 +33,8 @@ NOT_FROM_CHECKPOINT = frozenset({
     "account_for_loss_in_pipeline_split",
     # the training run's length and schedule: a run given in samples stores the iterations it
     # derived too, and the two are exclusive on a command line
-    "train_iters", "train_samples", "rampup_batch_size", "decrease_batch_size_if_needed",
+    "train_iters", "train_samples", "rampup_batch_size", "step_batch_size_schedule",
+    "decrease_batch_size_if_needed",
     "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples", "lr_decay_iters",
     "lr_warmup_iters", "lr_wsd_decay_iters", "lr_warmup_fraction", "skip_train",
     "exit_on_missing_checkpoint", "eval_num_microbatches",
@@ -39,8 +43,13 @@ NOT_FROM_CHECKPOINT = frozenset({
     "moe_single_grouped_weight", "moe_single_grouped_bias",
     # which checkpoint to read and how: this launch's
     "ckpt_step", "pretrained_checkpoint", "use_checkpoint_args",
-    "use_tokenizer_model_from_checkpoint_args",
+    "use_tokenizer_model_from_checkpoint_args", "use_mp_args_from_checkpoint_args",
 })
+
+# ... except with --use-mp-args-from-checkpoint-args: these sizes (Megatron-LM's list without its
+# virtual-pipeline entries: the stage split stays this launch's, as above)
+MP_FROM_CHECKPOINT = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                "expert_model_parallel_size"})
 
 
 def _explicit(parser, argv) -> argparse.Namespace:
@@ -91,6 +100,9 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
     if args.pretrained_checkpoint is not None:
         parser.error("--pretrained-checkpoint is a training flag (finetuning); inference loads "
                      "the checkpoint under --load")
+    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
+        parser.error("--use-mp-args-from-checkpoint-args needs --use-checkpoint-args (it takes "
+                     "the model-parallel sizes along with the checkpoint's model flags)")
     if args.load is None:
         parser.error("--load is required (a checkpoint directory written by pretrain_gpt_moe.py)")
     try:
@@ -107,6 +119,8 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
 
         kept = NOT_FROM_CHECKPOINT | (set() if args.use_tokenizer_model_from_checkpoint_args
                                       else set(checkpoint_args.TOKENIZER))
+        if args.use_mp_args_from_checkpoint_args:
+            kept -= MP_FROM_CHECKPOINT
         for key, value in stored.items():
             if key in dests and key not in kept and key not in explicit:
                 setattr(args, key, value)

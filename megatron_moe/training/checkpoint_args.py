@@ -10,9 +10,11 @@ validated: the checkpoint's values of the model flags in ``FROM_CHECKPOINT`` rep
 line's; those in ``UNLESS_GIVEN`` fill only a flag the command line left unset; with
 ``--use-tokenizer-model-from-checkpoint-args`` (the default; ``--no-...`` turns it off, e.g. when
 the checkpoint was written on another cluster) ``--tokenizer-type`` and ``--tokenizer-model`` are
-the checkpoint's too. Everything else (data, schedule, parallel layout, and the model flags
-Megatron-LM does not list) is this command line's: the shape check of the load names any of those
-that disagrees with the checkpoint. ``--pretrained-checkpoint`` is read first, then ``--load``
+the checkpoint's too; with ``--use-mp-args-from-checkpoint-args`` so are the model-parallel sizes
+in ``MODEL_PARALLEL`` (tensor, pipeline, virtual pipeline, expert; Megatron-LM's list: context and
+expert-tensor parallelism stay the command line's). Everything else (data, schedule, the rest of
+the parallel layout, and the model flags Megatron-LM does not list) is this command line's: the
+shape check of the load names any of those that disagrees with the checkpoint. ``--pretrained-checkpoint`` is read first, then ``--load``
 (Megatron-LM's order: a resumed finetune's own checkpoint has the last word).
 """
 
@@ -46,6 +48,14 @@ UNLESS_GIVEN = (
 )
 # with --use-tokenizer-model-from-checkpoint-args (default on): forced as well
 TOKENIZER = ("tokenizer_model", "tokenizer_type")
+# with --use-mp-args-from-checkpoint-args: (name, force) as Megatron-LM sets them. The virtual
+# pipeline size is derived again by validation (from the per-stage layer count, the only way
+# Megatron-LM takes it through), as it is there.
+MODEL_PARALLEL = (
+    ("tensor_model_parallel_size", True), ("pipeline_model_parallel_size", True),
+    ("virtual_pipeline_model_parallel_size", True),
+    ("num_layers_per_virtual_pipeline_stage", False), ("expert_model_parallel_size", True),
+)
 
 
 def has_checkpoint(root: str | None) -> bool:
@@ -111,6 +121,9 @@ def _apply(args, stored) -> dict:
     if args.use_tokenizer_model_from_checkpoint_args:
         for name in TOKENIZER:
             take(name, force=True)
+    if getattr(args, "use_mp_args_from_checkpoint_args", False):
+        for name, force in MODEL_PARALLEL:
+            take(name, force)
     return changed
 
 

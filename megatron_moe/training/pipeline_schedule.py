@@ -50,7 +50,10 @@ def validate_args(args):
         raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage needs virtual "
                          f"pipeline stages ({_VIRTUAL})")
     m = args.num_microbatches
-    if args.rampup_batch_size is None and not pp <= group <= m:
+    # a ramp or step schedule changes the micro-batch count per iteration
+    fixed_batch = args.rampup_batch_size is None and \
+        getattr(args, "step_batch_size_schedule", None) is None
+    if fixed_batch and not pp <= group <= m:
         raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage {group} must be in "
                          f"[--pipeline-model-parallel-size {pp}, micro-batches per iteration {m}]")
     if args.overlap_p2p_comm_warmup_flush and group > pp:
@@ -58,7 +61,7 @@ def validate_args(args):
                          f"--pipeline-model-parallel-size {pp}) with "
                          "--overlap-p2p-communication-warmup-flush: megatron-core's forward-only "
                          "interleaved schedule (evaluation) stalls with both; use one of them")
-    if args.rampup_batch_size is None and 0 < m % group < pp:
+    if fixed_batch and 0 < m % group < pp:
         raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: the "
                          f"micro-batches per iteration ({m}) leave a last group of {m % group}, "
                          f"fewer than --pipeline-model-parallel-size {pp} (megatron-core's rule)")

@@ -14,6 +14,12 @@
   ``--record-shapes`` adds torch's NVTX ranges with shapes (``emit_nvtx``). It needs CUDA: on a
   host without one it is refused at parse time (Megatron's call would fail in the loop).
 
+``--nvtx-ranges`` with ``--profile``: megatron-core's own NVTX ranges (its transformer layer,
+attention, MLP, pipeline schedule and p2p regions; ``megatron.core.utils.configure_nvtx_profiling``)
+are switched on when iteration ``start`` begins and off after iteration ``end`` (Megatron-LM's
+train loop), for nsys or the torch profiler's CUDA timeline. The ranges are ``torch.cuda.nvtx``:
+CUDA only, refused on a CPU at parse time.
+
 ``--record-memory-history`` on the same ranks (``--profile-ranks``, with or without ``--profile``):
 the CUDA caching allocator records its allocation history (torch's ``_record_memory_history``,
 from the start of training), and a snapshot is written at the first iteration and every
@@ -27,6 +33,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import configure_nvtx_profiling
 
 
 def add_arguments(parser):
@@ -49,6 +56,9 @@ def add_arguments(parser):
                           help="torch.profiler with_stack.")
     add_megatron_argument(g, "--record-shapes",
                           help="nsys path: NVTX ranges with tensor shapes (torch emit_nvtx).")
+    add_megatron_argument(g, "--nvtx-ranges",
+                          help="With --profile: megatron-core's NVTX ranges over the profiled "
+                               "iterations (GPU only).")
     add_megatron_argument(g, "--record-memory-history",
                           help="Record the CUDA allocator's history; snapshots each log interval.")
     add_megatron_argument(g, "--memory-snapshot-path",
@@ -63,6 +73,11 @@ def validate_args(args):
     if args.record_memory_history and not _cuda_available():
         raise ValueError("--record-memory-history records the CUDA caching allocator's history, "
                          "which needs a GPU")
+    if args.nvtx_ranges and not args.profile:
+        raise ValueError("--nvtx-ranges needs --profile (the ranges cover the profiled "
+                         "iterations, --profile-step-start to --profile-step-end)")
+    if args.nvtx_ranges and not _cuda_available():
+        raise ValueError("--nvtx-ranges needs CUDA: megatron-core emits torch.cuda.nvtx ranges")
     if not args.profile:
         return
     if args.profile_step_end <= args.profile_step_start or args.profile_step_start < 0:
@@ -116,6 +131,7 @@ class Profiler:
         self.prof = None
         self.nvtx = None
         self.cuda_profiling = False
+        self.nvtx_ranges = False
         self.stopped = False
 
     def _start_torch_profiler(self):
@@ -139,6 +155,9 @@ class Profiler:
         """Top of a loop pass, ``iteration`` iterations done (Megatron steps the profiler here)."""
         if self.stopped:
             return
+        if self.args.nvtx_ranges and iteration == self.args.profile_step_start:
+            configure_nvtx_profiling(True)
+            self.nvtx_ranges = True
         if self.args.use_pytorch_profiler:
             if self.prof is None:
                 self._start_torch_profiler()
@@ -158,6 +177,8 @@ class Profiler:
         if self.stopped:
             return
         self.stopped = True
+        if self.nvtx_ranges:
+            configure_nvtx_profiling(False)
         if self.prof is not None:
             self.prof.stop()
         elif self.cuda_profiling:
