@@ -115,7 +115,7 @@ class RingMemory:
 
     def __init__(self, model, slots: int, link_gbps: float | None = None, debug: bool = False,
                  experts: str = "all", device=None):
-        from megatron_moe.offload.link import CopyLink, SlotArena, nan_fill_from_env, storage_bytes
+        from megatron_moe.offload.link import CopyLink, SlotArena, storage_bytes
 
         if experts not in ("all", "active"):
             raise ValueError(f"ring memory experts must be 'all' or 'active' (got {experts!r})")
@@ -149,7 +149,6 @@ class RingMemory:
         self.host_views = [layout.views(flat) for layout, flat in zip(self.layouts, self.host)]
         # resident layer weights, read from their storages (as the arena's peak is) before they go
         self.resident_bytes = storage_bytes(p.data for l in self.layouts for p, *_ in l.entries)
-        debug = debug or nan_fill_from_env()  # the training offload's switch works here too
         # Between uses a layer's parameters point at poison, never at the host copy (a missed
         # bind would pass silently on CPU): NaN of the right shape in debug mode, else
         # zero-element tensors (a missed bind fails on the shape)

@@ -25,7 +25,7 @@ API (stable; other packages import it)::
 
     arena = SlotArena(slot_numel, slots, device=None, nan_fill=False)
         # at most `slots` fixed slots of {dtype: numel} flat tensors each, each allocated once.
-        # nan_fill (or MEGATRON_MOE_OFFLOAD_NAN_FILL=1): a released slot is filled with NaN
+        # nan_fill (--moe-offload-debug-nan-fill, --ring-memory-debug): a released slot is filled with NaN
         # (integer dtypes: -1) so that compute reading a slot whose copy it did not wait for
         # produces NaN instead of passing by luck.
     i = arena.acquire()          # a free slot index (RuntimeError if none is free); on CUDA a
@@ -46,7 +46,6 @@ select by parameter order; nothing upstream offers a throttled CPU link for meas
 
 from __future__ import annotations
 
-import os
 import queue
 import random
 import threading
@@ -54,11 +53,7 @@ import time
 
 import torch
 
-__all__ = ["CopyLink", "CopyHandle", "SlotArena", "nan_fill_from_env", "storage_bytes"]
-
-
-def nan_fill_from_env() -> bool:
-    return os.environ.get("MEGATRON_MOE_OFFLOAD_NAN_FILL", "0") not in ("", "0")
+__all__ = ["CopyLink", "CopyHandle", "SlotArena", "storage_bytes"]
 
 
 class CopyHandle:
