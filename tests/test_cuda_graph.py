@@ -48,6 +48,14 @@ def test_captured_iterations_read_nothing_with_two_micro_batches_and_the_router_
             "--moe-router-score-function", "sigmoid"])
 
 
+def test_expert_and_tensor_parallel_padded_to_capacity_read_nothing():
+    """EP=2, and TP=ETP=2 with sequence parallelism: dropless, megatron-core's all-to-all reads
+    its split sizes on the host (refused below); padded to a capacity the shapes are fixed."""
+    pad = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+    _check(["--expert-model-parallel-size", "2"] + pad)
+    _check(["--tensor-model-parallel-size", "2", "--sequence-parallel"] + pad)
+
+
 def test_a_host_read_in_the_region_is_caught():
     with pytest.raises(AssertionError):
         _check(mutate="loss-item")
@@ -58,6 +66,8 @@ def test_a_host_read_in_the_region_is_caught():
     ("--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad", "add --moe-grouped-gemm"),
     ("--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad --moe-grouped-gemm "
      "--expert-model-parallel-size 2", "split sizes on the host"),
+    ("--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad --moe-grouped-gemm "
+     "--tensor-model-parallel-size 2 --sequence-parallel", "split sizes on the host"),
     ("--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad --moe-grouped-gemm "
      "--moe-balance-policy fastermoe", "--moe-balance-policy"),
     ("--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad --moe-grouped-gemm "

@@ -15,8 +15,10 @@ that runs Python per iteration inside the region may change what the device does
 time with one line, what reads the host in the forward or backward or changes per iteration:
 
 * megatron-core's NaN check of the loss (Megatron-LM's own rule: ``--no-check-for-nan-in-loss-and-grad``);
-* expert parallelism: megatron-core's all-to-all reads its split sizes on the host (the one
-  per-layer read left, docs/gpu.md "Host syncs");
+* expert or expert-tensor parallelism with dropless routing: megatron-core's all-to-all reads its
+  split sizes on the host (the one per-layer read left, docs/gpu.md "Host syncs"); padded to a
+  capacity (``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``, Megatron's
+  way to fixed shapes) nothing is read and the graph is allowed;
 * experts without ``--moe-grouped-gemm``: ``SequentialMLP`` splits the tokens by a host list;
 * ``--moe-balance-policy`` / routing traces, ``--moe-a2a-overlap-degree``: their exchanges read
   count matrices on the host; ``--moe-expert-offload``: host copies on a thread;
@@ -86,9 +88,13 @@ def _refusal(args) -> str | None:
     if getattr(args, "check_for_nan_in_loss", True):
         return ("megatron-core's NaN check of the loss: add --no-check-for-nan-in-loss-and-grad "
                 "(Megatron-LM's rule)")
-    if getattr(args, "expert_model_parallel_size", 1) > 1:
-        return ("--expert-model-parallel-size > 1: megatron-core's all-to-all reads its split "
-                "sizes on the host")
+    etp = getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
+    padded = (getattr(args, "moe_expert_capacity_factor", None) is not None
+              and getattr(args, "moe_pad_expert_input_to_capacity", False))
+    if (getattr(args, "expert_model_parallel_size", 1) > 1 or etp > 1) and not padded:
+        return ("expert or expert-tensor parallelism with dropless routing: megatron-core's "
+                "all-to-all reads its split sizes on the host (fixed shapes: "
+                "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity)")
     if getattr(args, "num_experts", None) and not (grouped_experts.local_grouped(args) or
                                                    args.transformer_impl == "transformer_engine"):
         return ("megatron-core's expert loop (SequentialMLP splits the tokens by a host list): "
