@@ -13,7 +13,8 @@ slices next to the replicas (equal to the per-expert grouped path); planted faul
 stacked weight gradient marked added without adding, every group adding the first expert's bias,
 the offload's backward re-bind left out, the slices' stacked parameter left unmarked). The
 per-parameter work of DDP and the optimizer no longer grows with the experts: the model's
-parameter count is the same at 4 and 16 experts, and its plain state dict keeps SequentialMLP's
+parameter and module counts are the same at 4 and 16 experts (the empty per-expert MLPs out of the
+module tree; with per-expert biases they stay in it), and its plain state dict keeps SequentialMLP's
 keys. Plus the parse-time refusals."""
 
 import pytest

@@ -32,7 +32,12 @@ the experts, docs/gpu.md), and the grouped GEMMs read the weights without stacki
 forward and backward. Initial values are the per-expert MLPs' (stacked at construction), and the
 checkpoint layout stays SequentialMLP's (one factory per stacked parameter, built from megatron-core's
 own per-expert entries), so checkpoints move between the loop, the grouped and the single-weight
-experts both ways; a plain ``state_dict()`` has SequentialMLP's per-expert keys too.
+experts both ways; a plain ``state_dict()`` has SequentialMLP's per-expert keys too. With every
+expert parameter stacked (the weights, and the biases stacked or absent) the per-expert MLPs hold
+nothing and are kept out of the module tree (``local_experts`` a plain attribute, still read for the
+checkpoint entries, the balance layer and the activation): megatron-core walks the whole tree every
+iteration (``finalize_model_grads``), so the module count and the Python calls per iteration then
+do not grow with the experts either (tests/test_host_calls.py).
 """
 
 from __future__ import annotations
@@ -407,13 +412,14 @@ def _unregister_expert_shells(experts):
     """With every expert parameter stacked, the per-expert MLPs (an MLP and two linears each) hold
     nothing: they are kept as a plain attribute, outside the module tree. megatron-core walks the
     whole tree every iteration (``finalize_model_grads`` -> ``reset_model_temporary_tensors`` calls
-    ``modules()``), a walk that grew with experts x layers; so do ``state_dict``, ``apply``, ``to``
-    and ``train``, none of which has anything to do in the shells. ``experts.local_experts`` still
-    reads them for what needs one MLP per expert: megatron-core's per-expert checkpoint entries
+    ``modules()``), a walk that grew with experts x layers. Holding no parameters or buffers, the
+    shells gave the other walks nothing to do either (``to``/``bfloat16`` casts, ``apply``, DDP's
+    pre-hooks, put on modules with parameters only). ``experts.local_experts`` still reads them for
+    what needs one MLP per expert: megatron-core's per-expert checkpoint entries
     (:meth:`GroupedSequentialMLP.sharded_state_dict`), the balance layer's identities and slices,
-    the activation's template. Their ``training`` flag is no longer kept by ``train()``/``eval()``:
-    they are never called (megatron-core's MLP forward reads no such flag either, and the
-    activation copy is outside the tree already). With per-expert biases (the single weight without
+    the activation's template. ``train()``/``eval()`` no longer reach them and nothing reads their
+    flag: they are never called (nor is the activation copy, outside the tree already;
+    megatron-core's MLP forward reads no training flag). With per-expert biases (the single weight without
     ``--moe-single-grouped-bias``) the shells hold parameters and stay registered."""
     shells = experts._modules.pop("local_experts")
     object.__setattr__(experts, "local_experts", shells)
