@@ -73,7 +73,22 @@ def _expert_shells_registered():
     G._unregister_expert_shells = lambda experts: None
 
 
+def _replicas_counted_per_expert():
+    """The grouped call's replica count taken with an isinstance call per expert, own or not."""
+    import torch
+
+    from megatron_moe.moe import grouped_experts as G
+    run_groups = G.GroupedSequentialMLP.run_groups
+
+    def counting(self, experts, *args, **kwargs):
+        G.GroupedSequentialMLP.replica_groups += 0 * len(
+            [e for e in experts if not isinstance(e, torch.nn.Module)])
+        return run_groups(self, experts, *args, **kwargs)
+    G.GroupedSequentialMLP.run_groups = counting
+
+
 MUTATIONS = {"expert_shells_registered": _expert_shells_registered,
+             "replicas_counted_per_expert": _replicas_counted_per_expert,
              "experts_by_getattr": _experts_by_getattr,
              "main_grad_test_per_weight": _main_grad_test_per_weight,
              "adam_walk_every_step": _adam_walk_every_step}
@@ -125,6 +140,8 @@ def count(rank, world, argv, iteration, mutate=None, every_call=False):
                                 (frame.f_back is not None and _ours(frame.f_back.f_code))):
             code = frame.f_code
             calls[f"{os.path.relpath(code.co_filename, ROOT)}:{code.co_name}"] += 1
+        elif event == "c_call" and every_call:     # builtins too (cProfile counts them)
+            calls[f"<C>:{getattr(arg, '__qualname__', type(arg).__name__)}"] += 1
 
     state = {"it": 0}
     ran, seconds, modules = {}, [], []

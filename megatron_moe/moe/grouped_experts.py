@@ -475,9 +475,10 @@ class GroupedSequentialMLP(SequentialMLP):
         """``experts`` (MLP modules or name -> tensor dicts of the same shapes: balance replicas)
         on ``x`` grouped by ``counts``, in one grouped call per linear."""
         GroupedSequentialMLP.grouped_calls += 1
-        replicas = [e for e in experts if not isinstance(e, torch.nn.Module)]
-        GroupedSequentialMLP.replica_groups += len(replicas)
         own = experts == list(self.local_experts)    # identities, in C
+        if not own:   # (the replicas counted only here: an isinstance call per expert otherwise)
+            GroupedSequentialMLP.replica_groups += sum(
+                1 for e in experts if not isinstance(e, torch.nn.Module))
         if self.single_names and not own:
             # a balanced layer's selection (local experts in its order, replicas): the stacked
             # parameters' slices (autograd's unbind: the gradients stack back into them)
