@@ -313,7 +313,7 @@ def test_generation_builds_the_per_expert_layout_and_ring_memory_refuses_the_sin
 def test_bench_counts_fewer_ops_and_python_calls_per_iteration():
     """bench/single_grouped_weight.py at 16 experts (one repeat): the per-iteration counts it
     reports (aten ops, Python calls: deterministic, unlike its times) are lower with the single
-    grouped weight, as docs/gpu.md states (x1.49 ops, x1.74 calls at 16 experts)."""
+    grouped weight, as docs/gpu.md states (x1.49 ops, x2.18 calls at 16 experts)."""
     import os
     import subprocess
     import sys
@@ -327,4 +327,4 @@ def test_bench_counts_fewer_ops_and_python_calls_per_iteration():
             if line.split()[:1] == ["16"]}
     ops_ratio, calls_ratio = float(rows["ratio"][0]), float(rows["ratio"][1])
     assert float(rows["per-expert"][0]) > float(rows["single"][0]) and ops_ratio > 1.3, rows
-    assert float(rows["per-expert"][1]) > float(rows["single"][1]) and calls_ratio > 1.5, rows
+    assert float(rows["per-expert"][1]) > float(rows["single"][1]) and calls_ratio > 2, rows
