@@ -419,8 +419,8 @@ def _unregister_expert_shells(experts):
     (:meth:`GroupedSequentialMLP.sharded_state_dict`), the balance layer's identities and slices,
     the activation's template. ``train()``/``eval()`` no longer reach them and nothing reads their
     flag: they are never called (nor is the activation copy, outside the tree already;
-    megatron-core's MLP forward reads no training flag). With per-expert biases (the single weight without
-    ``--moe-single-grouped-bias``) the shells hold parameters and stay registered."""
+    megatron-core's MLP forward reads no training flag). With per-expert biases (the single weight
+    without ``--moe-single-grouped-bias``) the shells hold parameters and stay registered."""
     shells = experts._modules.pop("local_experts")
     object.__setattr__(experts, "local_experts", shells)
     # a plain state dict keeps SequentialMLP's keys: the shells' own entries (megatron-core's
