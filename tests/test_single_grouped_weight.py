@@ -241,7 +241,7 @@ def _model_facts(rank, world, experts_list, mutate=None):
 
 
 @pytest.mark.parametrize("mutate", [False, True])
-def test_parameters_and_modules_do_not_grow_with_experts_and_the_state_dict_keeps_sequentialmlps_keys(
+def test_parameters_and_modules_do_not_grow_and_the_state_dict_keeps_sequentialmlps_keys(
         mutate):
     """The single grouped weight: parameter and module counts the same at 4 and 16 experts (the
     empty per-expert MLPs are out of the module tree), SequentialMLP's plain state dict keys, a
