@@ -67,7 +67,29 @@ def _adam_walk_every_step():
     O.fuse_torch_adam = fuse
 
 
-MUTATIONS = {"experts_by_getattr": _experts_by_getattr,
+def _expert_shells_registered():
+    """The single grouped weight's empty per-expert MLPs left in the module tree."""
+    from megatron_moe.moe import grouped_experts as G
+    G._unregister_expert_shells = lambda experts: None
+
+
+def _replicas_counted_per_expert():
+    """The grouped call's replica count taken with an isinstance call per expert, own or not."""
+    import torch
+
+    from megatron_moe.moe import grouped_experts as G
+    run_groups = G.GroupedSequentialMLP.run_groups
+
+    def counting(self, experts, *args, **kwargs):
+        G.GroupedSequentialMLP.replica_groups += 0 * len(
+            [e for e in experts if not isinstance(e, torch.nn.Module)])
+        return run_groups(self, experts, *args, **kwargs)
+    G.GroupedSequentialMLP.run_groups = counting
+
+
+MUTATIONS = {"expert_shells_registered": _expert_shells_registered,
+             "replicas_counted_per_expert": _replicas_counted_per_expert,
+             "experts_by_getattr": _experts_by_getattr,
              "main_grad_test_per_weight": _main_grad_test_per_weight,
              "adam_walk_every_step": _adam_walk_every_step}
 
@@ -86,9 +108,10 @@ _MUTANT_CODE = set().union(*map(_code_of, (_old_stacked, _old_hooks, _old_into_m
                                              _old_into_main_grad_one, _adam_walk_every_step)))
 
 
-def count(rank, world, argv, iteration, mutate=None):
-    """Calls at ``iteration``; also the wall seconds of each later iteration (bench/host_calls.py).
-    ``mutate``: a name in MUTATIONS, or a tuple of them."""
+def count(rank, world, argv, iteration, mutate=None, every_call=False):
+    """Calls at ``iteration``; also the wall seconds of each later iteration (bench/host_calls.py)
+    and the number of modules in the model. ``mutate``: a name in MUTATIONS, or a tuple of them;
+    ``every_call``: count every Python call (megatron-core's and torch's too), not only ours."""
     import collections
     import gc
     import time
@@ -113,13 +136,15 @@ def count(rank, world, argv, iteration, mutate=None):
     calls = collections.Counter()
 
     def profile(frame, event, arg):
-        if event == "call" and (_ours(frame.f_code) or
+        if event == "call" and (every_call or _ours(frame.f_code) or
                                 (frame.f_back is not None and _ours(frame.f_back.f_code))):
             code = frame.f_code
             calls[f"{os.path.relpath(code.co_filename, ROOT)}:{code.co_name}"] += 1
+        elif event == "c_call" and every_call:     # builtins too (cProfile counts them)
+            calls[f"<C>:{getattr(arg, '__qualname__', type(arg).__name__)}"] += 1
 
     state = {"it": 0}
-    ran, seconds = {}, []
+    ran, seconds, modules = {}, [], []
 
     def counted_steps(step):
         def counted(self, data_iterator):
@@ -132,6 +157,7 @@ def count(rank, world, argv, iteration, mutate=None):
                     seconds.append(time.perf_counter() - start)
             if state["it"] != iteration:
                 return step(self, data_iterator)
+            modules.append(sum(1 for chunk in self.model for _ in chunk.modules()))
             before = (GroupedSequentialMLP.grouped_calls,
                       GroupedSequentialMLP.wgrads_into_main_grad, fused_calls["n"])
             gc.disable()   # no collector (and finalizers it runs) at points that vary with the sizes
@@ -151,4 +177,4 @@ def count(rank, world, argv, iteration, mutate=None):
         pretrain_with_step(argv, counted_steps)
     finally:
         torch._fused_adamw_ = orig_fused
-    return {"calls": dict(calls), "ran": ran, "seconds": seconds}
+    return {"calls": dict(calls), "ran": ran, "seconds": seconds, "modules": modules[0]}

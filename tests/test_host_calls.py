@@ -6,6 +6,13 @@ linears' parameters and hooks without a ``nn.Module.__getattr__`` call per exper
 ``main_grad`` of all the weights in one call, and the fused Adam pre-hook walks the parameters
 before the first step and after loads and saves only. Mutations: each of those put back as it was.
 
+With ``--moe-single-grouped-weight`` every Python call of the iteration is counted (megatron-core's
+and torch's too, and builtins), 4 experts against 32: equal, and so is the number of modules,
+because the empty per-expert MLPs are kept out of the module tree that megatron-core walks every
+iteration (``finalize_model_grads``), and the grouped call tests its experts for balance replicas
+only when they are not its own. Mutations: the shells registered again; the replica test per
+expert.
+
 That the pre-hook still follows loads and saves is tests/test_fused_adam.py's (its walk test and
 the resumed runs)."""
 
@@ -43,3 +50,29 @@ def test_host_calls_per_iteration_do_not_grow_with_experts(mutate):
     else:   # a call per expert (12 more) per layer per micro-batch, or per parameter per step
         assert n_big - n_small >= 12 * 2 * 2, grown
 
+
+
+@pytest.mark.parametrize("mutate", [None, "expert_shells_registered",
+                                    "replicas_counted_per_expert"])
+def test_single_grouped_weight_iteration_calls_and_modules_do_not_grow_with_experts(mutate):
+    small, big = (run_distributed(C.count, 1, _argv(e) + ["--moe-single-grouped-weight"], 3,
+                                  mutate, True, timeout_s=300,
+                                  env={"MEGATRON_MOE_STRICT_DEVICES": "0"})[0] for e in (4, 32))
+    for res in (small, big):
+        # the stacked path ran: 2 layers x 2 micro-batches grouped, one main_grad add per stacked
+        # weight (2 per layer) per micro-batch
+        assert res["ran"] == {"grouped_calls": 2 * 2, "fused_adam_calls": 2,
+                              "wgrads_into_main_grad": 2 * 2 * 2}, res["ran"]
+    n_small, n_big = sum(small["calls"].values()), sum(big["calls"].values())
+    grown = {k: (small["calls"].get(k, 0), n) for k, n in big["calls"].items()
+             if n != small["calls"].get(k, 0)}
+    if mutate is None:
+        assert small["modules"] == big["modules"]
+        assert n_small == n_big, grown
+    elif mutate == "expert_shells_registered":
+        # an MLP and its two linears per expert per layer, walked at least once per iteration
+        assert big["modules"] - small["modules"] == 2 * 28 * 3
+        assert n_big - n_small >= 2 * 28 * 3, grown
+    else:   # an isinstance call per expert per layer per micro-batch
+        assert big["modules"] == small["modules"]
+        assert n_big - n_small >= 28 * 2 * 2, grown

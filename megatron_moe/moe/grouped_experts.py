@@ -32,7 +32,12 @@ the experts, docs/gpu.md), and the grouped GEMMs read the weights without stacki
 forward and backward. Initial values are the per-expert MLPs' (stacked at construction), and the
 checkpoint layout stays SequentialMLP's (one factory per stacked parameter, built from megatron-core's
 own per-expert entries), so checkpoints move between the loop, the grouped and the single-weight
-experts both ways; a plain ``state_dict()`` has SequentialMLP's per-expert keys too.
+experts both ways; a plain ``state_dict()`` has SequentialMLP's per-expert keys too. With every
+expert parameter stacked (the weights, and the biases stacked or absent) the per-expert MLPs hold
+nothing and are kept out of the module tree (``local_experts`` a plain attribute, still read for the
+checkpoint entries, the balance layer and the activation): megatron-core walks the whole tree every
+iteration (``finalize_model_grads``), so the module count and the Python calls per iteration then
+do not grow with the experts either (tests/test_host_calls.py).
 """
 
 from __future__ import annotations
@@ -403,6 +408,27 @@ def _stack_parameters(experts, name: str) -> torch.nn.Parameter:
     return stacked_param
 
 
+def _unregister_expert_shells(experts):
+    """With every expert parameter stacked, the per-expert MLPs (an MLP and two linears each) hold
+    nothing: they are kept as a plain attribute, outside the module tree. megatron-core walks the
+    whole tree every iteration (``finalize_model_grads`` -> ``reset_model_temporary_tensors`` calls
+    ``modules()``), a walk that grew with experts x layers. Holding no parameters or buffers, the
+    shells gave the other walks nothing to do either (``to``/``bfloat16`` casts, ``apply``, DDP's
+    pre-hooks, put on modules with parameters only). ``experts.local_experts`` still reads them for
+    what needs one MLP per expert: megatron-core's per-expert checkpoint entries
+    (:meth:`GroupedSequentialMLP.sharded_state_dict`), the balance layer's identities and slices,
+    the activation's template. ``train()``/``eval()`` no longer reach them and nothing reads their
+    flag: they are never called (nor is the activation copy, outside the tree already;
+    megatron-core's MLP forward reads no training flag). With per-expert biases (the single weight
+    without ``--moe-single-grouped-bias``) the shells hold parameters and stay registered."""
+    shells = experts._modules.pop("local_experts")
+    object.__setattr__(experts, "local_experts", shells)
+    # a plain state dict keeps SequentialMLP's keys: the shells' own entries (megatron-core's
+    # linears write an empty ``_extra_state``) are written and read by the layer's hooks
+    experts.register_state_dict_post_hook(_shells_state_dict)
+    experts._register_load_state_dict_pre_hook(_load_shells, with_module=True)
+
+
 class GroupedSequentialMLP(SequentialMLP):
     grouped_calls = 0   # grouped calls made (tests: proof the grouped path ran)
     replica_groups = 0  # groups of those calls that ran a balance replica (not a local expert)
@@ -431,6 +457,8 @@ class GroupedSequentialMLP(SequentialMLP):
         if self.single_names:
             self.register_state_dict_post_hook(_per_expert_state_dict)
             self._register_load_state_dict_pre_hook(_stacked_state_dict, with_module=True)
+        if self.single_names and not self._per_expert_params:
+            _unregister_expert_shells(self)   # after the hooks above: loads stack the keys first
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if self.num_local_experts == 1 and not self.single_names:
@@ -447,9 +475,10 @@ class GroupedSequentialMLP(SequentialMLP):
         """``experts`` (MLP modules or name -> tensor dicts of the same shapes: balance replicas)
         on ``x`` grouped by ``counts``, in one grouped call per linear."""
         GroupedSequentialMLP.grouped_calls += 1
-        replicas = [e for e in experts if not isinstance(e, torch.nn.Module)]
-        GroupedSequentialMLP.replica_groups += len(replicas)
         own = experts == list(self.local_experts)    # identities, in C
+        if not own:   # (the replicas counted only here: an isinstance call per expert otherwise)
+            GroupedSequentialMLP.replica_groups += sum(
+                1 for e in experts if not isinstance(e, torch.nn.Module))
         if self.single_names and not own:
             # a balanced layer's selection (local experts in its order, replicas): the stacked
             # parameters' slices (autograd's unbind: the gradients stack back into them)
@@ -598,6 +627,25 @@ def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
         stacked_value = state_dict.pop(prefix + name)
         for i, part in enumerate(stacked_value.unbind(0)):
             state_dict[f"{prefix}local_experts.{i}.{name}"] = part
+
+
+def _shells_state_dict(module, state_dict, prefix, local_metadata):
+    """``state_dict()`` post-hook of a layer whose per-expert MLPs are out of the module tree: their
+    entries, as if they were in it."""
+    module.local_experts.state_dict(destination=state_dict, prefix=prefix + "local_experts.")
+
+
+def _load_shells(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs):
+    """``load_state_dict()`` pre-hook of a layer whose per-expert MLPs are out of the module tree:
+    their entries loaded into them, what they miss or do not expect reported as torch would if they
+    were in it (after :func:`_stacked_state_dict` took the stacked parameters' keys)."""
+    head = prefix + "local_experts."
+    shell_state = {key[len(head):]: state_dict.pop(key)
+                   for key in [key for key in state_dict if key.startswith(head)]}
+    result = module.local_experts.load_state_dict(shell_state, strict=False)
+    missing_keys.extend(head + key for key in result.missing_keys)
+    unexpected_keys.extend(head + key for key in result.unexpected_keys)
 
 
 def _stacked_state_dict(module, state_dict, prefix, *unused):
