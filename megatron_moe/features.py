@@ -28,7 +28,8 @@ from megatron_moe.flags import exclusions
 from megatron_moe.models import architecture, attention, embedding, gpt_oss, mla
 from megatron_moe.moe import dispatcher, grouped_experts, topo_router
 from megatron_moe.runtime import dist_signal_handler
-from megatron_moe.training import megatron_logging, pipeline_schedule, profiling, wandb_writer
+from megatron_moe.training import (megatron_logging, pipeline_schedule, profiling, result_validation,
+                                   wandb_writer)
 
 FEATURES = (
     comm,                 # --moe-a2a-algorithm / compression / overlap, emulated link, topology
@@ -44,6 +45,7 @@ FEATURES = (
     megatron_logging,     # params norm, zeros in grad, timers, memory, validation ppl, log level
     pipeline_schedule,    # --microbatch-group-size-per-virtual-pipeline-stage, warmup/flush overlap
     profiling,            # --profile, --use-pytorch-profiler, --profile-step-start/-end/-ranks
+    result_validation,    # --rerun-mode, --check-for-spiky-loss, --error-injection-*, ...
     mla,                  # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
     gpt_oss,              # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
     architecture,         # activation, init, RoPE variants, q/k L2 norm, fp32 residual (Megatron-LM)

@@ -19,12 +19,15 @@ LOG_INTERVAL, ITERS, LAYERS, MICRO_BATCHES = 3, 6, 2, 2   # 8 global / (2 micro 
 # after training, --eval-iters (1) global batches of the validation and of the test set
 EVAL_BATCHES = 2
 
-BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+VALIDATING = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 256 --num-experts 4 --moe-router-topk 2 "
         "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 "
         f"--log-interval {LOG_INTERVAL} --eval-interval 1000 --eval-iters 1 --disable-bias-linear "
         f"--expert-model-parallel-size 2 --train-iters {ITERS}").split()
+# the MoE hot path alone: result validation (--rerun-mode validate_results, Megatron's default)
+# adds its own reads per iteration, counted in test_result_validation_reads_once_per_iteration
+BASE = VALIDATING + ["--rerun-mode", "disabled"]
 # cross-node telemetry on (two emulated nodes) and the congestion router (it used to ask the host
 # whether its cap binds)
 TELEMETRY = BASE + "--ranks-per-node 1 --moe-router-topology congestion".split()
@@ -183,3 +186,27 @@ def test_kit_sync_counter_counts_torch_sync_warnings_per_iteration():
     (site, per), = c.sites([1, 2])
     assert "tests/test_host_syncs.py" in site and per == 1.5
     assert [str(w.message) for w in shown] == ["something else"]
+
+
+@pytest.mark.parametrize("mutate", [None, "validate_inline"])
+def test_result_validation_reads_once_per_iteration(mutate):
+    """--rerun-mode validate_results (the default): the losses of all micro-batches come to the
+    host in one read after the forward-backward (training/result_validation.py), and megatron-core
+    all-reduces its re-run verdict (one read); Megatron-LM's loss function instead has
+    megatron-core read a NaN and an Inf test of every micro-batch's loss (the mutation; megatron-core
+    skips the first iteration). Both are reads a GPU run pays for; the deferred one does not grow
+    with the micro-batches."""
+    run = run_distributed(S.run_counted, 2, [(VALIDATING, mutate)], timeout_s=300)[-1][0]
+    _assert_counter_is_live(run)
+    unexpected, _ = hot_path_reads(run)
+    quiet = [it for it in range(2, ITERS) if it % LOG_INTERVAL]
+    core = run["reads"]["megatron-core"]
+    for it in quiet:
+        names = [r.split()[-1] for r in core[it]]
+        assert names.count("_reduce_any") == 1, core[it]   # the verdict, once per iteration
+        if mutate is None:
+            assert [r.split()[-1] for r in unexpected[it]] == ["validate_recorded"], unexpected
+            assert "validate_result" not in names, core[it]
+        else:
+            assert not unexpected.get(it), unexpected
+            assert names.count("validate_result") == 2 * MICRO_BATCHES, core[it]

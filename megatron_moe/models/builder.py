@@ -270,6 +270,9 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
             overlap_param_gather=args.overlap_param_gather,
             use_distributed_optimizer=args.use_distributed_optimizer,
             check_for_nan_in_grad=False,
+            # --check-for-large-grads: megatron-core validates each bucket's grad norm through
+            # its rerun state machine (training/result_validation.py)
+            check_for_large_grads=getattr(args, "check_for_large_grads", False),
             bucket_size=None if args.overlap_grad_reduce else None,
             num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         )

@@ -1,0 +1,118 @@
+"""Spawned-rank bodies for tests/test_result_validation.py: pretrain() with megatron-core's rerun
+state machine, its log lines captured, and the status a SystemExit ended it with."""
+
+from __future__ import annotations
+
+import logging
+
+from tests._ckpt_cases import TINY
+
+# EP=2 on 2 ranks; dropout on (the re-run must restore the RNG to reproduce the losses)
+ARGV = TINY + ["--expert-model-parallel-size", "2", "--hidden-dropout", "0.1"]
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(f"{record.levelname}:{record.name}:{record.getMessage()}")
+
+
+def _skip_reruns():
+    """Mutation: the loop never re-runs an iteration (megatron-core's verdict ignored)."""
+    from megatron.core import rerun_state_machine as rsm
+
+    real = rsm.RerunStateMachine.should_run_forward_backward
+
+    def once(self, data_iterator):
+        again = real(self, data_iterator)
+        if again and self.state in (rsm.RerunState.RERUNNING_IN_PLACE,):
+            self.state = rsm.RerunState.NOT_RUNNING_YET
+            return False
+        return again
+
+    rsm.RerunStateMachine.should_run_forward_backward = once
+    return lambda: setattr(rsm.RerunStateMachine, "should_run_forward_backward", real)
+
+
+def _other_node():
+    """Stand-in for the job resumed on another node: megatron-core's machine compares the node
+    and device it re-runs on with those that reproduced the failure (one host here)."""
+    import os
+
+    from megatron.core import rerun_state_machine as rsm
+
+    class OtherNode:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def uname():
+            here = list(os.uname())
+            here[1] = "another-node"
+            return tuple(here)
+
+    rsm.os = OtherNode()
+    return lambda: setattr(rsm, "os", os)
+
+
+def _drop_rerun_state():
+    """Mutation: a load ignores the machine state in the checkpoint."""
+    from megatron_moe.training import result_validation
+
+    real = result_validation.checkpoint_template
+    result_validation.checkpoint_template = lambda common_state: None
+    return lambda: setattr(result_validation, "checkpoint_template", real)
+
+
+MUTATIONS = {"skip_reruns": _skip_reruns, "other_node": _other_node,
+             "drop_rerun_state": _drop_rerun_state}
+
+
+def run_steps(rank, world_size, steps):
+    """Each step: {argv, mutate}; returns per step {losses, exit, log, fb_calls}."""
+    import pretrain_gpt_moe
+    from megatron.core.enums import ModelType
+
+    from megatron_moe.training import loop
+    from megatron_moe.training.loop import pretrain
+
+    out = []
+    for step in steps:
+        capture = _Capture()
+        logger = logging.getLogger("megatron.core.rerun_state_machine")
+        logger.addHandler(capture)
+        logger.setLevel(logging.INFO)   # report_stats logs its statistics at INFO
+        calls = []
+
+        undo = MUTATIONS[step["mutate"]]() if step.get("mutate") else None
+        orig_init = loop.Trainer.__init__
+
+        def init(self, *a, **k):
+            orig_init(self, *a, **k)
+            fb = self.forward_backward
+
+            def counted(**kw):
+                calls.append(1)
+                return fb(**kw)
+            self.forward_backward = counted
+
+        loop.Trainer.__init__ = init
+        result = {"losses": None, "exit": None}
+        try:
+            r = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
+                         pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                         pretrain_gpt_moe.forward_step, argv=step["argv"])
+            result["losses"] = r["history"]["lm_loss"]
+        except SystemExit as exc:
+            result["exit"] = exc.code
+        finally:
+            loop.Trainer.__init__ = orig_init
+            logger.removeHandler(capture)
+            if undo:
+                undo()
+        result.update(log=capture.messages, fb_calls=len(calls))
+        out.append(result)
+    return out
