@@ -67,8 +67,24 @@ def _drop_rerun_state():
     return lambda: setattr(result_validation, "checkpoint_template", real)
 
 
+def _no_large_grads_check():
+    """Mutation: the DDP config leaves --check-for-large-grads out (megatron-core's default)."""
+    import dataclasses
+
+    from megatron_moe.models import builder
+
+    real = builder.DistributedDataParallelConfig
+
+    def config(**kwargs):
+        return real(**dict(kwargs, check_for_large_grads=False))
+
+    assert dataclasses.is_dataclass(real)
+    builder.DistributedDataParallelConfig = config
+    return lambda: setattr(builder, "DistributedDataParallelConfig", real)
+
+
 MUTATIONS = {"skip_reruns": _skip_reruns, "other_node": _other_node,
-             "drop_rerun_state": _drop_rerun_state}
+             "drop_rerun_state": _drop_rerun_state, "no_large_grads_check": _no_large_grads_check}
 
 
 def run_steps(rank, world_size, steps):

@@ -18,6 +18,7 @@ EVAL_FB = 2   # after training: one validation and one test batch (--eval-iters 
 INJECT = ["--error-injection-rate", "1"]   # every validation from iteration 2 on (the first is never)
 # the loss diverges to NaN at iteration 2 (tests/test_training.py's NaN test)
 DIVERGE = ["--lr", "1e9", "--clip-grad", "0", "--init-method-std", "5"]
+GRADS_ONLY = ["--no-check-for-nan-in-loss-and-grad", "--check-for-large-grads"]
 SPIKY_ONLY = ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"]   # non-fatal
 
 
@@ -35,9 +36,12 @@ def test_injected_faults_and_modes():
         dict(argv=base + INJECT),                                          # 4 transient, fatal (NaN)
         dict(argv=base + ["--rerun-mode", "report_stats"]),                # 5 statistics
         dict(argv=base + DIVERGE),                                         # 6 a real NaN loss
+        dict(argv=base + INJECT + GRADS_ONLY),                             # 7 large-grads check
+        dict(argv=base + INJECT + GRADS_ONLY, mutate="no_large_grads_check"),  # 8 mutation
     ]
     runs = run_distributed(run_steps, 2, steps, timeout_s=900)
-    for rank, (plain, transient, mutated, disabled, fatal, stats, nan) in enumerate(runs):
+    for rank, (plain, transient, mutated, disabled, fatal, stats, nan, grads,
+               grads_off) in enumerate(runs):
         assert plain["exit"] is None and plain["fb_calls"] == ITERS + EVAL_FB
         # a transient fault in a non-fatal validation: iterations 2..4 each run again, the re-run
         # (RNG and batches restored) gives the uninjected run's losses, and training continues
@@ -64,6 +68,14 @@ def test_injected_faults_and_modes():
         # a real NaN loss reproduces in place: Megatron's "resume to re-run elsewhere" (16)
         assert nan["exit"] == 16, nan["log"]
         assert _has(nan["log"], "First rerun: unexpected result is reproducible within the tolerance")
+        # --check-for-large-grads: megatron-core's DDP validates each bucket's grad norm (the
+        # only validation here, so the injected transient fault lands on it): non-fatal re-runs
+        assert grads["losses"] == plain["losses"], grads["log"]
+        assert grads["fb_calls"] == plain["fb_calls"] + (ITERS - 1)
+        assert _has(grads["log"], "found unexpected large grads in bucket #0")
+        # mutation: the flag not passed to the DDP config: nothing validated, nothing re-run
+        assert grads_off["fb_calls"] == plain["fb_calls"]
+        assert not _has(grads_off["log"], "large grads")
     assert _has(runs[0][1]["log"], "Injecting error type Transient error")
 
 

@@ -16,7 +16,10 @@ of them to the host in one copy and makes the same ``validate_result`` calls, in
 with the same messages, on host copies (the machine counts calls per message, so its bookkeeping
 is the same). The machine acts on the results only once the forward-backward is over
 (``should_run_forward_backward``), so the outcome is the same, at one host read per iteration
-instead of two per micro-batch (plus megatron-core's own all-reduce of the verdict).
+instead of two per micro-batch (plus megatron-core's own all-reduce of the verdict). With
+--check-for-large-grads, megatron-core's gradient validation runs inside the backward, so here it
+comes before the loss validations (after them in Megatron-LM): when a loss and a gradient are both
+rejected in one iteration, the gradient is the result the re-run checks (the first rejected one).
 """
 
 from __future__ import annotations
