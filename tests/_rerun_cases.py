@@ -3,6 +3,8 @@ state machine, its log lines captured, and the status a SystemExit ended it with
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 
 from tests._ckpt_cases import TINY
@@ -88,7 +90,8 @@ MUTATIONS = {"skip_reruns": _skip_reruns, "other_node": _other_node,
 
 
 def run_steps(rank, world_size, steps):
-    """Each step: {argv, mutate}; returns per step {losses, exit, log, fb_calls}."""
+    """Each step: {argv, mutate}; returns per step {losses, exit, log (megatron-core's rerun
+    log lines), fb_calls (forward-backward runs, evaluation's included), text (stdout)}."""
     import pretrain_gpt_moe
     from megatron.core.enums import ModelType
 
@@ -117,10 +120,12 @@ def run_steps(rank, world_size, steps):
 
         loop.Trainer.__init__ = init
         result = {"losses": None, "exit": None}
+        text = io.StringIO()
         try:
-            r = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
-                         pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
-                         pretrain_gpt_moe.forward_step, argv=step["argv"])
+            with contextlib.redirect_stdout(text):
+                r = pretrain(pretrain_gpt_moe.train_valid_test_datasets_provider,
+                             pretrain_gpt_moe.model_provider, ModelType.encoder_or_decoder,
+                             pretrain_gpt_moe.forward_step, argv=step["argv"])
             result["losses"] = r["history"]["lm_loss"]
         except SystemExit as exc:
             result["exit"] = exc.code
@@ -129,6 +134,6 @@ def run_steps(rank, world_size, steps):
             logger.removeHandler(capture)
             if undo:
                 undo()
-        result.update(log=capture.messages, fb_calls=len(calls))
+        result.update(log=capture.messages, fb_calls=len(calls), text=text.getvalue())
         out.append(result)
     return out

@@ -82,7 +82,8 @@ def test_injected_faults_and_modes():
 def test_persistent_fault_rerun_checkpoint_and_resume(tmp_path):
     """A persistent fault: reproducible in place -> rerun checkpoint + exit 16; the resumed job
     re-runs the iteration: on the same device it asks to be resumed again (16), on another node it
-    diagnoses the persistent error (17). Mutation: the checkpoint's machine state not loaded."""
+    diagnoses the persistent error (17); another parallel layout ignores the state. Mutation: the
+    checkpoint's machine state not loaded."""
     ckpt = str(tmp_path / "ckpt")
     tracker = str(tmp_path / "rejected.txt")
     argv = ARGV + ["--train-iters", str(ITERS), "--save", ckpt, "--save-interval", "100",
@@ -90,9 +91,10 @@ def test_persistent_fault_rerun_checkpoint_and_resume(tmp_path):
                    "--result-rejected-tracker-filename", tracker]
     resume = argv + ["--load", ckpt]
     steps = [dict(argv=argv), dict(argv=resume), dict(argv=resume, mutate="other_node"),
-             dict(argv=resume, mutate="drop_rerun_state")]
+             dict(argv=resume, mutate="drop_rerun_state"),
+             dict(argv=resume + ["--expert-model-parallel-size", "1"])]   # another layout
     runs = run_distributed(run_steps, 2, steps, timeout_s=900)
-    for first, same_device, other_node, dropped in runs:
+    for first, same_device, other_node, dropped, resharded in runs:
         assert first["exit"] == 16, first["log"]
         assert _has(first["log"], "First rerun: unexpected result is reproducible within the tolerance")
         # the same GPU again: megatron-core asks for another resume from the same checkpoint
@@ -105,7 +107,11 @@ def test_persistent_fault_rerun_checkpoint_and_resume(tmp_path):
         # first run, and no diagnosis is reached
         assert dropped["exit"] == 16 and not _has(dropped["log"], "Got rescheduled")
         assert not _has(dropped["log"], "Possible persistent error!")
+        # another parallel layout ignores the machine's state (Megatron-LM's rule): the loaded
+        # iteration trains afresh, the injector fires on the next one
+        assert resharded["exit"] == 16 and not _has(resharded["log"], "Got rescheduled")
     assert _has(runs[0][0]["log"], "Saving a checkpoint and exiting now")
+    assert "Job sharding has changed: Rerun state will be ignored" in runs[0][4]["text"]
     # the rerun checkpoint holds the iteration before the failing one (2), with the machine's state
     # (the mutated run then wrote iteration 2's, before its failing iteration 3)
     from megatron.core import dist_checkpointing
