@@ -40,6 +40,10 @@ _MODES = {"disabled": "disabled", "validate_results": "validate_results",
           "report_stats": "report_determinism_stats"}
 
 _recorded: list = []   # this iteration's (loss on the device) per micro-batch, in call order
+# initialize() ran (pretrain()): tools that save checkpoints or evaluate without pretrain() have no
+# machine of their own, and store or restore no machine state (megatron-core would create a
+# disabled one on first use, with a warning)
+_initialized = False
 
 
 def add_arguments(parser):
@@ -80,6 +84,7 @@ def initialize(args):
     """Megatron-LM's initialize_rerun_state_machine: the mode, the error injector, the tracker
     file, and the model-parallel RNG tracker's states saved and restored around a re-run (the
     machine itself takes care of Python's, NumPy's and torch's generators)."""
+    global _initialized
     from megatron.core import tensor_parallel
     from megatron.core.rerun_state_machine import (RerunDiagnostic, RerunErrorInjector, RerunMode,
                                                    destroy_rerun_state_machine,
@@ -97,6 +102,7 @@ def initialize(args):
     fix_report_stats_caller()   # megatron-core 0.16's statistics report (compat/rerun.py)
     destroy_rerun_state_machine()   # a second pretrain() in one process (tests, tools)
     _recorded.clear()
+    _initialized = True
     initialize_rerun_state_machine(
         state_save_func=state_save_func, state_restore_func=state_restore_func,
         mode=RerunMode(_MODES[args.rerun_mode]),
@@ -115,7 +121,7 @@ def machine():
 def enabled() -> bool:
     from megatron.core.rerun_state_machine import RerunMode
 
-    return machine().get_mode() != RerunMode.DISABLED
+    return _initialized and machine().get_mode() != RerunMode.DISABLED
 
 
 def record_loss(loss):
@@ -167,11 +173,11 @@ def disabled_during_evaluation():
     """Megatron-LM's evaluate(): no result validation while evaluating."""
     from megatron.core.rerun_state_machine import RerunMode
 
-    rsm = machine()
-    mode = rsm.get_mode()
-    if mode == RerunMode.DISABLED:
+    if not enabled():
         yield
         return
+    rsm = machine()
+    mode = rsm.get_mode()
     rsm.set_mode(RerunMode.DISABLED)
     try:
         yield
@@ -181,13 +187,17 @@ def disabled_during_evaluation():
 
 def checkpoint_state(train_data_iterator):
     """What Megatron-LM stores under ``rerun_state_machine`` in a checkpoint (None: nothing)."""
+    if not _initialized:
+        return None
     return machine().state_dict(data_iterator=train_data_iterator, ckpt_format="torch_dist")
 
 
 def checkpoint_template(common_state):
     """The sharded template to load the checkpoint's machine state into, or None when the
     checkpoint holds no state worth loading (no re-run pending): Megatron-LM's load_checkpoint."""
+    if not _initialized or not common_state:
+        return None
     rsm = machine()
-    if not common_state or not rsm.validate_state_dict(common_state):
+    if not rsm.validate_state_dict(common_state):
         return None
     return rsm.state_dict(data_iterator=None, ckpt_format="torch_dist", force=True)
