@@ -85,8 +85,27 @@ def _no_large_grads_check():
     return lambda: setattr(builder, "DistributedDataParallelConfig", real)
 
 
+def _no_tracker_restore():
+    """Mutation: the re-run does not restore the model-parallel RNG tracker's states (our
+    state_restore_func); megatron-core still restores Python's, NumPy's and torch's."""
+    from megatron.core import rerun_state_machine as rsm
+
+    real = rsm.RerunStateMachine._restore_state
+
+    def restore(self):
+        func, self.state_restore_func = self.state_restore_func, None
+        try:
+            real(self)
+        finally:
+            self.state_restore_func = func
+
+    rsm.RerunStateMachine._restore_state = restore
+    return lambda: setattr(rsm.RerunStateMachine, "_restore_state", real)
+
+
 MUTATIONS = {"skip_reruns": _skip_reruns, "other_node": _other_node,
-             "drop_rerun_state": _drop_rerun_state, "no_large_grads_check": _no_large_grads_check}
+             "drop_rerun_state": _drop_rerun_state, "no_large_grads_check": _no_large_grads_check,
+             "no_tracker_restore": _no_tracker_restore}
 
 
 def run_steps(rank, world_size, steps):

@@ -172,3 +172,23 @@ def test_bad_values_refused_at_parse_time(flags, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_transient_fault_rerun_with_interleaved_pipeline():
+    """PP=2 with two virtual stages per rank: only the last stage validates its loss, every stage
+    re-runs (one re-wound reader per model chunk), and the losses are the uninjected run's; they
+    are not when the re-run leaves the model-parallel RNG tracker (attention dropout) as it was
+    (the mutation: result_validation's state_restore_func skipped)."""
+    base = ARGV + ["--train-iters", str(ITERS), "--num-layers", "4", "--expert-model-parallel-size",
+                   "1", "--pipeline-model-parallel-size", "2",
+                   "--num-layers-per-virtual-pipeline-stage", "1"]
+    steps = [dict(argv=base), dict(argv=base + INJECT + SPIKY_ONLY),
+             dict(argv=base + INJECT + SPIKY_ONLY, mutate="no_tracker_restore")]
+    runs = run_distributed(run_steps, 2, steps, timeout_s=900)
+    for plain, transient, unrestored in runs:
+        assert plain["exit"] is None and transient["exit"] is None
+        assert transient["losses"] == plain["losses"]
+        assert transient["fb_calls"] == plain["fb_calls"] + (ITERS - 1)
+        # mutation: the RNG tracker (attention dropout) not restored: the re-runs drift
+        assert unrestored["losses"] != plain["losses"]
+    assert _has(runs[1][1]["log"], "Possible transient error!")   # the last stage's diagnosis
