@@ -55,10 +55,13 @@ def test_injected_faults_and_modes():
         # --rerun-mode disabled: the injector is never consulted (megatron-core's disabled mode)
         assert disabled["losses"] == plain["losses"] and disabled["fb_calls"] == plain["fb_calls"]
         assert not _has(disabled["log"], "Injecting error")
-        # a transient fault in the fatal NaN validation: Megatron's exit status 17 after the re-run
+        # a transient fault in a fatal NaN validation: Megatron's exit status 17 after the re-run.
+        # The first validation of an iteration is megatron-core DDP's NaN test of the first
+        # gradient bucket's norm (it runs inside the backward), so the injector picks that one
         assert fatal["exit"] == 17 and fatal["losses"] is None
         assert fatal["fb_calls"] == 3   # iteration 1, iteration 2 and its re-run
         assert _has(fatal["log"], "Possible transient error!")
+        assert _has(fatal["log"], "message='found NaN in local grad norm for bucket #0")
         # report_stats: every iteration runs twice and megatron-core logs the variability
         assert stats["exit"] is None and stats["losses"] == plain["losses"]
         assert stats["fb_calls"] == 2 * ITERS + EVAL_FB
