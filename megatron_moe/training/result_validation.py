@@ -1,12 +1,15 @@
 """Megatron-LM's result validation on megatron-core's own ``RerunStateMachine``.
 
-A NaN/Inf loss (or, with --check-for-spiky-loss, a spiky one; with --check-for-large-grads, a
-large gradient: megatron-core's DDP checks it) makes the machine re-run the iteration in place to
-tell a transient fault from a reproducible result; a reproducible one is written to a checkpoint
-and the job exits (16: resume, preferably on other GPUs, to re-run it there; 17: validation failed),
-as Megatron-LM's train loop does. --rerun-mode disabled: no re-runs; the training loop's own NaN
-check stops the run (what it did before this module). report_stats: every iteration runs twice and
-megatron-core logs how much the validated results vary between the two runs.
+A NaN/Inf loss or gradient-bucket norm (megatron-core's DDP checks the gradients, as Megatron-LM
+has it: models/builder.py), with --check-for-spiky-loss a spiky loss, with --check-for-large-grads
+a large bucket norm, makes the machine re-run the iteration in place to tell a transient fault
+from a reproducible result. NaN/Inf are fatal, as in Megatron-LM's train loop: a transient fault
+exits 17; a reproducible result is written to a checkpoint (the iteration before) and the job
+exits 16, to be resumed, preferably on other GPUs, where the iteration runs a third time (and the
+job exits 17 with the diagnosis). Spikes and large grads are not fatal: training continues.
+--rerun-mode disabled: no re-runs; the training loop's own NaN check stops the run (what it did
+before this module). report_stats: every iteration runs twice and megatron-core logs how much the
+validated results vary between the two runs.
 
 One difference in *when*, not in what: Megatron-LM's loss function calls ``validate_result`` on
 every micro-batch, and megatron-core reads each rejection test on the host (``if torch.isnan(loss)``:
