@@ -143,7 +143,8 @@ def test_resume_with_validation_on_is_exact(tmp_path):
 
 def test_megatron_rerun_configs_parse():
     """The rerun engine's flags of Megatron-LM's gpt3_mcore_reruns_* functional tests parse here
-    to Megatron's values (tests/data/megatron_reruns_configs.json, from Megatron-LM's yaml)."""
+    to Megatron's values (tests/data/megatron_reruns_configs.json: tools/extract_megatron_moe_configs.py
+    --reruns-output, at core_v0.19.0)."""
     from megatron_moe.arguments import parse_args
 
     data = json.load(open(os.path.join(ROOT, "tests", "data", "megatron_reruns_configs.json")))
