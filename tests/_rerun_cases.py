@@ -103,7 +103,16 @@ def _no_tracker_restore():
     return lambda: setattr(rsm.RerunStateMachine, "_restore_state", real)
 
 
-MUTATIONS = {"skip_reruns": _skip_reruns, "other_node": _other_node,
+def _skip_validation():
+    """Mutation: the loop never makes the recorded losses' validate_result calls."""
+    from megatron_moe.training import result_validation
+
+    real = result_validation.validate_recorded
+    result_validation.validate_recorded = lambda args: result_validation._recorded.clear()
+    return lambda: setattr(result_validation, "validate_recorded", real)
+
+
+MUTATIONS = {"skip_reruns": _skip_reruns, "skip_validation": _skip_validation, "other_node": _other_node,
              "drop_rerun_state": _drop_rerun_state, "no_large_grads_check": _no_large_grads_check,
              "no_tracker_restore": _no_tracker_restore}
 

@@ -38,10 +38,11 @@ def test_injected_faults_and_modes():
         dict(argv=base + DIVERGE),                                         # 6 a real NaN loss
         dict(argv=base + INJECT + GRADS_ONLY),                             # 7 large-grads check
         dict(argv=base + INJECT + GRADS_ONLY, mutate="no_large_grads_check"),  # 8 mutation
+        dict(argv=base + INJECT + SPIKY_ONLY, mutate="skip_validation"),   # 9 mutation
     ]
     runs = run_distributed(run_steps, 2, steps, timeout_s=900)
     for rank, (plain, transient, mutated, disabled, fatal, stats, nan, grads,
-               grads_off) in enumerate(runs):
+               grads_off, unvalidated) in enumerate(runs):
         assert plain["exit"] is None and plain["fb_calls"] == ITERS + EVAL_FB
         # a transient fault in a non-fatal validation: iterations 2..4 each run again, the re-run
         # (RNG and batches restored) gives the uninjected run's losses, and training continues
@@ -49,9 +50,11 @@ def test_injected_faults_and_modes():
         assert transient["fb_calls"] == plain["fb_calls"] + (ITERS - 1), transient["log"]
         assert transient["losses"] == plain["losses"]
         assert _has(transient["log"], "Possible transient error!")
-        # mutation (the loop skips megatron-core's re-run): no re-run, no diagnosis
-        assert mutated["fb_calls"] == plain["fb_calls"]
-        assert not _has(mutated["log"], "Possible transient error!")
+        # mutations: the loop skips megatron-core's re-run, or the recorded losses' validation:
+        # no re-run, no diagnosis
+        for broken in (mutated, unvalidated):
+            assert broken["fb_calls"] == plain["fb_calls"]
+            assert not _has(broken["log"], "Possible transient error!")
         # --rerun-mode disabled: the injector is never consulted (megatron-core's disabled mode)
         assert disabled["losses"] == plain["losses"] and disabled["fb_calls"] == plain["fb_calls"]
         assert not _has(disabled["log"], "Injecting error")
