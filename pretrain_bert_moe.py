@@ -30,6 +30,7 @@ from megatron_moe.models.embedding import validate_args as validate_embedding_ar
 from megatron_moe.runtime.global_vars import get_args, get_tokenizer
 from megatron_moe.models.builder import common_model_kwargs, gpt_layer_spec, transformer_config_from_args
 from megatron_moe.training.loop import pretrain
+from megatron_moe.training.result_validation import record_loss
 
 
 class BertMoEModel(BertModel):
@@ -129,9 +130,11 @@ def loss_func(loss_mask, sentence_order, output_tensor):
     loss_mask = loss_mask.float()
     lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask.reshape(-1)) / loss_mask.sum().clamp(min=1.0)
     if sop_logits is None:
+        record_loss(lm_loss)   # validated after the forward-backward (--rerun-mode)
         return lm_loss, {"lm loss": lm_loss.detach().clone()}
     sop_loss = F.cross_entropy(sop_logits.view(-1, 2).float(), sentence_order.view(-1),
                                ignore_index=-1)
+    record_loss(lm_loss + sop_loss)
     return lm_loss + sop_loss, {"lm loss": lm_loss.detach().clone(),
                                 "sop loss": sop_loss.detach().clone()}
 

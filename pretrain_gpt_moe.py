@@ -19,6 +19,7 @@ from megatron_moe.data.gpt import build_gpt_datasets
 from megatron_moe.runtime.global_vars import get_args, get_tokenizer
 from megatron_moe.models.builder import gpt_model_provider
 from megatron_moe.training.loop import pretrain
+from megatron_moe.training.result_validation import record_loss
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
@@ -61,8 +62,12 @@ def loss_func(loss_mask, output_tensor):
     if get_args().calculate_per_token_loss:
         num_tokens = loss_mask.sum().detach().to(torch.int)
         report = torch.cat([loss_sum.detach().view(1), num_tokens.view(1).float()])
+        # Megatron-LM's NaN / Inf / spiky-loss validations of this rank's loss, made after the
+        # forward-backward in one host read (megatron_moe/training/result_validation.py)
+        record_loss(loss_sum)
         return loss_sum, num_tokens, {"lm loss": report}
     loss = loss_sum / loss_mask.sum().clamp(min=1.0)
+    record_loss(loss)
     return loss, {"lm loss": loss.detach().clone()}
 
 

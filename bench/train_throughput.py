@@ -35,7 +35,9 @@ BASE = ("--num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-
         "--train-iters 1000 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 10 "
         "--weight-decay 0.1 --clip-grad 1.0 --seed 1234 --expert-model-parallel-size 2 "
         "--distributed-backend gloo --tokenizer-type NullTokenizer --vocab-size 4000 --mock-data "
-        "--ranks-per-node 1 --log-interval 1000000")
+        "--ranks-per-node 1 --log-interval 1000000 "
+        # the training steps alone, as before Megatron's result validation (pretrain()'s default)
+        "--rerun-mode disabled")
 
 # name: (extra flags, CPU output-buffer pool on)
 CONFIGS = {

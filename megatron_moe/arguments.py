@@ -270,7 +270,8 @@ def _add_training_args(p):
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--no-check-for-nan-in-loss-and-grad", "--no-nan-check", action="store_false",
                    dest="check_for_nan_in_loss",
-                   help="Do not stop on a NaN/Inf loss.")
+                   help="Do not validate the loss and grads for NaN/Inf (--rerun-mode) nor stop on a "
+                        "NaN/Inf loss.")
 
 
 def _add_data_args(p):

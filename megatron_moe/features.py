@@ -29,7 +29,7 @@ from megatron_moe.models import architecture, attention, embedding, gpt_oss, mla
 from megatron_moe.moe import dispatcher, grouped_experts, topo_router
 from megatron_moe.runtime import dist_signal_handler
 from megatron_moe.training import (cuda_graph, megatron_logging, pipeline_schedule, profiling,
-                                   wandb_writer)
+                                   result_validation, wandb_writer)
 
 FEATURES = (
     comm,                 # --moe-a2a-algorithm / compression / overlap, emulated link, topology
@@ -45,6 +45,7 @@ FEATURES = (
     megatron_logging,     # params norm, zeros in grad, timers, memory, validation ppl, log level
     pipeline_schedule,    # --microbatch-group-size-per-virtual-pipeline-stage, warmup/flush overlap
     profiling,            # --profile, --use-pytorch-profiler, --profile-step-start/-end/-ranks
+    result_validation,    # --rerun-mode, --check-for-spiky-loss, --error-injection-*, ...
     cuda_graph,           # --cuda-graph-impl full_iteration: whole iterations captured (CUDA)
     mla,                  # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
     gpt_oss,              # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)

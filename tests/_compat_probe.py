@@ -27,6 +27,11 @@ def _config(**kw):
 
 def s_torch_cuda():
     assert torch.cuda.current_device() == torch.device("cpu")
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    machine = RerunStateMachine()   # saves and restores the CUDA generator around a re-run
+    machine._save_state()
+    machine._restore_state()
 
 
 def s_rng_tracker():
@@ -65,6 +70,9 @@ def s_hardcoded_cuda_devices():
     from megatron.core.transformer.utils import get_default_causal_mask
 
     assert get_default_causal_mask(4).shape == (4, 4)
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    assert RerunStateMachine()._reduce_any(False) is False   # the re-run verdict's all-reduce
 
 
 def s_param_type():

@@ -67,6 +67,27 @@ def _mutate_mcore_permute(counter):
     return lambda: setattr(dispatch, "argsort_permute", orig)
 
 
+def _mutate_validate_inline(counter):
+    """The loss function validates as Megatron-LM's loss_func does: megatron-core's
+    validate_result on every micro-batch's device loss (NaN, then Inf), not once per iteration."""
+    import torch
+
+    import pretrain_gpt_moe
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    orig = pretrain_gpt_moe.record_loss
+
+    def record_loss(loss):
+        rsm = get_rerun_state_machine()
+        for test, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rsm.validate_result(result=loss.detach(), rejection_func=test, tolerance=0.0,
+                                message=f"found {what} in local forward loss calculation")
+
+    counter.stand_ins.add(record_loss.__code__)
+    pretrain_gpt_moe.record_loss = record_loss
+    return lambda: setattr(pretrain_gpt_moe, "record_loss", orig)
+
+
 def _l2_norm_impl():
     from megatron.core.optimizer import clip_grads
 
@@ -74,7 +95,8 @@ def _l2_norm_impl():
 
 
 MUTATIONS = {"telemetry_item": _mutate_telemetry_item, "loss_per_step": _mutate_loss_per_step,
-             "chunked_two_reads": _mutate_chunked_two_reads, "mcore_permute": _mutate_mcore_permute}
+             "chunked_two_reads": _mutate_chunked_two_reads, "mcore_permute": _mutate_mcore_permute,
+             "validate_inline": _mutate_validate_inline}
 
 
 def run_counted(rank, world, runs):

@@ -19,12 +19,15 @@ LOG_INTERVAL, ITERS, LAYERS, MICRO_BATCHES = 3, 6, 2, 2   # 8 global / (2 micro 
 # after training, --eval-iters (1) global batches of the validation and of the test set
 EVAL_BATCHES = 2
 
-BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+VALIDATING = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 256 --num-experts 4 --moe-router-topk 2 "
         "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 "
         f"--log-interval {LOG_INTERVAL} --eval-interval 1000 --eval-iters 1 --disable-bias-linear "
         f"--expert-model-parallel-size 2 --train-iters {ITERS}").split()
+# the MoE hot path alone: result validation (--rerun-mode validate_results, Megatron's default)
+# adds its own reads per iteration, counted in test_result_validation_reads_once_per_iteration
+BASE = VALIDATING + ["--rerun-mode", "disabled"]
 # cross-node telemetry on (two emulated nodes) and the congestion router (it used to ask the host
 # whether its cap binds)
 TELEMETRY = BASE + "--ranks-per-node 1 --moe-router-topology congestion".split()
@@ -183,3 +186,30 @@ def test_kit_sync_counter_counts_torch_sync_warnings_per_iteration():
     (site, per), = c.sites([1, 2])
     assert "tests/test_host_syncs.py" in site and per == 1.5
     assert [str(w.message) for w in shown] == ["something else"]
+
+
+def test_result_validation_reads_once_per_iteration():
+    """--rerun-mode validate_results (the default): the losses of all micro-batches come to the
+    host in one read after the forward-backward (training/result_validation.py); megatron-core
+    reads its NaN and Inf tests of each gradient bucket's norm (Megatron-LM's DDP check, once per
+    iteration) and all-reduces its re-run verdict (one read). Megatron-LM's loss function instead
+    has megatron-core read a NaN and an Inf test of every micro-batch's loss (the mutation): 2 more
+    reads per micro-batch. All of them are reads a GPU run pays for; ours does not grow with the
+    micro-batches."""
+    plain, inline = run_distributed(S.run_counted, 2, [(VALIDATING, None),
+                                                       (VALIDATING, "validate_inline")],
+                                    timeout_s=400)[-1]
+    quiet = [it for it in range(2, ITERS) if it % LOG_INTERVAL]   # megatron-core skips the first
+    for run in (plain, inline):
+        _assert_counter_is_live(run)
+    ours, _ = hot_path_reads(plain)
+    mutated_ours, _ = hot_path_reads(inline)
+    for it in quiet:
+        names = [r.split()[-1] for r in plain["reads"]["megatron-core"][it]]
+        mutated = [r.split()[-1] for r in inline["reads"]["megatron-core"][it]]
+        assert names.count("_reduce_any") == mutated.count("_reduce_any") == 1, names
+        assert [r.split()[-1] for r in ours[it]] == ["validate_recorded"], ours
+        grads = names.count("validate_result")   # 2 per gradient bucket, the same in both runs
+        assert grads >= 2 and grads % 2 == 0, names
+        assert not mutated_ours.get(it), mutated_ours
+        assert mutated.count("validate_result") == grads + 2 * MICRO_BATCHES, mutated

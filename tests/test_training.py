@@ -179,9 +179,11 @@ def test_missing_data_path_names_the_file(tmp_path):
 
 def test_nan_loss_stops_with_clear_error_and_keeps_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
+    # the loop's own NaN check (--rerun-mode validate_results, the default, re-runs the iteration
+    # first and exits 16: tests/test_result_validation.py)
     args = TINY + ["--expert-model-parallel-size", "2", "--train-iters", "6", "--lr", "1e9",
                    "--clip-grad", "0", "--init-method-std", "5", "--save", ckpt,
-                   "--save-interval", "1"]
+                   "--save-interval", "1", "--rerun-mode", "disabled"]
     out = torchrun(2, args)
     assert out.returncode != 0
     assert "error: lm loss is nan at iteration 2" in out.stdout, out.stdout[-2000:]

@@ -7,6 +7,10 @@
 Also recorded: the model confs of Qwen3-235B-A22B, DeepSeek-R1 and Kimi-K2
 (``examples/post_training/modelopt/conf``, their ``MODEL_ARGS`` words) under ``model_confs``.
 
+With ``--reruns-output FILE``: the rerun engine's flags (``--rerun-mode``, ``--error-injection-*``,
+...) of Megatron-LM's ``tests/functional_tests/test_cases/gpt/gpt3_mcore_reruns_*`` configs
+(tests/data/megatron_reruns_configs.json; docs/checkpoints.md, "Result validation").
+
 Source: ``tests/functional_tests/test_cases/moe/*/model_config.yaml`` at ``--ref`` (read with
 ``git show``, no checkout needed). A pretraining config is one without a ``MODE`` key (the others
 are Megatron's inference and RL tests). Recorded per config: its ``TEST_TYPE`` and its
@@ -65,6 +69,28 @@ def read_model_confs(git_dir: str, ref: str) -> dict:
     return out
 
 
+RERUNS_DIR = "tests/functional_tests/test_cases/gpt"
+RERUN_FLAGS = ("--rerun-mode", "--error-injection-rate", "--error-injection-type",
+               "--check-for-spiky-loss", "--check-for-large-grads",
+               "--result-rejected-tracker-filename", "--no-check-for-nan-in-loss-and-grad")
+
+
+def read_rerun_configs(git_dir: str, ref: str) -> dict:
+    """{name: {test_type, argv}} of the gpt3_mcore_reruns_* configs: their rerun engine flags only
+    (the rest is a 4k-sequence GPT on Transformer Engine, not this repo's subject). A config whose
+    MODEL_ARGS come through a YAML merge key (``<<: *BASE``) has none at the top level: empty."""
+    import yaml
+
+    names = _git(git_dir, "ls-tree", "--name-only", f"{ref}:{RERUNS_DIR}").split()
+    out = {}
+    for name in sorted(n for n in names if n.startswith("gpt3_mcore_reruns")):
+        text = _git(git_dir, "show", f"{ref}:{RERUNS_DIR}/{name}/model_config.yaml")
+        data = yaml.load(text, Loader=yaml.BaseLoader)
+        pairs = [(k, v) for k, v in data.get("MODEL_ARGS", {}).items() if k in RERUN_FLAGS]
+        out[name] = {"test_type": data.get("TEST_TYPE"), "argv": command_line(pairs)}
+    return out
+
+
 def command_line(model_args) -> list[str]:
     """Megatron's runner rule (``_run_training.sh``): the argv of one config's MODEL_ARGS."""
     argv = []
@@ -85,8 +111,18 @@ def main(argv=None) -> int:
     p.add_argument("--git-dir", required=True, help="Megatron-LM's git directory (a bare mirror works)")
     p.add_argument("--ref", default="core_v0.19.0")
     p.add_argument("--output", required=True)
+    p.add_argument("--reruns-output", default=None,
+                   help="also write the gpt3_mcore_reruns_* configs' rerun flags here")
     args = p.parse_args(argv)
     commit = _git(args.git_dir, "rev-parse", f"{args.ref}^{{commit}}").strip()
+    if args.reruns_output:
+        reruns = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
+                  "source": f"{RERUNS_DIR}/gpt3_mcore_reruns_*/model_config.yaml (MODEL_ARGS: "
+                            f"the rerun engine's flags)",
+                  "configs": read_rerun_configs(args.git_dir, args.ref)}
+        with open(args.reruns_output, "w") as f:
+            json.dump(reruns, f, indent=1)
+            f.write("\n")
     out = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
            "source": f"{CASES_DIR}/*/model_config.yaml (MODEL_ARGS, configs without MODE)",
            "configs": read_configs(args.git_dir, args.ref),

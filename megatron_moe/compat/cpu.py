@@ -101,6 +101,7 @@ HARDCODED_CUDA_MODULES = (
     "megatron.core.transformer.utils",
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.router",
+    "megatron.core.rerun_state_machine",   # its all-reduce of the re-run verdict
 )
 
 
@@ -108,6 +109,9 @@ HARDCODED_CUDA_MODULES = (
 def patch_torch_cuda():
     """torch.cuda.{current_device,synchronize,Stream,Event,...} raise on a CPU build."""
     torch.cuda.current_device = lambda: torch.device("cpu")
+    # the rerun state machine saves and restores the "CUDA" generator around a re-run: the CPU's
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.Stream = _NoopStream
     torch.cuda.Event = _NoopEvent

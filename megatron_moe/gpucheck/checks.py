@@ -992,7 +992,10 @@ def section_syncs(rec, mode, work):
     init_process(mode)
     n, log_every = ITERS[mode]["syncs"], 4 if _gpu(mode) else 2
     extra = ["--bf16"] if _gpu(mode) else []
-    argv = _argv(mode, SMALL, n, "--moe-permute-fusion", GROUPED, *extra)
+    # the MoE hot path alone: result validation (Megatron's default --rerun-mode validate_results)
+    # adds one read of ours and one of megatron-core's per iteration (docs/gpu.md, host syncs)
+    argv = _argv(mode, SMALL, n, "--moe-permute-fusion", GROUPED, "--rerun-mode", "disabled",
+                 *extra)
     argv[argv.index("--log-interval") + 1] = str(log_every)
     counter = SyncCounter()
     step, seen = T.Trainer.train_step, []

@@ -271,7 +271,13 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
             overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather,
             use_distributed_optimizer=args.use_distributed_optimizer,
-            check_for_nan_in_grad=False,
+            # Megatron-LM's: megatron-core validates each bucket's grad norm (NaN, Inf; with
+            # --check-for-large-grads, size) through its rerun state machine before the grad
+            # reduction (training/result_validation.py). Not with --rerun-mode disabled: there
+            # megatron-core would raise at a NaN grad; the loop's NaN-loss check stops the run
+            check_for_nan_in_grad=(getattr(args, "check_for_nan_in_loss", False)
+                                   and getattr(args, "rerun_mode", "disabled") != "disabled"),
+            check_for_large_grads=getattr(args, "check_for_large_grads", False),
             bucket_size=None if args.overlap_grad_reduce else None,
             num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         )

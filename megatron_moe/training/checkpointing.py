@@ -148,7 +148,7 @@ def _fsync_tree_files(path: str, names=None):
 
 def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train_samples,
                     consumed_valid_samples=0, extra_state: dict | None = None,
-                    sharded_strategy=None):
+                    sharded_strategy=None, train_data_iterator=None):
     """Write ``<save>/iter_XXXXXXX`` atomically (``.tmp`` then rename, then the tracker).
 
     With ``--async-save`` the shards are written in the background (megatron-core's
@@ -158,6 +158,9 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
 
     ``sharded_strategy``: a megatron-core torch_dist save strategy other than the default (the HF
     import's streaming one, megatron_moe/hf/megatron_side.py).
+
+    ``train_data_iterator``: the training reader(s), whose buffered micro-batches go into the
+    checkpoint when megatron-core's rerun state machine asks for one to re-run an iteration.
     """
     from megatron_moe.compat.checkpoint import quiet_mcore_async_notice, wait_writer_ready
 
@@ -169,6 +172,11 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     quiet_mcore_async_notice()
     state = _sharded_state(model, optimizer, args, include_optimizer=not args.no_save_optim,
                            include_rng=not args.no_save_rng, is_loading=False)
+    from megatron_moe.training import result_validation
+
+    rerun_state = result_validation.checkpoint_state(train_data_iterator)
+    if rerun_state is not None:   # Megatron-LM's key: common part + one sharded object per rank
+        state["rerun_state_machine"] = rerun_state
     needed = _prepare_save_dir(root, tmp_dir, state)
     state.update(
         iteration=iteration,
@@ -817,6 +825,17 @@ def load_checkpoint(model, optimizer, scheduler, args):
         raise CheckpointError(f"{ckpt}: {changed}")
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
                              include_rng=load_rng, is_loading=True)
+    # megatron-core's rerun state machine (a re-run pending: Megatron-LM's rerun checkpoint), only
+    # into the same layout, as Megatron-LM
+    rerun_template = None
+    if not finetune and same_layout:
+        from megatron_moe.training import result_validation
+
+        rerun_template = result_validation.checkpoint_template(common.get("rerun_state_machine"))
+        if rerun_template is not None:
+            sharded["rerun_state_machine"] = rerun_template
+    elif not same_layout and "rerun_state_machine" in common and dist.get_rank() == 0:
+        print("Job sharding has changed: Rerun state will be ignored", flush=True)
     # every model chunk's tensors ("model", or "model0", "model1", ... with virtual stages)
     mismatch = _model_mismatch({key: sharded[key] for key in model_keys(model)}, ckpt,
                                common.get("args"), args)
@@ -855,6 +874,10 @@ def load_checkpoint(model, optimizer, scheduler, args):
             _schedule_bounds_to_param_groups(optimizer, scheduler)
     if load_rng:
         _set_rng_state(state["rng_state"])
+    if rerun_template is not None:
+        from megatron_moe.training import result_validation
+
+        result_validation.machine().load_state_dict(state["rerun_state_machine"])
     if finetune:
         if dist.get_rank() == 0:
             print(f" loaded the weights of {ckpt} for finetuning (iteration 0; optimizer, "

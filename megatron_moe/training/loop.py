@@ -33,6 +33,15 @@ class TrainingError(RuntimeError):
     """A user-facing failure (bad data, NaN loss, bad checkpoint) printed as one line."""
 
 
+class RerunExit(Exception):
+    """megatron-core's rerun state machine ends the job (Megatron-LM's exit codes: 16, resume from
+    the checkpoint to re-run the iteration; 17, result validation failed)."""
+
+    def __init__(self, should_checkpoint, exit_code):
+        super().__init__(exit_code)
+        self.should_checkpoint, self.exit_code = should_checkpoint, exit_code
+
+
 def print_rank_0(msg):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(msg, flush=True)
@@ -103,6 +112,12 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     from megatron_moe.runtime.dist_signal_handler import ExitConditions
 
     exit_conditions = ExitConditions(args, start)  # handler first: a notice may come during setup
+    from megatron_moe.training import result_validation
+
+    try:   # Megatron-LM: before torch.distributed (it opens the tracker file)
+        result_validation.initialize(args)
+    except RuntimeError as exc:
+        raise TrainingError(f"--result-rejected-tracker-filename: {exc}") from None
     initialize_distributed(args)
     progress = None
     if args.log_progress and args.save:   # Megatron-LM: the line right after initialisation
@@ -217,6 +232,8 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         train_iter = [_iterator(args, train_ds, consumed_train) for _ in model] if train_iter else None
         valid_iter = ([_iterator(args, valid_ds, consumed_valid, evaluation) for _ in model]
                       if valid_iter else None)
+    # Megatron-LM wraps its training readers so an iteration that is re-run reads its batches again
+    train_iter = result_validation.wrap_iterator(train_iter)
 
     if not args.skip_train:
         print_rank_0(f"> training from iteration {iteration} to {args.train_iters} "
@@ -245,6 +262,9 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
     finally:
         exit_conditions.close()
     hooks.close()
+    if result.get("exit_code") is not None:   # Megatron-LM's sys.exit(exit_code) after train()
+        dist.barrier()
+        sys.exit(result["exit_code"])
     return result
 
 
@@ -395,18 +415,29 @@ class Trainer:
     def train_step(self, data_iterator):
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        args = self.args
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
         from megatron_moe.comm.strict import hot_path
+        from megatron_moe.training import result_validation
 
-        with hot_path():  # strict device mode: no Python-object collectives in here (docs/comm.md)
-            losses = self.forward_backward(
-                forward_step_func=self.forward_step_func, data_iterator=data_iterator,
-                model=self.model, num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-                forward_only=False)   # times 'forward-backward' itself (config.timers)
+        args = self.args
+        rerun = result_validation.machine()
+        # Megatron-LM's train_step: megatron-core's rerun state machine decides whether the
+        # forward-backward runs again (a result failed validation: training/result_validation.py)
+        while rerun.should_run_forward_backward(data_iterator):
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            with hot_path():  # strict device mode: no Python-object collectives (docs/comm.md)
+                losses = self.forward_backward(
+                    forward_step_func=self.forward_step_func, data_iterator=data_iterator,
+                    model=self.model, num_microbatches=get_num_microbatches(),
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    decoder_seq_length=args.seq_length,
+                    forward_only=False)   # times 'forward-backward' itself (config.timers)
+            result_validation.validate_recorded(args)
+        should_checkpoint, should_exit, exit_code = rerun.should_checkpoint_and_exit()
+        if should_exit:   # no optimizer step: the checkpoint (if any) holds the iteration before
+            raise RerunExit(should_checkpoint, exit_code)
+        with hot_path():
             self.timers("optimizer", log_level=1).start()
             update_successful, grad_norm, num_zeros = self.optimizer.step()
             self.timers("optimizer").stop()
@@ -443,7 +474,9 @@ class Trainer:
         if self.hooks.tracker is not None:
             self.hooks.tracker.enabled = False
         totals = {}
-        with torch.no_grad():
+        from megatron_moe.training.result_validation import disabled_during_evaluation
+
+        with torch.no_grad(), disabled_during_evaluation():
             for _ in range(args.eval_iters):
                 losses = self.forward_backward(
                     forward_step_func=self.forward_step_func, data_iterator=data_iterator,
@@ -486,6 +519,7 @@ class Trainer:
         from megatron.core.num_microbatches_calculator import update_num_microbatches
 
         from megatron_moe.flops import num_floating_point_operations
+        from megatron_moe.training import result_validation
         from megatron_moe.training.checkpointing import finalize_async_save, save_checkpoint
 
         args = self.args
@@ -528,7 +562,8 @@ class Trainer:
                                     consumed_train, consumed_valid,
                                     {"hooks": self.hooks.state_dict(),
                                      "skipped_train_samples": args.skipped_train_samples,
-                                     "num_floating_point_operations_so_far": self.flops_so_far})
+                                     "num_floating_point_operations_so_far": self.flops_so_far},
+                                    train_data_iterator=train_iter)
                 saved_at = it
                 if self.progress is not None:
                     self.progress.checkpoint_saved(it, self.flops_so_far)
@@ -537,6 +572,12 @@ class Trainer:
                              f"in {time.time() - t0:.2f}s")
 
         stop = None   # why the loop ended early (an exit condition), else None
+        exit_code = None   # megatron-core's rerun state machine ended the job with this status
+        rerun = result_validation.machine()
+        if rerun.current_iteration != iteration:   # Megatron-LM's train(): the loaded iteration
+            print_rank_0(f"Overwriting rerun_state_machine.current_iteration from "
+                         f"{rerun.current_iteration} to {iteration}...")
+            rerun.current_iteration = iteration
         while iteration < args.train_iters:
             self.hooks.before_step(iteration)   # --profile: Megatron steps its profiler here
             finalize_async_save(blocking=False)  # --async-save: commit finished writes
@@ -557,7 +598,15 @@ class Trainer:
                 args.iteration, args.consumed_train_samples = iteration, consumed_train
                 print_rank_0(f" skipped iteration {iteration} (--iterations-to-skip)")
                 continue
-            loss_dict, grad_norm, ok = self.train_step(train_iter)
+            try:
+                loss_dict, grad_norm, ok = self.train_step(train_iter)
+            except RerunExit as request:   # Megatron-LM: checkpoint (the iteration before), exit
+                if request.should_checkpoint:
+                    save(iteration)
+                exit_code = request.exit_code
+                stop = f"result validation: exiting with status {exit_code} (iteration {iteration + 1})"
+                print_rank_0(stop)
+                break
             iteration += 1
             consumed_train += batch
             self.flops_so_far += num_floating_point_operations(args, batch)
@@ -597,7 +646,8 @@ class Trainer:
         read_losses()
         if args.save and iteration == args.train_iters:
             save(iteration)
-        return dict(run_result(history, iteration, consumed_train), completed=stop is None)
+        return dict(run_result(history, iteration, consumed_train), completed=stop is None,
+                    exit_code=exit_code)
 
     def check_weight_hashes(self, iteration):
         """--check-weight-hash-across-dp-replicas-interval (Megatron's train loop): every
