@@ -72,6 +72,10 @@ def test_a_host_read_in_the_region_is_caught():
      "--moe-balance-policy fastermoe", "--moe-balance-policy"),
     ("--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad --moe-grouped-gemm "
      "--fp16", "--loss-scale"),
+    ("--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad --moe-grouped-gemm "
+     "--check-for-spiky-loss", "--check-for-spiky-loss"),
+    ("--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad --moe-grouped-gemm "
+     "--rerun-mode report_stats", "report_stats"),
     ("--cuda-graph-scope attn --cuda-graph-impl local", "only full_iteration"),
     ("--cuda-graph-scope full_iteration", "needs --cuda-graph-impl local"),
 ])

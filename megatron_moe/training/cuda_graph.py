@@ -22,6 +22,10 @@ time with one line, what reads the host in the forward or backward or changes pe
 * experts without ``--moe-grouped-gemm``: ``SequentialMLP`` splits the tokens by a host list;
 * ``--moe-balance-policy`` / routing traces, ``--moe-a2a-overlap-degree``: their exchanges read
   count matrices on the host; ``--moe-expert-offload``: host copies on a thread;
+* result validation's checks beyond the defaults (``--check-for-spiky-loss``,
+  ``--check-for-large-grads``, ``--error-injection-rate``, ``--rerun-mode report_stats``): they act
+  on results the region records in Python per micro-batch, which a replay does not; the default
+  ``validate_results`` mode stays, idle (no check on);
 * fp16 with a dynamic loss scale: megatron-core's scaler makes a new scale tensor when it changes,
   the graph keeps multiplying by the old one (``--loss-scale`` holds one tensor).
 
@@ -105,6 +109,16 @@ def _refusal(args) -> str | None:
                             ("--moe-expert-offload", "moe_expert_offload", "none")):
         if getattr(args, dest, off) not in (off, None):
             return f"{flag}: it reads counts or copies on the host in the forward or backward"
+    # result validation acts on what the region records in Python per micro-batch (the losses,
+    # megatron-core's gradient-bucket checks): a replay records nothing
+    for flag, dest, off in (("--check-for-spiky-loss", "check_for_spiky_loss", False),
+                            ("--check-for-large-grads", "check_for_large_grads", False),
+                            ("--error-injection-rate", "error_injection_rate", 0)):
+        if getattr(args, dest, off) not in (off, None):
+            return f"{flag}: result validation records each micro-batch's results in Python"
+    if getattr(args, "rerun_mode", "disabled") == "report_stats":
+        return ("--rerun-mode report_stats: it compares two runs of each iteration's recorded "
+                "results (a replay records none)")
     if getattr(args, "fp16", False) and getattr(args, "loss_scale", None) is None:
         return ("fp16's dynamic loss scale (a new scale tensor when it changes, the graph keeps "
                 "the old one): give --loss-scale")

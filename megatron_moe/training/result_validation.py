@@ -43,6 +43,8 @@ _MODES = {"disabled": "disabled", "validate_results": "validate_results",
           "report_stats": "report_determinism_stats"}
 
 _recorded: list = []   # this iteration's (loss on the device) per micro-batch, in call order
+_validates_loss = False   # a loss check is on (NaN/Inf or --check-for-spiky-loss): else nothing
+                          # is recorded, nor read on the host
 # initialize() ran (pretrain()): tools that save checkpoints or evaluate without pretrain() have no
 # machine of their own, and store or restore no machine state (megatron-core would create a
 # disabled one on first use, with a warning)
@@ -103,9 +105,11 @@ def initialize(args):
     from megatron_moe.compat.rerun import fix_report_stats_caller
 
     fix_report_stats_caller()   # megatron-core 0.16's statistics report (compat/rerun.py)
+    global _validates_loss
     destroy_rerun_state_machine()   # a second pretrain() in one process (tests, tools)
     _recorded.clear()
     _initialized = True
+    _validates_loss = bool(args.check_for_nan_in_loss or args.check_for_spiky_loss)
     initialize_rerun_state_machine(
         state_save_func=state_save_func, state_restore_func=state_restore_func,
         mode=RerunMode(_MODES[args.rerun_mode]),
@@ -130,8 +134,9 @@ def enabled() -> bool:
 def record_loss(loss):
     """Called by the loss functions with the micro-batch's loss (what Megatron-LM's loss_func
     validates): kept on the device until :func:`validate_recorded`. Nothing while disabled (and
-    during evaluation, which runs with the machine disabled, as in Megatron-LM)."""
-    if enabled():
+    during evaluation, which runs with the machine disabled, as in Megatron-LM; nor when no loss
+    check is on)."""
+    if _validates_loss and enabled():
         _recorded.append(loss.detach().reshape(()))
 
 
