@@ -50,16 +50,17 @@ def generate_cli(load, prompt="The module", tokens=6, timeout=300):
     """tools/generate.py on one CPU process from a training checkpoint (--use-checkpoint-args):
     (completion text, generated tokens' log probs); AssertionError with its output if it fails."""
     import os
-    import subprocess
-    import sys
+
+    from megatron_moe.runtime.local_ranks import run_script
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, os.path.join(root, "tools", "generate.py"), "--load", load,
-         "--use-checkpoint-args", "--num-tokens-to-generate", str(tokens), "--return-log-probs",
-         "--prompts", prompt],
-        capture_output=True, text=True, timeout=timeout,
-        env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    # the script as __main__ in a process forked from the fork server (torch and megatron-core
+    # already imported), not a fresh interpreter
+    out = run_script(
+        os.path.join(root, "tools", "generate.py"),
+        ["--load", load, "--use-checkpoint-args", "--num-tokens-to-generate", str(tokens),
+         "--return-log-probs", "--prompts", prompt],
+        env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"), timeout_s=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     blocks = [b.strip("\n") for b in out.stdout.split("-" * 80)[1:-1]]   # between the rulers
     assert len(blocks) == 1 and blocks[0].startswith(prompt), out.stdout[-2000:]

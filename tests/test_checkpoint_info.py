@@ -3,18 +3,16 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 
-from megatron_moe.runtime.local_ranks import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed, run_script
 from tests._ckpt_cases import ROOT, TINY, run_pretrain_capture
 
 TOOL = os.path.join(ROOT, "tools", "checkpoint_info.py")
 
 
 def info(*args):
-    out = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # the script as __main__ in a process forked from the fork server (torch already imported)
+    out = run_script(TOOL, list(args), env=dict(os.environ, OMP_NUM_THREADS="1"), timeout_s=120)
     return out.returncode, out.stdout, out.stderr
 
 

@@ -11,10 +11,8 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 
-from megatron_moe.runtime.local_ranks import run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed, run_script
 from megatron_moe.training.checkpoint_manifest import MANIFEST
 from tests._ckpt_cases import ROOT, TINY, run_pretrain_steps
 
@@ -169,9 +167,9 @@ def test_damaged_shards_and_config_mismatch(tmp_path):
 
     # tools/checkpoint_info.py --verify reads every file
     tool = os.path.join(ROOT, "tools", "checkpoint_info.py")
-    run = lambda *a: subprocess.run([sys.executable, tool, *a, "--no-tensors", "--no-args"],
-                                    capture_output=True, text=True, timeout=120,
-                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # (as __main__ in a process forked from the fork server: torch already imported)
+    run = lambda *a: run_script(tool, [*a, "--no-tensors", "--no-args"], timeout_s=120,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
     good = run(ckpt, "--verify")
     assert good.returncode == 0 and "checksums:  verified" in good.stdout, good.stdout
     bad = run(copies["random"], "--verify")

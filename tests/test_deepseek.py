@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from megatron_moe.runtime.local_ranks import free_port, run_distributed
+from megatron_moe.runtime.local_ranks import free_port, run_distributed, run_script
 from tests._deepseek_cases import generate_and_recompute, train_capture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,8 +204,14 @@ def test_v2_lite_cpu_example_trains_resumes_exactly_and_generates(tmp_path):
     resumed = _log_lines(_run(["bash", script, resumed_dir, "--load", full_dir, "--ckpt-step", "3"]))
     assert sorted(resumed) == [4, 5, 6]
     assert all(resumed[i] == full[i] for i in (4, 5, 6)), (resumed, full)
-    out = _run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", full_dir,
-                "--use-checkpoint-args", "--prompts", "11 12 13", "--num-tokens-to-generate", "5"])
+    # tools/generate.py as __main__ in a process forked from the fork server (torch and
+    # megatron-core already imported), not a fresh interpreter
+    gen = run_script(os.path.join(ROOT, "tools", "generate.py"),
+                     ["--load", full_dir, "--use-checkpoint-args", "--prompts", "11 12 13",
+                      "--num-tokens-to-generate", "5"],
+                     env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), timeout_s=300)
+    assert gen.returncode == 0, (gen.stdout[-3000:], gen.stderr[-3000:])
+    out = gen.stdout
     text = out.split("-" * 80)[1].strip()
     assert text.startswith("11 12 13") and len(text.split()) == 3 + 5, out[-2000:]
 

@@ -3,12 +3,14 @@ megatron_moe_functional_configs.json) trained on CPU ranks: only sizes and the r
 overridden, every housekeeping / logging / schedule / recompute flag kept (tests/
 _megatron_ci_configs.py); the resume config resumes exactly."""
 
+import functools
 import glob
 import os
 
 import pytest
 
 from megatron_moe.runtime.local_ranks import run_distributed
+from tests._ckpt_cases import run_pretrain_steps
 from tests._megatron_ci_configs import tiny_training_argv
 from tests._train_cases import run_pretrain
 
@@ -43,14 +45,16 @@ def test_alltoall_etp1_ep4_trains_and_logs_megatrons_scalars(tmp_path):
 def test_mla_mtp_interleaved_pp2_trains(tmp_path):
     """MLA + MTP + PP2 with 4 virtual stages per rank (megatron-core's interleaved schedule)."""
     name = "gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed"
-    history, argv, _ = _train(name, tmp_path)
+    # 2 iterations: every rank runs the interleaved schedule's warm-up, steady state and
+    # cool-down in each one, and the second starts from the first's optimizer step
+    history, argv, _ = _train(name, tmp_path, train_iters=2)
     assert "--num-virtual-stages-per-pipeline-rank" in argv and "--mtp-num-layers" in argv
-    assert len(history["lm_loss"]) == 4 and all(l == l for l in history["lm_loss"])
+    assert len(history["lm_loss"]) == 2 and all(l == l for l in history["lm_loss"])
     # the run was interleaved (4 chunks per rank) and its chunks hold every layer once, at
     # megatron-core's global layer numbers
     from megatron.core import dist_checkpointing
 
-    ckpt = str(tmp_path / "checkpoint_save_path" / "iter_0000004")
+    ckpt = str(tmp_path / "checkpoint_save_path" / "iter_0000002")
     common = dist_checkpointing.load_common_state_dict(ckpt)
     assert common["args"].virtual_pipeline_model_parallel_size == 4
     keys = dist_checkpointing.load_tensors_metadata(ckpt).keys()
@@ -59,19 +63,33 @@ def test_mla_mtp_interleaved_pp2_trains(tmp_path):
     assert layers == set(range(8)), sorted(layers)
 
 
+def _assert_tracker(ckpt, iteration):
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == iteration, "the first run's tracker"
+
+
 def test_resume_config_resumes_exactly(tmp_path):
     """Megatron's ckpt-resume test: train 4 == train 2, save, stop, resume, train 2 (sinkhorn,
     distributed optimizer, --dist-ckpt-strictness log_all, async save, deterministic mode)."""
     name = "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer"
-    full, _, _ = _train(name, tmp_path / "full")
-    first, _, _ = _train(name, tmp_path / "resumed", **{"--save-interval": "2",
-                                                         "--exit-interval": "2"})
+    world, full_argv, _ = tiny_training_argv(name, str(tmp_path / "full"), 4, ())
+    resumed = {"--save-interval": "2"}
+    _, first_argv, _ = tiny_training_argv(name, str(tmp_path / "resumed"), 4, (),
+                                          **resumed, **{"--exit-interval": "2"})
     ckpt = tmp_path / "resumed" / "checkpoint_save_path"
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     # Megatron's runner (run_ci_test.sh): the second run of a ckpt-resume test loads what the
     # first one saved
-    second, _, _ = _train(name, tmp_path / "resumed", **{"--save-interval": "2",
-                                                          "--load": str(ckpt)})
+    _, second_argv, _ = tiny_training_argv(name, str(tmp_path / "resumed"), 4, (),
+                                           **resumed, **{"--load": str(ckpt)})
+    # the three runs one after the other in the same ranks (one process start for all); before
+    # the resume, rank 0 checks that the first run stopped with its iteration-2 checkpoint tracked
+    runs = run_distributed(run_pretrain_steps, world, [
+        {"argv": full_argv}, {"argv": first_argv},
+        {"argv": second_argv, "prepare": functools.partial(_assert_tracker, str(ckpt), "2")},
+    ], timeout_s=900)[-1]
+    for run in runs:
+        assert run["exit"] in (0, None) and run["history"] is not None, run["text"][-3000:]
+    full, first, second = (run["history"] for run in runs)
     assert second["iteration"][0] == 3
     assert first["lm_loss"] + second["lm_loss"] == full["lm_loss"]
     assert first["lr"] + second["lr"] == full["lr"]

@@ -13,6 +13,7 @@ through compat/distrib_optimizer.py. The configuration as Megatron wrote it (wit
 script asks.
 """
 
+import functools
 import os
 import shutil
 
@@ -20,7 +21,8 @@ import pytest
 
 from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _data_helpers as H
-from tests._train_cases import generate_cli, run_pretrain
+from tests._ckpt_cases import run_pretrain_steps
+from tests._train_cases import generate_cli
 
 
 # Megatron-LM's arrays, verbatim flag names and values (core_v0.16.1)
@@ -111,24 +113,30 @@ def test_trains_saves_resumes_exactly_and_generates(data):
         return mixtral_argv({"TOKENIZER_MODEL": data["tok"], "DATA_PATH": data["data"],
                              "CHECKPOINT_PATH": ckpt}, drop) + list(extra)
 
-    full = run_distributed(run_pretrain, 2, argv(str(data["dir"] / "full")), timeout_s=400)[0]
+    ckpt = str(data["dir"] / "ckpt")
+    half = ITERS // 2
+    weights_only = str(data["dir"] / "weights_only")
+    # the four runs one after the other in the same two ranks (one process start for all): the
+    # full run, the run to --exit-interval, its resume, and Megatron's configuration continuing
+    # from a copy of the half-way checkpoint (rank 0 copies it before the resume)
+    runs = run_distributed(run_pretrain_steps, 2, [
+        {"argv": argv(str(data["dir"] / "full"))},
+        {"argv": argv(ckpt, extra=["--exit-interval", str(half)])},
+        {"argv": argv(ckpt), "prepare": functools.partial(shutil.copytree, ckpt, weights_only)},
+        {"argv": argv(weights_only, drop=())},
+    ], timeout_s=600)[0]
+    for run in runs:
+        assert run["exit"] in (0, None) and run["history"] is not None, run["text"][-3000:]
+    full, first, second, megatron = (run["history"] for run in runs)
     losses = full["lm_loss"]
     # Megatron's learning rate (1e-4) over 4 steps: the loss moves, it need not fall far
     assert all(l == l for l in losses) and len(set(losses)) == ITERS, losses
-    ckpt = str(data["dir"] / "ckpt")
-    half = ITERS // 2
-    first = run_distributed(run_pretrain, 2, argv(ckpt, extra=["--exit-interval", str(half)]),
-                            timeout_s=400)[0]
-    assert os.path.isdir(os.path.join(ckpt, f"iter_{half:07d}"))
-    weights_only = str(data["dir"] / "weights_only")
-    shutil.copytree(ckpt, weights_only)
-    second = run_distributed(run_pretrain, 2, argv(ckpt), timeout_s=400)[0]
+    assert os.path.isdir(os.path.join(weights_only, f"iter_{half:07d}"))
     assert second["iteration"][0] == half + 1
     assert first["lm_loss"] + second["lm_loss"] == losses
     assert first["grad_norm"] + second["grad_norm"] == full["grad_norm"]
 
     # Megatron's configuration unchanged but for the sizes: loads the weights, continues
-    megatron = run_distributed(run_pretrain, 2, argv(weights_only, drop=()), timeout_s=400)[0]
     assert megatron["iteration"][0] == half + 1
     # its first step sees the same weights and data: the same loss, up to summation order
     assert megatron["lm_loss"][0] == pytest.approx(losses[half], rel=1e-3)

@@ -55,6 +55,12 @@ def test_stuck_rank_ends_in_a_timeout_error_naming_the_flag(tmp_path):
         os.kill(ranks[1], signal.SIGSTOP)
         wait_for(lambda: "error: rank 0: a collective timed out" in log_text(log), 120, job,
                  "rank 0's timeout error")
+        # rank 0 has failed on its own and the launcher stops the other ranks with SIGTERM,
+        # which a stopped process receives only once continued (else torchrun waits 30 s
+        # before its SIGKILL)
+        wait_for(lambda: f"Sending process {ranks[1]} closing signal SIGTERM" in log_text(log),
+                 120, job, "the launcher's SIGTERM to rank 1")
+        os.kill(ranks[1], signal.SIGCONT)
         rc = wait_for(lambda: job.poll() if job.poll() is not None else None, 60, None,
                       "the launcher to exit")
     finally:
@@ -63,6 +69,9 @@ def test_stuck_rank_ends_in_a_timeout_error_naming_the_flag(tmp_path):
     assert re.search(r"error: rank 0: a collective timed out after --distributed-timeout-minutes "
                      r"0\.05: another rank is stuck or dead \(.+\)", text), text[-2000:]
     assert rc != 0
+    # the launcher's first observed failure is rank 0 (its timeout), not the continued rank 1
+    assert re.search(r"Root Cause \(first observed failure\):\n\[0\]:.*?\n\s+rank\s*:\s*0 ",
+                     text, re.S), text[-2000:]
 
 
 def _loss_scales(rank, world, runs):

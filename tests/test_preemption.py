@@ -22,6 +22,15 @@ def _tracker(ckpt):
     return int(open(path).read()) if os.path.exists(path) else None
 
 
+def _uninterrupted_then_resumed(rank, world_size, ref_argv, resume_argv):
+    """The uninterrupted reference run, then the resume, in the same ranks (one process start)."""
+    from megatron.core import parallel_state
+
+    ref = run_pretrain_capture(rank, world_size, ref_argv)
+    parallel_state.destroy_model_parallel()
+    return ref, run_pretrain_capture(rank, world_size, resume_argv)
+
+
 def test_sigterm_to_one_rank_saves_exits_zero_and_resumes_bit_exactly(tmp_path):
     ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "run.log")
     job = start_torchrun(2, TINY + COMMON + ["--save", ckpt, "--exit-signal-handler"],
@@ -46,11 +55,13 @@ def test_sigterm_to_one_rank_saves_exits_zero_and_resumes_bit_exactly(tmp_path):
     # resume from the signal's checkpoint == the uninterrupted run, bit for bit; the resumed run
     # also carries --exit-duration-in-mins 1e-4 (6 ms): over as soon as its first iteration ends,
     # so every rank stops there together and saves
-    ref = run_distributed(run_pretrain_capture, 2, TINY + COMMON + ["--exit-interval", str(stop + 1)],
-                          timeout_s=300)[0][0]
     ckpt2 = str(tmp_path / "ckpt2")
-    resumed = run_distributed(run_pretrain_capture, 2, TINY + COMMON + [
-        "--load", ckpt, "--save", ckpt2, "--exit-duration-in-mins", "1e-4"], timeout_s=300)
+    runs = run_distributed(_uninterrupted_then_resumed, 2,
+                           TINY + COMMON + ["--exit-interval", str(stop + 1)],
+                           TINY + COMMON + ["--load", ckpt, "--save", ckpt2,
+                                            "--exit-duration-in-mins", "1e-4"], timeout_s=400)
+    ref = runs[0][0][0]
+    resumed = [rank_runs[1] for rank_runs in runs]
     assert [f"{l:.6E}" for l in ref["lm_loss"][:stop]] == [f"{l:.6E}" for l in logged]
     for history, warnings, saves in resumed:
         assert differs(warnings) == []              # quiet saves (tests/test_quiet_saves.py)

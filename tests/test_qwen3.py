@@ -13,6 +13,7 @@ import pytest
 
 from megatron_moe.runtime.local_ranks import free_port, run_distributed
 from tests import _data_helpers as H
+from tests._ckpt_cases import run_pretrain_sequence
 from tests._train_cases import generate_cli, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,12 +66,11 @@ def _log(stdout, field):
 def trained(data):
     """Train ITERS in-process (float losses); train half and resume through the script (CLI)."""
     full_ckpt, ckpt = str(data["dir"] / "full"), str(data["dir"] / "resumed")
-    full = run_distributed(run_pretrain, 2, script_argv(data, full_ckpt)
-                           + ["--train-iters", str(ITERS), "--save-interval", str(ITERS)],
-                           timeout_s=400)[0]
-    first = run_distributed(run_pretrain, 2, script_argv(data, ckpt)
-                            + ["--train-iters", str(ITERS), "--exit-interval", str(ITERS // 2)],
-                            timeout_s=400)[0]
+    # both in-process runs in the same two ranks (one process start for the pair)
+    full, first = run_distributed(run_pretrain_sequence, 2, [
+        script_argv(data, full_ckpt) + ["--train-iters", str(ITERS), "--save-interval", str(ITERS)],
+        script_argv(data, ckpt) + ["--train-iters", str(ITERS), "--exit-interval", str(ITERS // 2)],
+    ], timeout_s=500)[0]
     resumed = run_script(data, ckpt, "--train-iters", str(ITERS))
     return dict(full=full, first=first, resumed=resumed, full_ckpt=full_ckpt, ckpt=ckpt)
 
