@@ -41,7 +41,7 @@ def train_recording_memory(rank, world_size, argv, mutate=None):
     iteration)] in order. ``mutate``: 'dump-every-step' (the log interval ignored)."""
     import torch
 
-    from megatron_moe.training import loop, profiling
+    from megatron_moe.training import profiling
 
     calls, done = [], [0]
     memory = torch.cuda.memory
@@ -53,20 +53,11 @@ def train_recording_memory(rank, world_size, argv, mutate=None):
     if mutate == "dump-every-step":
         profiling.MemoryHistory.after_step = lambda self, it: memory._dump_snapshot(
             profiling.snapshot_path(self.args, rank))
-    step = loop.Trainer.train_step
-
-    def counted(self, data_iterator):
-        done[0] += 1
-        return step(self, data_iterator)
-
-    loop.Trainer.train_step = counted
     try:
-        from tests._train_cases import _pretrain
-        _pretrain(argv)
+        _pretrain_counting_steps(argv, done)
     finally:
         memory._record_memory_history, memory._dump_snapshot, profiling._cuda_available = real
         profiling.MemoryHistory.after_step = after_step
-        loop.Trainer.train_step = step
     return calls
 
 
@@ -77,7 +68,7 @@ def train_recording_nvtx(rank, world_size, argv, mutate=None):
     on)."""
     import torch
 
-    from megatron_moe.training import loop, profiling
+    from megatron_moe.training import profiling
 
     calls, done = [], [0]
     nvtx = torch.cuda.nvtx
@@ -88,18 +79,23 @@ def train_recording_nvtx(rank, world_size, argv, mutate=None):
     configure = profiling.configure_nvtx_profiling
     if mutate == "never-enabled":
         profiling.configure_nvtx_profiling = lambda enabled: None
-    step = loop.Trainer.train_step
-
-    def counted(self, data_iterator):
-        done[0] += 1
-        return step(self, data_iterator)
-
-    loop.Trainer.train_step = counted
     try:
-        from tests._train_cases import _pretrain
-        _pretrain(argv)
+        _pretrain_counting_steps(argv, done)
     finally:
         nvtx.range_push, nvtx.range_pop, profiling._cuda_available = real
         profiling.configure_nvtx_profiling = configure
-        loop.Trainer.train_step = step
     return calls
+
+
+def _pretrain_counting_steps(argv, done):
+    """pretrain() with ``done[0]`` the number of training steps begun (the iteration being
+    trained, 1-based, while it runs)."""
+    from tests._train_cases import pretrain_with_step
+
+    def wrap(step):
+        def counted(self, data_iterator):
+            done[0] += 1
+            return step(self, data_iterator)
+        return counted
+
+    return pretrain_with_step(argv, wrap)

@@ -34,15 +34,27 @@ def _close(a, b, rel):
     return all(math.isclose(x, y, rel_tol=rel) for x, y in zip(a, b)) and len(a) == len(b)
 
 
-def _check_bf16(mutate=None):
-    bf16 = ["--bf16", "--moe-grouped-gemm"]
-    (fp32_losses, fp32_dtypes, fp32_adds, _), _ = _run(cases.train_main_grads, bf16)
-    (losses, dtypes, adds, _), _ = _run(cases.train_main_grads, bf16 + ["--grad-reduce-in-bf16"],
-                                        mutate=mutate)
+def _check_grad_dtype(reduced, fp32, dtype, mutate=None):
+    """``reduced`` accumulates every main_grad in ``dtype`` and ``fp32`` in fp32, the grouped
+    experts' adds into them included, losses within 0.1%; ``mutate`` applies to ``reduced``."""
+    (losses, dtypes, adds, _), _ = _run(cases.train_main_grads, reduced, mutate=mutate)
+    (fp32_losses, fp32_dtypes, fp32_adds, _), _ = _run(cases.train_main_grads, fp32)
+    assert dtypes == [[f"torch.{dtype}"]] * 3, dtypes
     assert fp32_dtypes == [["torch.float32"]] * 3, fp32_dtypes
-    assert dtypes == [["torch.bfloat16"]] * 3, dtypes
-    assert adds > 0 and adds == fp32_adds   # the grouped experts' main_grad adds ran in bf16
+    assert adds > 0 and adds == fp32_adds
     assert len(set(losses)) == 3 and _close(losses, fp32_losses, 1e-3), (losses, fp32_losses)
+
+
+BF16 = ["--bf16", "--moe-grouped-gemm"]
+FP16 = ["--fp16", "--initial-loss-scale", "4096", "--moe-grouped-gemm"]
+
+
+def _check_bf16(mutate=None):
+    _check_grad_dtype(BF16 + ["--grad-reduce-in-bf16"], BF16, "bfloat16", mutate)
+
+
+def _check_fp16(mutate=None):
+    _check_grad_dtype(FP16, FP16 + ["--accumulate-allreduce-grads-in-fp32"], "float16", mutate)
 
 
 def test_grad_reduce_in_bf16():
@@ -52,17 +64,6 @@ def test_grad_reduce_in_bf16():
 def test_grad_reduce_in_bf16_mutation_fails():
     with pytest.raises(AssertionError):
         _check_bf16("bf16-ignored")
-
-
-def _check_fp16(mutate=None):
-    fp16 = ["--fp16", "--initial-loss-scale", "4096", "--moe-grouped-gemm"]
-    (losses, dtypes, adds, _), _ = _run(cases.train_main_grads, fp16, mutate=mutate)
-    (fp32_losses, fp32_dtypes, fp32_adds, _), _ = _run(
-        cases.train_main_grads, fp16 + ["--accumulate-allreduce-grads-in-fp32"])
-    assert dtypes == [["torch.float16"]] * 3, dtypes
-    assert fp32_dtypes == [["torch.float32"]] * 3, fp32_dtypes
-    assert adds > 0 and adds == fp32_adds   # the grouped experts' main_grad adds ran in fp16
-    assert len(set(losses)) == 3 and _close(losses, fp32_losses, 1e-3), (losses, fp32_losses)
 
 
 def test_fp16_gradients_reduced_in_fp16_unless_asked():
