@@ -532,6 +532,13 @@ def validate_args(args, check_data_paths=True, training=True):
                          f"({args.max_position_embeddings})")
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
+    if args.fp16 and args.loss_scale is None and args.check_for_nan_in_loss:
+        # Megatron-LM's rule: under dynamic loss scaling a NaN/Inf gradient is the scaler's signal
+        # (the step is skipped and the scale backs off), not a fault for result validation
+        args.check_for_nan_in_loss = False
+        if getattr(args, "rank", 0) == 0:
+            print("WARNING: Setting args.check_for_nan_in_loss_and_grad to False since dynamic "
+                  "loss scaling is being used", flush=True)
     if args.main_grads_dtype != "fp32":
         raise ValueError(f"--main-grads-dtype {args.main_grads_dtype}: only fp32 (gradients are "
                          "accumulated and reduced in fp32 here)" + (
