@@ -54,13 +54,12 @@ def train(rank, world_size, argv, mutate=None):
     config's cuda_graph_impl as megatron-core saw it)."""
     from megatron_moe import arguments
     from megatron_moe.compat import cuda_graph as compat
-    from megatron_moe.training import cuda_graph
     from tests._train_cases import _pretrain
 
     from megatron_moe.compat.versions import mcore_at_least
     from megatron_moe.runtime import initialize
 
-    arguments._cuda_available = cuda_graph._cuda_available = lambda: True   # parse as on a GPU
+    arguments._cuda_available = lambda: True   # parse as on a GPU
     compat.full_cuda_graph_wrapper = EmulatedCapture
     # CUDA-only parts, left out on the CPU: megatron-core's graph-safe RNG states (CUDA generator
     # states) and core_v0.16's per-module CudaGraphManager, which its "local" impl builds (it asks

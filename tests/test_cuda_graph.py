@@ -82,10 +82,8 @@ def test_a_host_read_in_the_region_is_caught():
 def test_refused_at_parse_time(flags, message, capsys, monkeypatch):
     from megatron_moe import arguments
     from megatron_moe.arguments import parse_args
-    from megatron_moe.training import cuda_graph
 
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
-    monkeypatch.setattr(cuda_graph, "_cuda_available", lambda: True)
     with pytest.raises(SystemExit):
         parse_args(TINY + ["--train-iters", "4"] + flags.split(), world_size=2)
     err = capsys.readouterr().err
@@ -107,10 +105,8 @@ def test_both_spellings_reach_megatron_cores_config(spelling, monkeypatch):
     from megatron_moe.arguments import parse_args
     from megatron_moe.compat.versions import mcore_at_least
     from megatron_moe.models.builder import transformer_config_from_args
-    from megatron_moe.training import cuda_graph
 
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
-    monkeypatch.setattr(cuda_graph, "_cuda_available", lambda: True)
     args = parse_args(TINY + ["--train-iters", "4", "--no-check-for-nan-in-loss-and-grad",
                               "--moe-grouped-gemm"] + spelling.split(), world_size=1)
     config = transformer_config_from_args(args)

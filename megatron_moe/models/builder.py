@@ -21,8 +21,8 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe.models.mla import yarn_config_fields
-from megatron_moe.training import cuda_graph
 from megatron_moe.models.pipeline_split import SPLIT_FIELDS
+from megatron_moe.training import cuda_graph
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

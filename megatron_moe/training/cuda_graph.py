@@ -60,12 +60,6 @@ def full_iteration(args) -> bool:
     return impl == FULL or (impl == "local" and FULL in (getattr(args, "cuda_graph_scope", None) or ()))
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def validate_args(args):
     """The refusals listed in the module docstring (ValueError names the flag)."""
     scope = getattr(args, "cuda_graph_scope", None) or []
@@ -78,12 +72,25 @@ def validate_args(args):
                          f"{FLAG} {FULL} is the newer spelling)")
     if not full_iteration(args):
         return
+    # on a CPU arguments.py's GPU-only check has refused --cuda-graph-impl already
     spelling = f"{FLAG} {args.cuda_graph_impl}" + (f" {SCOPE_FLAG} {FULL}" if scope else "")
-    if not _cuda_available():
-        raise ValueError(f"{spelling} needs CUDA: CUDA graphs capture CUDA kernels")
     why = _refusal(args)
     if why:
         raise ValueError(f"{spelling} cannot capture {why}")
+
+
+_READS = "it reads counts or copies on the host in the forward or backward"
+# result validation acts on what the region records in Python per micro-batch (the losses,
+# megatron-core's gradient-bucket checks): a replay records nothing
+_RECORDS = "result validation records each micro-batch's results in Python"
+# (flag, dest, its off value, why a capture cannot take it)
+_REFUSED_FEATURES = (("--moe-balance-policy", "moe_balance_policy", "none", _READS),
+                     ("--moe-routing-trace-dir", "moe_routing_trace_dir", None, _READS),
+                     ("--moe-a2a-overlap-degree", "moe_a2a_overlap_degree", 1, _READS),
+                     ("--moe-expert-offload", "moe_expert_offload", "none", _READS),
+                     ("--check-for-spiky-loss", "check_for_spiky_loss", False, _RECORDS),
+                     ("--check-for-large-grads", "check_for_large_grads", False, _RECORDS),
+                     ("--error-injection-rate", "error_injection_rate", 0, _RECORDS))
 
 
 def _refusal(args) -> str | None:
@@ -103,19 +110,9 @@ def _refusal(args) -> str | None:
                                                    args.transformer_impl == "transformer_engine"):
         return ("megatron-core's expert loop (SequentialMLP splits the tokens by a host list): "
                 "add --moe-grouped-gemm")
-    for flag, dest, off in (("--moe-balance-policy", "moe_balance_policy", "none"),
-                            ("--moe-routing-trace-dir", "moe_routing_trace_dir", None),
-                            ("--moe-a2a-overlap-degree", "moe_a2a_overlap_degree", 1),
-                            ("--moe-expert-offload", "moe_expert_offload", "none")):
+    for flag, dest, off, why in _REFUSED_FEATURES:
         if getattr(args, dest, off) not in (off, None):
-            return f"{flag}: it reads counts or copies on the host in the forward or backward"
-    # result validation acts on what the region records in Python per micro-batch (the losses,
-    # megatron-core's gradient-bucket checks): a replay records nothing
-    for flag, dest, off in (("--check-for-spiky-loss", "check_for_spiky_loss", False),
-                            ("--check-for-large-grads", "check_for_large_grads", False),
-                            ("--error-injection-rate", "error_injection_rate", 0)):
-        if getattr(args, dest, off) not in (off, None):
-            return f"{flag}: result validation records each micro-batch's results in Python"
+            return f"{flag}: {why}"
     if getattr(args, "rerun_mode", "disabled") == "report_stats":
         return ("--rerun-mode report_stats: it compares two runs of each iteration's recorded "
                 "results (a replay records none)")
