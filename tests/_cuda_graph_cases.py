@@ -14,6 +14,7 @@ class EmulatedCapture:
     where on CUDA the wrapper would capture once and replay."""
 
     instances = []
+    counter = None   # the host-read counter of the call in progress
 
     def __init__(self, forward_backward, warmup_steps, single_mempool):
         self.forward_backward, self.warmup = forward_backward, warmup_steps
@@ -30,9 +31,41 @@ class EmulatedCapture:
         if self.calls[stage] <= self.warmup:
             return self.forward_backward(**kwargs)
         with HostReadCounter() as counter:
-            out = self.forward_backward(**kwargs)
+            EmulatedCapture.counter = counter
+            try:
+                out = self.forward_backward(**kwargs)
+            finally:
+                EmulatedCapture.counter = None
         self.reads[stage] += [(owner, where, what) for _, owner, where, what in counter.reads]
         return out
+
+
+def _record_dispatcher_host_copies():
+    """megatron-core's alltoall dispatcher copies its counts to the host on a side stream at
+    ``cuda_dtoh_point`` and waits for the copy at ``cuda_sync_point``; on a CPU build both are
+    no-ops (compat/cpu.py), so the counter cannot see them. On CUDA the copy is a device-to-host
+    read and the wait (an event synchronize) fails a capture: record each reached point as a
+    read, as megatron-core's code decides (not under ``drop_and_pad``)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as td
+
+    reach = td._maybe_dtoh_and_synchronize
+
+    def recorded(self, point, tokens_per_expert=None):
+        counter = EmulatedCapture.counter
+        if counter is not None and not self.drop_and_pad:
+            for kind, at in (("copy", self.cuda_dtoh_point), ("wait", self.cuda_sync_point)):
+                if point == at:
+                    counter._record(f"alltoall dispatcher's host {kind} at {point}")
+        return reach(self, point, tokens_per_expert)
+
+    td._maybe_dtoh_and_synchronize = recorded
+
+
+def _mutate_counts_on_host():
+    """Our layers leave megatron-core's copy and wait points as it sets them."""
+    from megatron_moe.moe import layer
+
+    layer.keep_counts_on_device = lambda td: False
 
 
 def _mutate_loss_item():
@@ -69,8 +102,11 @@ def train(rank, world_size, argv, mutate=None):
     initialize.set_random_seed = lambda s, cudagraphable=False: seed(s)
     if not mcore_at_least("0.19"):
         compat.full_iteration_config_fields = lambda: dict(cuda_graph_impl="none")
+    _record_dispatcher_host_copies()
     if mutate == "loss-item":
         _mutate_loss_item()
+    elif mutate == "counts-on-host":
+        _mutate_counts_on_host()
     losses = _pretrain(argv)["history"]["lm_loss"]
     (capture,) = EmulatedCapture.instances
     return losses, dict(capture.calls), dict(capture.reads), capture.config_impl

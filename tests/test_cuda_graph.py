@@ -56,9 +56,13 @@ def test_expert_and_tensor_parallel_padded_to_capacity_read_nothing():
     _check(["--tensor-model-parallel-size", "2", "--sequence-parallel"] + pad)
 
 
-def test_a_host_read_in_the_region_is_caught():
+@pytest.mark.parametrize("mutate", ["loss-item", "counts-on-host"])
+def test_a_host_read_in_the_region_is_caught(mutate):
+    """A loss read per micro-batch; megatron-core's host copy of the expert counts and its wait
+    left in (what fails a real capture at expert parallel size 1 unless our layer keeps the counts
+    on the device)."""
     with pytest.raises(AssertionError):
-        _check(mutate="loss-item")
+        _check(mutate=mutate)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -117,3 +121,10 @@ def test_both_spellings_reach_megatron_cores_config(spelling, monkeypatch):
 
         assert config.cuda_graph_impl == "local"
         assert config.cuda_graph_scope == [CudaGraphScope.full_iteration]
+    # what our MoE layers read to keep the expert counts on the device (the region's captures
+    # above run with core_v0.16's field left at "none": its "local" impl builds per-layer graphs)
+    from megatron_moe.compat.cuda_graph import captures_whole_iterations
+
+    assert captures_whole_iterations(config)
+    assert not captures_whole_iterations(transformer_config_from_args(
+        parse_args(TINY + ["--train-iters", "4"], world_size=1)))

@@ -21,6 +21,16 @@ def full_iteration_config_fields() -> dict:
     return dict(cuda_graph_impl="local", cuda_graph_scope=[CudaGraphScope.full_iteration])
 
 
+def captures_whole_iterations(config) -> bool:
+    """Whether a model config says "full-iteration CUDA graph" in this release's terms (no
+    per-layer graphs: the modules run as in eager mode, inside one captured region)."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "full_iteration":
+        return True
+    scopes = getattr(config, "cuda_graph_scope", None) or ()
+    return impl == "local" and any(getattr(s, "name", s) == "full_iteration" for s in scopes)
+
+
 def full_cuda_graph_wrapper(forward_backward, warmup_steps: int, single_mempool: bool):
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from megatron.core.transformer.moe.moe_layer import MoELayer as _CoreMoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+from megatron_moe.compat.cuda_graph import captures_whole_iterations
 from megatron_moe.compat.dispatch import DispatcherScope, keep_counts_on_device
 from megatron_moe.moe.dispatcher import ExchangeConfig, dispatcher_bindings
 
@@ -78,7 +79,9 @@ class MoELayer(_CoreMoELayer):
         """Whether no stage of this layer needs the dispatcher's counts on the host: one rank
         (expert and tensor parallel size 1: no all-to-all splits), every routed token kept (no
         capacity, no padding: the permuted row count is known on the host), grouped experts
-        (they take device counts), no CUDA graph capture (megatron-core moves its copy point)."""
+        (they take device counts), and no per-layer CUDA graph (megatron-core's capture of the
+        dispatcher's preprocess moves its copy point). A full-iteration graph needs this most: a
+        capture fails at megatron-core's wait for its host copy of the counts."""
         from megatron_moe.moe.grouped_experts import GroupedSequentialMLP
 
         td, config = self.token_dispatcher, self.config
@@ -86,7 +89,8 @@ class MoELayer(_CoreMoELayer):
                 and not getattr(td, "drop_and_pad", False)
                 and config.moe_expert_capacity_factor is None
                 and not getattr(config, "moe_router_padding_for_quantization", False)
-                and getattr(config, "cuda_graph_impl", "none") == "none"
+                and (getattr(config, "cuda_graph_impl", "none") == "none"
+                     or captures_whole_iterations(config))
                 and isinstance(self.experts, GroupedSequentialMLP))
 
     def _choose_middle(self):
