@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 
+import torch
+
 
 class EmulatedCapture:
     """Stands in for FullCudaGraphWrapper (same arguments): ``warmup`` eager calls per stage
@@ -23,14 +25,14 @@ class EmulatedCapture:
         EmulatedCapture.instances.append(self)
 
     def __call__(self, **kwargs):
-        from tests._sync_counter import HostReadCounter
+        from tests._sync_counter import CaptureCounter
 
         stage = "validation" if kwargs["forward_only"] else "training"
         self.calls[stage] += 1
         self.config_impl = kwargs["model"][0].config.cuda_graph_impl
         if self.calls[stage] <= self.warmup:
             return self.forward_backward(**kwargs)
-        with HostReadCounter() as counter:
+        with CaptureCounter() as counter:
             EmulatedCapture.counter = counter
             try:
                 out = self.forward_backward(**kwargs)
@@ -68,18 +70,29 @@ def _mutate_counts_on_host():
     layer.keep_counts_on_device = lambda td: False
 
 
-def _mutate_loss_item():
-    """The loss function reads the loss on the host every micro-batch."""
+def _mutate_loss_func(extra):
     import pretrain_gpt_moe
 
     orig = pretrain_gpt_moe.loss_func
 
     def loss_func(*a, **k):
         out = orig(*a, **k)
-        out[0].detach().sum().item()
+        extra(out[0])
         return out
 
     pretrain_gpt_moe.loss_func = loss_func
+
+
+MUTATIONS = {
+    # the loss read on the host every micro-batch
+    "loss-item": lambda: _mutate_loss_func(lambda loss: loss.detach().sum().item()),
+    # a host wait every micro-batch
+    "synchronize": lambda: _mutate_loss_func(lambda loss: torch.cuda.synchronize()),
+    # a tensor made from Python data on the loss's device every micro-batch
+    "host-to-device": lambda: _mutate_loss_func(
+        lambda loss: torch.tensor([1.0], device=loss.device)),
+    "counts-on-host": lambda: _mutate_counts_on_host(),
+}
 
 
 def train(rank, world_size, argv, mutate=None):
@@ -103,10 +116,8 @@ def train(rank, world_size, argv, mutate=None):
     if not mcore_at_least("0.19"):
         compat.full_iteration_config_fields = lambda: dict(cuda_graph_impl="none")
     _record_dispatcher_host_copies()
-    if mutate == "loss-item":
-        _mutate_loss_item()
-    elif mutate == "counts-on-host":
-        _mutate_counts_on_host()
+    if mutate:
+        MUTATIONS[mutate]()
     losses = _pretrain(argv)["history"]["lm_loss"]
     (capture,) = EmulatedCapture.instances
     return losses, dict(capture.calls), dict(capture.reads), capture.config_impl

@@ -184,3 +184,74 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self):
         return sum(self.ops.values())
+
+
+class CaptureCounter(HostReadCounter):
+    """A ``HostReadCounter`` for a region that CUDA would capture as a graph: it also records what
+    fails a capture or is baked into it without being a read of device data, which a CPU build
+    cannot show otherwise (its CUDA shims, megatron_moe/compat/cpu.py, are no-ops):
+
+    * host waits: ``torch.cuda.synchronize``, a stream's or an event's ``synchronize``;
+    * host-to-device copies: ``torch.tensor`` / ``torch.as_tensor`` of Python data with a device
+      (a pageable copy on CUDA), ``.to(<device>)`` / ``.cuda()`` / ``copy_`` of a tensor the strict
+      device mode tagged as made on the host.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func is aten.copy_.default and not self._inside and len(args) > 1
+                and _on_host(args[1]) and not _on_host(args[0])):
+            self._record("host-to-device copy_")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _patch(self, owner, name, replacement):
+        self._patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    def __enter__(self):
+        from megatron_moe.compat import cpu
+
+        self._patched = []
+        counter = self
+
+        def waits(what, orig):
+            def wait(*args, **kwargs):
+                counter._record(what)
+                return orig(*args, **kwargs)
+            return wait
+
+        self._patch(torch.cuda, "synchronize", waits("torch.cuda.synchronize", torch.cuda.synchronize))
+        for cls in (cpu._NoopEvent, cpu._NoopStream):
+            self._patch(cls, "synchronize", waits(f"{cls.__name__[5:]}.synchronize", cls.synchronize))
+
+        def factory(name, orig):
+            def make(data, *args, **kwargs):
+                device = kwargs.get("device")
+                if (device is not None and not torch.is_tensor(data)
+                        and not (isinstance(device, str) and device.split(":")[0] == "cpu")):
+                    counter._record(f"torch.{name} of host data to a device")
+                return orig(data, *args, **kwargs)
+            return make
+
+        for name in ("tensor", "as_tensor"):
+            self._patch(torch, name, factory(name, getattr(torch, name)))
+
+        def h2d(name, orig, moves):
+            @functools.wraps(orig)
+            def move(t, *args, **kwargs):
+                if not counter._inside and _on_host(t) and moves(*args, **kwargs):
+                    counter._record(f"host-to-device Tensor.{name}")
+                return orig(t, *args, **kwargs)
+            return move
+
+        self._patch(torch.Tensor, "cuda", h2d("cuda", torch.Tensor.cuda, lambda *a, **k: True))
+        out = super().__enter__()
+        # after the base class wrapped .to for device-to-host reads
+        to_device = lambda *a, **k: any(isinstance(x, torch.device) or (  # noqa: E731
+            isinstance(x, str) and x.split(":")[0] != "cpu") for x in list(a) + [k.get("device")])
+        self._patch(torch.Tensor, "to", h2d("to", torch.Tensor.to, to_device))
+        return out
+
+    def __exit__(self, *exc):
+        for owner, name, orig in reversed(self._patched):
+            setattr(owner, name, orig)
+        return super().__exit__(*exc)

@@ -56,12 +56,14 @@ def test_expert_and_tensor_parallel_padded_to_capacity_read_nothing():
     _check(["--tensor-model-parallel-size", "2", "--sequence-parallel"] + pad)
 
 
-@pytest.mark.parametrize("mutate", ["loss-item", "counts-on-host"])
-def test_a_host_read_in_the_region_is_caught(mutate):
-    """A loss read per micro-batch; megatron-core's host copy of the expert counts and its wait
-    left in (what fails a real capture at expert parallel size 1 unless our layer keeps the counts
-    on the device)."""
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("mutate, seen", [
+    ("loss-item", "Tensor.item"), ("synchronize", "torch.cuda.synchronize"),
+    ("host-to-device", "torch.tensor of host data"), ("counts-on-host", "dispatcher's host wait")])
+def test_a_host_read_in_the_region_is_caught(mutate, seen):
+    """Per micro-batch: a loss read, a host wait, a tensor made from Python data on the device;
+    megatron-core's host copy of the expert counts and its wait left in (what fails a real capture
+    at expert parallel size 1 unless our layer keeps the counts on the device)."""
+    with pytest.raises(AssertionError, match=seen):
         _check(mutate=mutate)
 
 
