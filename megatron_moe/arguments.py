@@ -250,6 +250,15 @@ def _add_training_args(p):
     add_megatron_argument(g, "--ddp-average-in-collective",
                           help="Average gradients in the data-parallel collective (ReduceOp.AVG) "
                                "instead of scaling them by 1/DP before a sum.")
+    # gradient buckets (reduced one by one as their gradients are ready with --overlap-grad-reduce)
+    add_megatron_argument(g, "--ddp-bucket-size",
+                          help="Elements per gradient bucket with --overlap-grad-reduce (default: "
+                               "megatron-core's, max(40M, 1M x data-parallel size)).")
+    add_megatron_argument(g, "--ddp-num-buckets",
+                          help="Gradient buckets: this rank's parameters // N elements each "
+                               "(not with --ddp-bucket-size).")
+    add_megatron_argument(g, "--ddp-pad-buckets-for-high-nccl-busbw",
+                          help="Pad gradient buckets to sizes that keep NCCL's bus bandwidth high.")
     g.add_argument("--main-grads-dtype", default="fp32",
                    help="dtype of the main gradients: fp32 (bf16 is refused).")
     g.add_argument("--loss-scale", type=float, default=None)
@@ -548,6 +557,13 @@ def validate_args(args, check_data_paths=True, training=True):
     # gradients are fp32 either way)
     if args.bf16:
         args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
+    if args.ddp_num_buckets is not None and (args.ddp_bucket_size is not None
+                                             or args.ddp_num_buckets <= 0):
+        raise ValueError("--ddp-num-buckets: " + (
+            "cannot be used with --ddp-bucket-size (Megatron-LM's rule)"
+            if args.ddp_bucket_size is not None else "must be greater than 0"))
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        raise ValueError("--ddp-bucket-size: must be greater than 0 (elements per gradient bucket)")
     if args.ddp_average_in_collective and getattr(args, "calculate_per_token_loss", False):
         raise ValueError("--ddp-average-in-collective cannot be used with "
                          "--calculate-per-token-loss (megatron-core's DDP: the per-token loss "

@@ -103,3 +103,43 @@ def train_interleaved(rank, world_size, argv, mutate=None):
         schedules.get_schedule_table = table
         builder.transformer_config_from_args = config_from_args
     return losses, groups, flush
+
+
+def train_buckets(rank, world_size, argv, mutate=None):
+    """pretrain(); returns (losses, gradient buckets per DDP buffer of the first chunk, the largest
+    bucket's elements, gradient all-reduces per step). ``mutate``: 'bucket-size-ignored' (DDP gets
+    no bucket size: megatron-core's default, one bucket at this size)."""
+    import torch.distributed as dist
+
+    from tests._train_cases import pretrain_with_step
+
+    restore = lambda: None   # noqa: E731
+    if mutate == "bucket-size-ignored":
+        restore = _ignoring_ddp_field("bucket_size", None)
+    reduces, buckets = [0], []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *a, **k):
+        reduces[0] += tensor.numel() > 100     # a gradient bucket, not a loss or a norm
+        return all_reduce(tensor, *a, **k)
+
+    def wrap(step):
+        def train_step(self, data_iterator):
+            if not buckets:
+                ddp = self.model[0]
+                buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
+                buckets.extend(b.grad_data.numel() for buf in buffers for b in buf.buckets)
+            before = reduces[0]
+            out = step(self, data_iterator)
+            per_step.append(reduces[0] - before)
+            return out
+        return train_step
+
+    per_step = []
+    dist.all_reduce = counting_all_reduce
+    try:
+        losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    finally:
+        dist.all_reduce = all_reduce
+        restore()
+    return losses, len(buckets), max(buckets), per_step

@@ -9,6 +9,8 @@ on 2 gloo ranks (tiny CPU runs), each also failing under a mutation run in the s
   grad_reduce_in_fp32;
 * --ddp-average-in-collective: the data-parallel all-reduces run ReduceOp.AVG (none without it),
   the same losses as scaling then summing; mutation: the flag not given to DDP;
+* --ddp-num-buckets / --ddp-bucket-size (with --overlap-grad-reduce): DDP's gradient buckets and
+  all-reduces per step follow them, the same losses; mutation: DDP gets no bucket size;
 * --microbatch-group-size-per-virtual-pipeline-stage: megatron-core's interleaved schedule table
   is built with the group size given (the pipeline size without it), the same losses;
   --overlap-p2p-communication-warmup-flush reaches the config the schedule reads, same losses;
@@ -92,6 +94,31 @@ def test_ddp_average_in_collective_mutation_fails():
         _check_average("average-ignored")
 
 
+def _check_buckets(mutate=None):
+    """--ddp-num-buckets N: N gradient buckets, each reduced on its own; --ddp-bucket-size: buckets
+    of about that many elements; the same losses as megatron-core's default (one bucket here)."""
+    overlap = ["--overlap-grad-reduce"]
+    (default, one, _, one_reduce), _ = _run(cases.train_buckets, overlap)
+    (three, n3, _, reduces3), _ = _run(cases.train_buckets, overlap + ["--ddp-num-buckets", "3"],
+                                       mutate=mutate)
+    (sized, n_sized, largest, _), _ = _run(cases.train_buckets,
+                                           overlap + ["--ddp-bucket-size", "20000"])
+    assert one == 1 and one_reduce == [1] * 3, (one, one_reduce)
+    assert n3 == 3 and reduces3 == [3] * 3, (n3, reduces3)
+    # a bucket closes at the first parameter that takes it past the size
+    assert n_sized >= 4 and largest < 2 * 20000, (n_sized, largest)
+    assert len(set(default)) == 3 and _close(three, default, 1e-6) and _close(sized, default, 1e-6)
+
+
+def test_ddp_bucket_size_and_num_buckets():
+    _check_buckets()
+
+
+def test_ddp_buckets_mutation_fails():
+    with pytest.raises(AssertionError):
+        _check_buckets("bucket-size-ignored")
+
+
 PP_VP = ("--pipeline-model-parallel-size 2 --num-layers 4 "
          "--num-layers-per-virtual-pipeline-stage 1").split()   # 2 stages x 2 chunks, 4 micro-batches
 
@@ -129,6 +156,8 @@ def test_interleaved_schedule_options_mutation_fails(mutate):
     (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 1", "must be in"),
     (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 3", "last group of 1"),
     ("--ddp-average-in-collective --calculate-per-token-loss", "--calculate-per-token-loss"),
+    ("--ddp-num-buckets 2 --ddp-bucket-size 1000", "cannot be used with --ddp-bucket-size"),
+    ("--ddp-num-buckets 0", "must be greater than 0"),
     (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 4 "
      "--overlap-p2p-communication-warmup-flush", "stalls with both"),
 ])

@@ -258,6 +258,7 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
             chunk.vp_stage = vp_stage
         model.append(chunk)
     configs = [chunk.config for chunk in model]
+    num_parameters = sum(p.nelement() for chunk in model for p in chunk.parameters())
     wrapped = []
     for index, (chunk, config) in enumerate(zip(model, configs)):
         if torch.cuda.is_available():
@@ -278,7 +279,11 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
             check_for_nan_in_grad=(getattr(args, "check_for_nan_in_loss", False)
                                    and getattr(args, "rerun_mode", "disabled") != "disabled"),
             check_for_large_grads=getattr(args, "check_for_large_grads", False),
-            bucket_size=None if args.overlap_grad_reduce else None,
+            # Megatron-LM's rule; megatron-core turns None into its default (40M elements or 1M
+            # per data-parallel rank) with --overlap-grad-reduce, and into one bucket without
+            bucket_size=(num_parameters // args.ddp_num_buckets if args.ddp_num_buckets
+                         else args.ddp_bucket_size),
+            pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
             num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         )
         # Megatron-LM: only the first chunk buckets its grads (the others' reduce at the end)
