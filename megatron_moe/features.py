@@ -28,8 +28,8 @@ from megatron_moe.flags import exclusions
 from megatron_moe.models import architecture, attention, embedding, gpt_oss, mla
 from megatron_moe.moe import dispatcher, grouped_experts, topo_router
 from megatron_moe.runtime import dist_signal_handler
-from megatron_moe.training import (cuda_graph, megatron_logging, pipeline_schedule, profiling,
-                                   result_validation, wandb_writer)
+from megatron_moe.training import (cuda_graph, manual_gc, megatron_logging, pipeline_schedule,
+                                   profiling, result_validation, wandb_writer)
 
 FEATURES = (
     comm,                 # --moe-a2a-algorithm / compression / overlap, emulated link, topology
@@ -47,6 +47,7 @@ FEATURES = (
     profiling,            # --profile, --use-pytorch-profiler, --profile-step-start/-end/-ranks
     result_validation,    # --rerun-mode, --check-for-spiky-loss, --error-injection-*, ...
     cuda_graph,           # --cuda-graph-impl full_iteration: whole iterations captured (CUDA)
+    manual_gc,            # --manual-gc, --manual-gc-interval, --no-manual-gc-eval
     mla,                  # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
     gpt_oss,              # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
     architecture,         # activation, init, RoPE variants, q/k L2 norm, fp32 residual (Megatron-LM)
@@ -86,8 +87,8 @@ class RunHooks:
 
     ``before_step(iteration)`` at the top of each loop pass; forward/backward of all micro-batches; ``before_finalize_grads`` / ``after_finalize_grads``
     around megatron-core's grad finalisation; ``after_optimizer_step(ok, grad_norm)`` before the
-    learning rate moves; ``after_step(iteration)``; ``metrics()`` and ``log_lines()`` each log
-    interval; ``checkpoint_io(load)`` around every save and load; ``state_dict()`` into the
+    learning rate moves; ``after_step(iteration)``; ``before_evaluate()`` / ``after_evaluate()``
+    around each evaluation; ``metrics()`` and ``log_lines()`` each log interval; ``checkpoint_io(load)`` around every save and load; ``state_dict()`` into the
     checkpoint (one entry per feature, keyed by its name) and ``load_state_dict`` from it;
     ``close()`` at the end."""
 
@@ -133,6 +134,12 @@ class RunHooks:
 
     def after_step(self, iteration):
         self._call("after_step", iteration)
+
+    def before_evaluate(self):
+        self._call("before_evaluate")
+
+    def after_evaluate(self):
+        self._call("after_evaluate")
 
     def metrics(self) -> dict:
         out = {}

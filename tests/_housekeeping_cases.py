@@ -160,3 +160,47 @@ def train_without_gloo_groups(rank, world_size, argv, mutate=None):
         parallel_state.initialize_model_parallel = init
         mcore_optimizer.get_megatron_optimizer = build_optimizer
     return history, gloo_groups[0]
+
+
+def train_counting_gc(rank, world_size, argv, mutate=None):
+    """pretrain() with Python's garbage collections recorded: returns (losses, [(event, detail)]),
+    events in order: ('collect', generation) for each gc.collect call, ('step', collector enabled
+    during it), ('eval', collector enabled during it), and ('end', collector enabled after the
+    run; each collect with its caller's file:line). ``mutate``: 'hooks-dropped' (the feature
+    never plugs in)."""
+    import gc
+    import sys
+
+    from megatron_moe.training import loop, manual_gc
+    from tests._train_cases import pretrain_with_step
+
+    events = []
+    collect = gc.collect
+
+    def counting_collect(generation=2):
+        f = sys._getframe(1)
+        events.append(("collect", generation, f"{f.f_code.co_filename}:{f.f_lineno}"))
+        return collect(generation)
+
+    def wrap(step):
+        def train_step(self, data_iterator):
+            events.append(("step", gc.isenabled()))
+            return step(self, data_iterator)
+        return train_step
+
+    evaluate = loop.Trainer.evaluate
+
+    def recorded_evaluate(self, data_iterator):
+        out = evaluate(self, data_iterator)
+        events.append(("eval", gc.isenabled()))
+        return out
+
+    if mutate == "hooks-dropped":
+        manual_gc.run_hooks = lambda *a: None
+    gc.collect, loop.Trainer.evaluate = counting_collect, recorded_evaluate
+    try:
+        losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    finally:
+        gc.collect, loop.Trainer.evaluate = collect, evaluate
+    events.append(("end", gc.isenabled()))
+    return losses, events

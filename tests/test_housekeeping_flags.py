@@ -1,4 +1,4 @@
-"""Four Megatron-LM training flags, end to end on tiny CPU runs (each case also fails under a
+"""Megatron-LM training flags, end to end on tiny CPU runs (each case also fails under a
 mutation, run in the spawned ranks):
 
 * --no-create-attention-mask-in-dataloader: no mask in any batch; with the dataloader's plain
@@ -7,6 +7,9 @@ mutation, run in the spawned ranks):
 * --save-retain-interval: exactly Megatron's checkpoints remain, the tracker's checkpoint is
   complete whenever one is deleted, a resume continues bit-exactly;
 * --log-progress: Megatron's progress.txt lines, FLOPs carried over a resume;
+* --manual-gc, --manual-gc-interval: the collector off in every step and evaluation, collections
+  at Megatron's points (start, every N iterations, around evaluations), on again after the run,
+  the same losses;
 * --disable-gloo-process-groups: refused on gloo; the NCCL path's value creates no Gloo group and
   trains, saves and resumes with the distributed optimizer.
 """
@@ -261,7 +264,37 @@ def test_gloo_groups_are_created_by_default():
 
 
 # --- parse-time refusals --------------------------------------------------------------------------
+# --- --manual-gc ------------------------------------------------------------------------------
+def _check_manual_gc(mutate=None):
+    argv = EXACT + "--train-iters 4 --eval-interval 2 --eval-iters 1".split()
+    gc_argv = argv + ["--manual-gc", "--manual-gc-interval", "3"]
+    losses, events = _train(cases.train_counting_gc, gc_argv, mutate=mutate)
+    steps = [e for e in events if e[0] in ("step", "eval")]
+    # the collector off in every step and evaluation, on again after the run
+    assert steps == [("step", False)] * 2 + [("eval", False)] + [("step", False)] * 2 + \
+        [("eval", False)] * 3, events    # evaluations at 2 and 4, then validation and test
+    assert events[-1] == ("end", True), events
+    # one full collection at the start, after iteration 3, before each evaluation; a
+    # young-generation one after each evaluation (torch's own compile-time collections aside)
+    collects = [e[1] for e in events if e[0] == "collect" and "megatron_moe" in e[2]]
+    assert collects == [2] + [2, 0] + [2] + [2, 0] * 3, events
+    # without the flags: no collection of ours, the same losses
+    plain, plain_events = _train(cases.train_counting_gc, argv + ["--manual-gc-interval", "3"])
+    assert not [e for e in plain_events if e[0] == "collect" and "megatron_moe" in e[2]]
+    assert losses == plain and len(set(losses)) == 4, (losses, plain)
+
+
+def test_manual_gc_collects_on_megatrons_schedule():
+    _check_manual_gc()
+
+
+def test_manual_gc_mutation_fails():
+    with pytest.raises(AssertionError):
+        _check_manual_gc("hooks-dropped")
+
+
 @pytest.mark.parametrize("flags, message", [
+    ("--manual-gc --manual-gc-interval -1", "must be 0 or more"),
     ("--disable-gloo-process-groups", "--disable-gloo-process-groups needs --distributed-backend "
                                       "nccl"),
     ("--save /tmp/x --save-interval 2 --save-retain-interval 3",

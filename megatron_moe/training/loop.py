@@ -467,6 +467,7 @@ class Trainer:
 
     def evaluate(self, data_iterator):
         args = self.args
+        self.hooks.before_evaluate()
         for chunk in self.model:
             chunk.eval()
         # eval forwards must not leak into the training aux-loss and expert-load logs
@@ -491,6 +492,7 @@ class Trainer:
         _restore_moe_tracker(saved_aux)
         if self.hooks.tracker is not None:
             self.hooks.tracker.enabled = True
+        self.hooks.after_evaluate()
         return totals
 
     def evaluate_without_training(self, valid_iter, test_iter, iteration):
