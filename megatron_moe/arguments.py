@@ -203,6 +203,11 @@ def _add_training_args(p):
              "(K/M/B/T suffixes; megatron-core >= 0.19's calculator, thresholds in tokens as "
              "Megatron-LM passes --seq-length). Excludes --global-batch-size, "
              "--rampup-batch-size and --decrease-batch-size-if-needed.")
+    add_megatron_argument(
+        g, "--empty-unused-memory-level",
+        help="Return the CUDA caching allocator's unused blocks to the device: 1 after each "
+             "forward-backward and evaluation step, 2 also after each optimizer step (Megatron-LM's "
+             "points; a CPU has no cache).")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Stop (and save) when iteration %% interval == 0.")
     g.add_argument("--exit-signal-handler", action="store_true",

@@ -166,8 +166,9 @@ def train_counting_gc(rank, world_size, argv, mutate=None):
     """pretrain() with Python's garbage collections recorded: returns (losses, [(event, detail)]),
     events in order: ('collect', generation) for each gc.collect call, ('step', collector enabled
     during it), ('eval', collector enabled during it), and ('end', collector enabled after the
-    run; each collect with its caller's file:line). ``mutate``: 'hooks-dropped' (the feature
-    never plugs in)."""
+    run; each collect with its caller's file:line), and ('empty_cache',) for each
+    torch.cuda.empty_cache call. ``mutate``: 'hooks-dropped' (the manual GC never plugs in),
+    'empty-cache-ignored' (the loop never empties the allocator's cache)."""
     import gc
     import sys
 
@@ -195,12 +196,19 @@ def train_counting_gc(rank, world_size, argv, mutate=None):
         events.append(("eval", gc.isenabled()))
         return out
 
+    import torch
+
     if mutate == "hooks-dropped":
         manual_gc.run_hooks = lambda *a: None
+    if mutate == "empty-cache-ignored":
+        loop.empty_unused_memory = lambda args, level: None
+    empty_cache = torch.cuda.empty_cache
+    torch.cuda.empty_cache = lambda: events.append(("empty_cache",))
     gc.collect, loop.Trainer.evaluate = counting_collect, recorded_evaluate
     try:
         losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
     finally:
         gc.collect, loop.Trainer.evaluate = collect, evaluate
+        torch.cuda.empty_cache = empty_cache
     events.append(("end", gc.isenabled()))
     return losses, events

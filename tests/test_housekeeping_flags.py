@@ -9,7 +9,8 @@ mutation, run in the spawned ranks):
 * --log-progress: Megatron's progress.txt lines, FLOPs carried over a resume;
 * --manual-gc, --manual-gc-interval: the collector off in every step and evaluation, collections
   at Megatron's points (start, every N iterations, around evaluations), on again after the run,
-  the same losses;
+  the same losses; --empty-unused-memory-level 2: the allocator's cache emptied after each
+  forward-backward, optimizer step and evaluation step;
 * --disable-gloo-process-groups: refused on gloo; the NCCL path's value creates no Gloo group and
   trains, saves and resumes with the distributed optimizer.
 """
@@ -264,10 +265,10 @@ def test_gloo_groups_are_created_by_default():
 
 
 # --- parse-time refusals --------------------------------------------------------------------------
-# --- --manual-gc ------------------------------------------------------------------------------
+# --- --manual-gc, --empty-unused-memory-level -------------------------------------------------
 def _check_manual_gc(mutate=None):
     argv = EXACT + "--train-iters 4 --eval-interval 2 --eval-iters 1".split()
-    gc_argv = argv + ["--manual-gc", "--manual-gc-interval", "3"]
+    gc_argv = argv + ["--manual-gc", "--manual-gc-interval", "3", "--empty-unused-memory-level", "2"]
     losses, events = _train(cases.train_counting_gc, gc_argv, mutate=mutate)
     steps = [e for e in events if e[0] in ("step", "eval")]
     # the collector off in every step and evaluation, on again after the run
@@ -278,19 +279,24 @@ def _check_manual_gc(mutate=None):
     # young-generation one after each evaluation (torch's own compile-time collections aside)
     collects = [e[1] for e in events if e[0] == "collect" and "megatron_moe" in e[2]]
     assert collects == [2] + [2, 0] + [2] + [2, 0] * 3, events
-    # without the flags: no collection of ours, the same losses
+    # the allocator's cache emptied after each of the 4 forward-backwards and optimizer steps and
+    # each of the 4 evaluation steps (2 during training, validation and test after it)
+    assert events.count(("empty_cache",)) == 12, events
+    # without the flags: no collection of ours, no emptying, the same losses
     plain, plain_events = _train(cases.train_counting_gc, argv + ["--manual-gc-interval", "3"])
     assert not [e for e in plain_events if e[0] == "collect" and "megatron_moe" in e[2]]
+    assert ("empty_cache",) not in plain_events, plain_events
     assert losses == plain and len(set(losses)) == 4, (losses, plain)
 
 
-def test_manual_gc_collects_on_megatrons_schedule():
+def test_manual_gc_and_empty_cache_on_megatrons_schedule():
     _check_manual_gc()
 
 
-def test_manual_gc_mutation_fails():
+@pytest.mark.parametrize("mutate", ["hooks-dropped", "empty-cache-ignored"])
+def test_manual_gc_and_empty_cache_mutation_fails(mutate):
     with pytest.raises(AssertionError):
-        _check_manual_gc("hooks-dropped")
+        _check_manual_gc(mutate)
 
 
 @pytest.mark.parametrize("flags, message", [

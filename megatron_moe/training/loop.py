@@ -434,6 +434,7 @@ class Trainer:
                     decoder_seq_length=args.seq_length,
                     forward_only=False)   # times 'forward-backward' itself (config.timers)
             result_validation.validate_recorded(args)
+        empty_unused_memory(args, level=1)
         should_checkpoint, should_exit, exit_code = rerun.should_checkpoint_and_exit()
         if should_exit:   # no optimizer step: the checkpoint (if any) holds the iteration before
             raise RerunExit(should_checkpoint, exit_code)
@@ -442,6 +443,7 @@ class Trainer:
             update_successful, grad_norm, num_zeros = self.optimizer.step()
             self.timers("optimizer").stop()
         self.num_zeros_in_grad = num_zeros
+        empty_unused_memory(args, level=2)
         self.hooks.after_optimizer_step(update_successful, grad_norm)   # before the lr moves
         if update_successful:
             self.scheduler.step(increment=running_batch_size())   # samples this step consumed
@@ -484,6 +486,7 @@ class Trainer:
                     model=self.model, num_microbatches=args.eval_num_microbatches,
                     seq_length=args.seq_length, micro_batch_size=args.eval_micro_batch_size,
                     decoder_seq_length=args.seq_length, forward_only=True)
+                empty_unused_memory(args, level=1)
                 for key, value in reduce_losses(losses).items():
                     totals[key] = totals.get(key, 0.0) + value / args.eval_iters
         totals = {key: float(value) for key, value in totals.items()}
@@ -806,6 +809,14 @@ class Trainer:
         line = f" validation loss at {prefix} | " + " | ".join(parts) + " |"
         bar = "-" * len(line)
         print_rank_last(f"{bar}\n{line}\n{bar}")
+
+
+def empty_unused_memory(args, level: int):
+    """--empty-unused-memory-level: at Megatron-LM's points (level 1: after each forward-backward
+    and evaluation step; 2: also after each optimizer step) the CUDA caching allocator hands its
+    unused blocks back to the device, for jobs that share it or fragment it. No-op on a CPU."""
+    if args.empty_unused_memory_level >= level:
+        torch.cuda.empty_cache()
 
 
 def new_history() -> dict:
