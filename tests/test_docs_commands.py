@@ -776,3 +776,17 @@ def test_a_stale_prose_flag_or_path_fails(monkeypatch, flags):
     errors = check_prose_flags(["README.md"], flags) + check_paths(["README.md"])
     assert any(e.startswith("README.md:") and "--moe-router-top-k" in e for e in errors), errors
     assert any(e.startswith("README.md:") and "megatron_moe/flop.py" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("noted", ["this", "other"])
+def test_a_release_note_limits_a_command_to_that_release(monkeypatch, noted):
+    """"megatron-core 0.19 only" above a command: checked on that release, skipped on another."""
+    other = "0.19" if _core_release() == "0.16" else "0.16"
+    release = _core_release() if noted == "this" else other
+    text = f"```bash\n# megatron-core {release} only\npython tools/gone_in_this_release.py\n```\n"
+    monkeypatch.setitem(globals(), "read_doc", lambda rel: text)
+    errors, counts = check_docs(["docs/x.md"])
+    assert counts["docs/x.md"] == (1 if noted == "this" else 0)
+    assert errors == ([] if noted == "other" else
+                      ["docs/x.md:3: python tools/gone_in_this_release.py: no such file in the "
+                       "repository: tools/gone_in_this_release.py"])
