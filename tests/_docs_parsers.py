@@ -5,10 +5,10 @@ Run by ``megatron_moe.runtime.local_ranks.run_script`` (a process forked with to
 megatron-core imported): ``python tests/_docs_parsers.py JOBS.json RESULTS.json``. Each target is
 run as ``__main__`` with ``ArgumentParser.parse_args`` replaced by a stop that hands back the
 parser, and ``parse_known_args`` too except on a parser built with ``add_help=False`` (a
-pre-parser choosing which flags to add, tools/checkpoint/convert.py's); the doc's argv is then parsed
-by that captured parser here, so nothing after the argument parsing runs. A parser is captured
-once per target, or once per command where it depends on the argv (``argv_dependent``: convert.py
-adds its loader's and saver's flags).
+pre-parser choosing which flags to add, tools/checkpoint/convert.py's); the doc's argv is then
+parsed by that captured parser here, so nothing after the argument parsing runs. A parser is
+captured once per target, or once per command where it depends on the argv (``argv_dependent``:
+convert.py adds its loader's and saver's flags).
 """
 
 import argparse

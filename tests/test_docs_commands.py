@@ -22,9 +22,10 @@ What is checked, per command:
   complete -- flag names, values, choices, arity; a placeholder value (``CKPT``, ``N``,
   ``<path>``, ``$VAR``) that the flag's type or choices would reject is stubbed. A command with
   ``...`` (or a ``<several words>`` placeholder, or a ``$VAR`` where a flag would be) is partial:
-  then each ``--flag`` name is checked. Not checked: argparse's required flags (the training
-  parser checks them after --use-checkpoint-args), validate_args (world size, GPU-only flags,
-  files on disk: a GPU command is valid on a CPU machine's parser, not its checks);
+  then each ``--flag`` name is checked. A flag must be spelt in full (argparse would take an
+  abbreviation). Not checked: the training parser's required flags (it checks them after
+  --use-checkpoint-args), anything after the parse -- validate_args (world size, GPU-only flags,
+  combinations), files on disk: a GPU command parses on a CPU machine, it does not validate there;
 * a refused Megatron flag (flags/status.txt) is an error unless the command's line or the comment
   above it says "refused";
 * a shell script that forwards ``"$@"`` to a Python script or module (examples/*.sh to
@@ -104,11 +105,9 @@ class Command:
     kind: str = ""          # script | module | shell
     name: str = ""          # repository path or module name
     argv: list = dataclasses.field(default_factory=list)
-    placeholders: list = dataclasses.field(default_factory=list)
-    complete: bool = True
+    complete: bool = True   # else partial (`...`): flag names only
     refused_ok: bool = False
     release: str = ""       # "0.19" / "0.16": checked on that megatron-core release only
-    comment: str = ""
 
     def where(self) -> str:
         return f"{self.doc}:{self.line}"
@@ -252,8 +251,7 @@ def _command(doc, lineno, code, comment, context, bare_script):
         if parsed is None:
             continue
         kind, name, argv = parsed
-        cmd = Command(doc, lineno, code.strip(), kind, name, list(argv), comment=comment)
-        cmd.placeholders = [k for k, t in enumerate(argv) if PLACEHOLDER.match(t)]
+        cmd = Command(doc, lineno, code.strip(), kind, name, list(argv))
         # `...`, or a $VAR standing for flags ($MODEL_ARGS, "${ARGS[@]}", "$@"): partial
         cmd.complete = bare_script != "inline" or not bare_ok
         cmd.complete &= not any("..." in t or re.match(r"^\$\{?(\w*(ARGS|FLAGS|OPTS)\b|@)", t)
@@ -262,10 +260,6 @@ def _command(doc, lineno, code, comment, context, bare_script):
         cmd.release = _release_note(comment, context)
         out.append(cmd)
     return out
-
-
-def _is_value(argv, k):
-    return k > 0 and argv[k - 1].startswith("-") and "=" not in argv[k - 1]
 
 
 def _fenced_blocks(text):
@@ -450,8 +444,9 @@ def bash_arrays(text):
 
 
 def example_scripts():
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "examples", "*.sh"))
-                  + glob.glob(os.path.join(ROOT, "examples", "*.sbatch")))
+    paths = glob.glob(os.path.join(ROOT, "examples", "*.sh"))
+    paths += glob.glob(os.path.join(ROOT, "examples", "*.sbatch"))
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
 
 
 def example_commands(scripts):
@@ -611,14 +606,16 @@ def check_prose_flags(docs=None, flags=None):
     return errors
 
 
-# a repository path: with an extension (tools/x.py, tests/test_*_x.py) or a directory (docs/gpu_runs/)
-PATH_RE = re.compile(r"(?<![\w./-])((?:megatron_moe|tools|bench|scripts|examples|tests|kernels|docs)"
-                     r"/(?:[\w*-]+/)*(?:[\w*-]+\.\w+(?:\.\w+)*|[\w*-]+/)?)")
+# a repository path: with an extension (tools/x.py, tests/test_*_x.py) or a folder (docs/gpu_runs/)
+PATH_RE = re.compile(r"(?<![\w./-])((?:megatron_moe|tools|bench|scripts|examples|tests|kernels"
+                     r"|docs)/(?:[\w*-]+/)*(?:[\w*-]+\.\w+(?:\.\w+)*|[\w*-]+/)?)")
 MODULE_RE = re.compile(r"(?<![\w./-])((?:megatron_moe|tools|bench|kernels)(?:\.\w+)+)")
 # paths of other projects a doc names: {path: whose}
 FOREIGN_PATHS = {
     "pretrain_gpt.py": "Megatron-LM", "megatron/training/arguments.py": "Megatron-LM",
     "gpt2_tokenization.py": "Megatron-LM", "endpoints/completions.py": "Megatron-LM",
+    "data_samplers.py": "Megatron-LM",
+    "megatron/core/inference/text_generation_server/text_generation_server.py": "megatron-core",
     "transformer/moe/ops/paged_stash.py": "megatron-core",
     "examples/post_training/modelopt/": "Megatron-LM",
     "examples/post_training/modelopt/conf": "Megatron-LM",
@@ -676,13 +673,16 @@ def check_paths(docs=None):
                 why = _module_or_attribute(m.group(1))
                 if why:
                     errors.append(f"{doc}:{lineno}: {m.group(1)}: {why}")
-        for lineno, span in inline_spans(text):
-            name = span.strip()
-            if (re.fullmatch(r"[\w./-]+\.(py|sh|sbatch)", name) and not PATH_RE.match(name)
-                    and name not in FOREIGN_PATHS and name not in USER_FILES
+        names = [(lineno, span.strip()) for lineno, span in inline_spans(text)
+                 if re.fullmatch(r"[\w./-]+\.(py|sh|sbatch)", span.strip())]
+        for lineno, line in enumerate(_prose(text).splitlines(), 1):   # file.py in plain text
+            names += [(lineno, m.group(1)) for m in re.finditer(
+                r"(?<![\w./*{$-])((?:[\w-]+/)*[\w-]+\.(?:py|sh|sbatch))(?![\w*/])", line)]
+        for lineno, name in names:
+            if (not PATH_RE.match(name) and name not in FOREIGN_PATHS and name not in USER_FILES
                     and _find(name, reference=True) is None):
                 errors.append(f"{doc}:{lineno}: {name}: no such file in the repository")
-    return errors
+    return sorted(set(errors))
 
 
 # ----------------------------------------------------------------------------- tests
@@ -718,7 +718,8 @@ def _line_of(text, needle):
 # (doc, text in it, its replacement, what the error says)
 MUTATIONS = {
     "misspelt_flag": ("docs/inference.md", "--num-tokens-to-generate 32",
-                      "--num-token-to-generate 32", "unrecognized argument: --num-token-to-generate"),
+                      "--num-token-to-generate 32",
+                      "unrecognized argument: --num-token-to-generate"),
     "abbreviated_flag": ("docs/gpu.md", "gpu_check.sh --sections perf OUTDIR",
                          "gpu_check.sh --section perf OUTDIR", "unrecognized argument: --section"),
     "bad_value": ("docs/inference.md", "--top_k 0", "--top_k zero", "invalid int value: 'zero'"),
@@ -790,3 +791,12 @@ def test_a_release_note_limits_a_command_to_that_release(monkeypatch, noted):
     assert errors == ([] if noted == "other" else
                       ["docs/x.md:3: python tools/gone_in_this_release.py: no such file in the "
                        "repository: tools/gone_in_this_release.py"])
+
+
+def test_a_stale_file_name_fails(monkeypatch):
+    text = ("Installed by training.py (now training/loop.py), `moe/layers.py` and `moe/layer.py`;\n"
+            "Megatron-LM's `pretrain_gpt.py` is someone else's.\n")
+    monkeypatch.setitem(globals(), "read_doc", lambda rel: text)
+    assert check_paths(["docs/x.md"]) == [
+        "docs/x.md:1: moe/layers.py: no such file in the repository",
+        "docs/x.md:1: training.py: no such file in the repository"]
