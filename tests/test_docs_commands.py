@@ -682,6 +682,14 @@ def check_paths(docs=None):
             if (not PATH_RE.match(name) and name not in FOREIGN_PATHS and name not in USER_FILES
                     and _find(name, reference=True) is None):
                 errors.append(f"{doc}:{lineno}: {name}: no such file in the repository")
+        for lang, lines in _fenced_blocks(text):   # a Python example's imports of ours
+            for lineno, line in lines if lang == "python" else []:
+                m = re.match(r"\s*from ((?:megatron_moe|tools|bench|kernels)[\w.]*) import "
+                             r"([\w, ]+)", line)
+                for name in [p.split()[0] for p in m.group(2).split(",") if p.strip()] if m else []:
+                    why = _module_or_attribute(f"{m.group(1)}.{name}")
+                    if why:
+                        errors.append(f"{doc}:{lineno}: from {m.group(1)} import {name}: {why}")
     return sorted(set(errors))
 
 
@@ -793,10 +801,12 @@ def test_a_release_note_limits_a_command_to_that_release(monkeypatch, noted):
                        "repository: tools/gone_in_this_release.py"])
 
 
-def test_a_stale_file_name_fails(monkeypatch):
+def test_a_stale_file_name_or_import_fails(monkeypatch):
     text = ("Installed by training.py (now training/loop.py), `moe/layers.py` and `moe/layer.py`;\n"
-            "Megatron-LM's `pretrain_gpt.py` is someone else's.\n")
+            "Megatron-LM's `pretrain_gpt.py` is someone else's.\n"
+            "```python\nfrom megatron_moe.comm import all_to_all, all_to_al\n```\n")
     monkeypatch.setitem(globals(), "read_doc", lambda rel: text)
     assert check_paths(["docs/x.md"]) == [
         "docs/x.md:1: moe/layers.py: no such file in the repository",
-        "docs/x.md:1: training.py: no such file in the repository"]
+        "docs/x.md:1: training.py: no such file in the repository",
+        "docs/x.md:4: from megatron_moe.comm import all_to_al: megatron_moe.comm has no all_to_al"]
