@@ -138,12 +138,13 @@ def check(parser, job) -> list:
 
 
 def _options(parser):
-    """Option strings of a parser and of its sub-commands' parsers."""
-    out = set(parser._option_string_actions)
+    """{option string: its choices or None} of a parser and of its sub-commands' parsers."""
+    out = {flag: None if action.choices is None else [str(c) for c in action.choices]
+           for flag, action in parser._option_string_actions.items()}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                out |= _options(sub)
+                out.update(_options(sub))
     return out
 
 
@@ -162,7 +163,7 @@ def main(jobs_path, results_path):
         if isinstance(parser, str):
             results.append([parser])
         elif job.get("options"):   # the flags it defines (the prose check's vocabulary)
-            results.append(sorted(_options(parser)))
+            results.append(_options(parser))
         else:
             results.append(check(parser, job))
     with open(results_path, "w") as f:

@@ -34,7 +34,10 @@ What is checked, per command:
 * flags in a ``#`` comment of a code block (``# other tokenizers: --tokenizer-type ...``): by name,
   against the script the comment names, else the command above it;
 * every ``--flag`` in the prose's inline code is known to some parser of the project (the training
-  parser, tools/, bench/, scripts/' modules) or to the external program in EXTERNAL_FLAGS.
+  parser, tools/, bench/, scripts/' modules) or to the external program in EXTERNAL_FLAGS, and
+  the values a span lists as ``--flag a|b|c`` are among its choices;
+* every repository path, file name and dotted module name a doc gives exists (check_paths), and
+  so do the names a ```python example imports from the repository.
 
 A command whose flag exists on one megatron-core release only (``--optimizer muon``, 0.19's
 ``--cuda-graph-impl full_iteration``) must say so on its line or the comment above it
@@ -584,20 +587,32 @@ def parser_targets():
 
 
 def known_flags():
-    """{flag} every parser of the project defines (tests/_docs_parsers.py, captured with no argv:
-    convert.py then adds every loader's and saver's flags)."""
+    """{flag: [the choices of each parser defining it; None: any value]} over every parser of the
+    project (tests/_docs_parsers.py, captured with no argv: convert.py then adds every loader's
+    and saver's flags)."""
     targets = parser_targets()
     results = run_jobs([dict(kind=k, name=n, argv=[], options=True) for k, n in targets])
-    flags = set()
+    flags = {}
     for (kind, name), result in zip(targets, results):
-        assert result and result[0].startswith("-"), f"{name}: {result}"
-        flags.update(result)
+        assert isinstance(result, dict) and result, f"{name}: {result}"
+        for flag, choices in result.items():
+            flags.setdefault(flag, []).append(choices)
     return flags
 
 
 def check_prose_flags(docs=None, flags=None):
+    """Every --flag of the prose's inline code is known (``flags``: known_flags()); the values a
+    span lists as ``--flag a|b|c`` are among its choices."""
     errors = []
     for doc in doc_files() if docs is None else docs:
+        for lineno, span in inline_spans(read_doc(doc)):
+            for m in re.finditer(r"(--[a-z][\w-]*)\s+([\w.-]+(?:\\?\|[\w.-]+)+)", span):
+                parsers = flags.get(m.group(1), [None])
+                for value in m.group(2).replace("\\", "").split("|"):
+                    if "..." not in value and all(c is not None and value not in c
+                                                  for c in parsers):
+                        errors.append(f"{doc}:{lineno}: {m.group(1)} {value}: not one of its "
+                                      f"choices ({', '.join(parsers[0])})")
         for lineno, flag in prose_flags(doc, read_doc(doc)):
             known = (any(f.startswith(flag[:-1]) for f in flags) if flag.endswith("*")
                      else flag in flags)
@@ -779,11 +794,14 @@ def test_a_stale_prose_flag_or_path_fails(monkeypatch, flags):
     original = read_doc
     monkeypatch.setitem(globals(), "read_doc", lambda rel: text.replace(
         "--moe-router-topk --moe-router-dtype", "--moe-router-top-k --moe-router-dtype").replace(
+        "--dataloader-type single\\|cyclic", "--dataloader-type single\\|cyclical").replace(
         "megatron_moe/flops.py", "megatron_moe/flop.py").replace(
         "megatron_moe.runtime.local_ranks", "megatron_moe.runtime.local_rank")
         if rel == "README.md" else original(rel))
     errors = check_prose_flags(["README.md"], flags) + check_paths(["README.md"])
     assert any(e.startswith("README.md:") and "--moe-router-top-k" in e for e in errors), errors
+    assert any(e.startswith("README.md:") and "--dataloader-type cyclical: not one of its choices"
+               in e for e in errors), errors
     assert any(e.startswith("README.md:") and "megatron_moe/flop.py" in e for e in errors), errors
 
 
