@@ -39,11 +39,13 @@ What is checked, per command:
 * every repository path, file name and dotted module name a doc gives exists (check_paths), and
   so do the names a ```python example imports from the repository.
 
-A command whose flag exists on one megatron-core release only (``--optimizer muon``, 0.19's
-``--cuda-graph-impl full_iteration``) must say so on its line or the comment above it
-(``megatron-core 0.19`` / ``>= 0.19`` / ``0.16:``); it is then checked on that release only.
-The mutation cases feed a doc text with a misspelt flag, a missing script and an unknown module
-and expect an error naming the doc and line of each.
+Both megatron-core releases get the same parsers (flags/ registers every flag of both), so a doc
+command parses on both legs; one meant for a single release says so on its line or the comment
+above it (``megatron-core 0.19 only`` / ``>= 0.19`` / ``0.16:``) and is checked on that release.
+
+Mutations (each must fail, naming the doc and line): a misspelt, an abbreviated, a refused and a
+forwarded flag, a bad value, a comment's flag, a missing script and module, an example script's
+array flag, a prose flag and value, a path, a file name and an import.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class Command:
     doc: str
     line: int
     text: str
-    kind: str = ""          # script | module | shell
+    kind: str = ""          # script | module
     name: str = ""          # repository path or module name
     argv: list = dataclasses.field(default_factory=list)
     complete: bool = True   # else partial (`...`): flag names only
@@ -304,8 +306,9 @@ def inline_spans(text):
 
 
 def doc_commands(doc, text):
-    """(commands, comment_flags): the checked commands of one doc, and [(Command-like target,
-    lineno, flags)] of the flags its code blocks' comments name."""
+    """(commands, comment_flags): the checked commands of one doc, and [(doc, lineno, (kind,
+    name), flags)] of the flags its code blocks' comment lines name, and the script they are
+    for."""
     commands, comment_flags = [], []
     for lang, lines in _fenced_blocks(text):
         if lang not in COMMAND_LANGS:
