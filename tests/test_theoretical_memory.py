@@ -28,6 +28,7 @@ CONFIGS = {
     # name: extra flags; the two cover EP vs TP sharding, 16-bit vs fp32, sharded vs full Adam state
     "ep2_bf16_distopt": "--expert-model-parallel-size 2 --bf16 --use-distributed-optimizer",
     "tp2_fp32": "--tensor-model-parallel-size 2 --sequence-parallel",
+    "ep2_fp16": "--expert-model-parallel-size 2 --fp16",   # fp16 main_grad (Megatron-LM's rule)
     # DeepSeek: MLA (q LoRA, QK-norm on the latents), a dense first layer, one MTP layer
     "mla_mtp_ep2": "--expert-model-parallel-size 2 --multi-latent-attention --q-lora-rank 48 "
                    "--kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 24 "

@@ -13,8 +13,8 @@ megatron_moe/flops.py), then Megatron's summary line
 ``Theoretical memory footprints: weight and optimizer=... MB, activation=... MB, total=... MB``.
 The arithmetic (docs/memory.md) is our own; it differs from Megatron-LM's
 ``theoretical_memory_usage.py`` in that experts are sharded by EP x ETP (not TP) and their
-distributed-optimizer state by the expert-data-parallel size, gradients are fp32 (this project's
-DDP reduces in fp32), and MoE activations scale with top-k.
+distributed-optimizer state by the expert-data-parallel size, and MoE activations scale with
+top-k (gradients: fp32 with --bf16 and fp32 parameters, fp16 with --fp16, as DDP keeps them).
 """
 
 from __future__ import annotations
@@ -255,8 +255,14 @@ def weight_and_optimizer_bytes(args, stage):
     nonexp, exp = stage_params(args, stage)
     mixed = args.bf16 or args.fp16
     p_bytes = 2 if mixed else 4
-    # megatron-core DDP's main_grad: fp32 (grad_reduce_in_fp32) unless --bf16 --grad-reduce-in-bf16
-    grad_bytes = 2 if args.bf16 and getattr(args, "grad_reduce_in_bf16", False) else 4
+    # megatron-core DDP's main_grad, Megatron-LM's rule: with --bf16 fp32 unless
+    # --grad-reduce-in-bf16; with --fp16 fp16 unless --accumulate-allreduce-grads-in-fp32
+    if args.bf16:
+        grad_bytes = 2 if getattr(args, "grad_reduce_in_bf16", False) else 4
+    elif args.fp16:
+        grad_bytes = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else 2
+    else:
+        grad_bytes = 4
     state = 8 if args.optimizer == "adam" else 4             # Adam m, v (fp32); SGD momentum
     opt_per_param = state + (4 if mixed else 0)               # + the fp32 main copy of a 16-bit param
     dp = args.data_parallel_size * args.context_parallel_size
