@@ -262,6 +262,10 @@ def _add_training_args(p):
     add_megatron_argument(g, "--ddp-num-buckets",
                           help="Gradient buckets: this rank's parameters // N elements each "
                                "(not with --ddp-bucket-size).")
+    add_megatron_argument(g, "--ddp-reduce-scatter-with-fp32-accumulation",
+                          help="With --use-distributed-optimizer: reduce-scatter gradients as an "
+                               "all-to-all of their 16-bit values, summed locally in fp32 "
+                               "(megatron-core's).")
     add_megatron_argument(g, "--ddp-pad-buckets-for-high-nccl-busbw",
                           help="Pad gradient buckets to sizes that keep NCCL's bus bandwidth high.")
     g.add_argument("--main-grads-dtype", default="fp32",
@@ -567,6 +571,12 @@ def validate_args(args, check_data_paths=True, training=True):
         raise ValueError("--ddp-num-buckets: " + (
             "cannot be used with --ddp-bucket-size (Megatron-LM's rule)"
             if args.ddp_bucket_size is not None else "must be greater than 0"))
+    if args.ddp_reduce_scatter_with_fp32_accumulation and (
+            not args.use_distributed_optimizer
+            or getattr(args, "num_distributed_optimizer_instances", 1) > 1):
+        raise ValueError("--ddp-reduce-scatter-with-fp32-accumulation needs "
+                         "--use-distributed-optimizer with one optimizer instance (it replaces "
+                         "that optimizer's reduce-scatter; megatron-core's rule)")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
         raise ValueError("--ddp-bucket-size: must be greater than 0 (elements per gradient bucket)")
     if args.ddp_average_in_collective and getattr(args, "calculate_per_token_loss", False):

@@ -143,3 +143,39 @@ def train_buckets(rank, world_size, argv, mutate=None):
         dist.all_reduce = all_reduce
         restore()
     return losses, len(buckets), max(buckets), per_step
+
+
+def train_reduce_scatter_fp32(rank, world_size, argv, mutate=None):
+    """pretrain(); returns (losses, calls of megatron-core's reduce_scatter_with_fp32_accumulation,
+    main_grad dtypes). ``mutate``: 'rs-fp32-ignored' (DDP never gets the flag)."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    from megatron_moe.models.builder import unwrap
+    from tests._train_cases import pretrain_with_step
+
+    restore = lambda: None   # noqa: E731
+    if mutate == "rs-fp32-ignored":
+        restore = _ignoring_ddp_field("reduce_scatter_with_fp32_accumulation", False)
+    calls, dtypes = [0], set()
+    real = pgb.reduce_scatter_with_fp32_accumulation
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    def wrap(step):
+        def train_step(self, data_iterator):
+            out = step(self, data_iterator)
+            dtypes.update(str(p.main_grad.dtype) for chunk in self.model
+                          for p in unwrap(chunk).parameters()
+                          if getattr(p, "main_grad", None) is not None)
+            return out
+        return train_step
+
+    pgb.reduce_scatter_with_fp32_accumulation = counted   # DDP binds it when built
+    try:
+        losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    finally:
+        pgb.reduce_scatter_with_fp32_accumulation = real
+        restore()
+    return losses, calls[0], sorted(dtypes)

@@ -9,6 +9,8 @@ on 2 gloo ranks (tiny CPU runs), each also failing under a mutation run in the s
   grad_reduce_in_fp32;
 * --ddp-average-in-collective: the data-parallel all-reduces run ReduceOp.AVG (none without it),
   the same losses as scaling then summing; mutation: the flag not given to DDP;
+* --ddp-reduce-scatter-with-fp32-accumulation: megatron-core's all-to-all reduce-scatter runs
+  every step, losses within 0.1% of the plain reduce-scatter; mutation: DDP never gets the flag;
 * --ddp-num-buckets / --ddp-bucket-size (with --overlap-grad-reduce): DDP's gradient buckets and
   all-reduces per step follow them, the same losses; mutation: DDP gets no bucket size;
 * --microbatch-group-size-per-virtual-pipeline-stage: megatron-core's interleaved schedule table
@@ -119,6 +121,29 @@ def test_ddp_buckets_mutation_fails():
         _check_buckets("bucket-size-ignored")
 
 
+def _check_reduce_scatter_fp32(mutate=None):
+    """--ddp-reduce-scatter-with-fp32-accumulation (bf16 gradients, distributed optimizer):
+    megatron-core's all-to-all reduce-scatter runs (at least once per step), losses within bf16
+    rounding of its plain reduce-scatter."""
+    base = BF16 + ["--grad-reduce-in-bf16", "--use-distributed-optimizer"]
+    (plain, plain_calls, _), _ = _run(cases.train_reduce_scatter_fp32, base)
+    (fp32_acc, calls, dtypes), _ = _run(
+        cases.train_reduce_scatter_fp32, base + ["--ddp-reduce-scatter-with-fp32-accumulation"],
+        mutate=mutate)
+    assert plain_calls == 0 and calls >= 3, (plain_calls, calls)
+    assert dtypes == ["torch.bfloat16"], dtypes
+    assert len(set(plain)) == 3 and _close(fp32_acc, plain, 1e-3), (fp32_acc, plain)
+
+
+def test_reduce_scatter_with_fp32_accumulation():
+    _check_reduce_scatter_fp32()
+
+
+def test_reduce_scatter_with_fp32_accumulation_mutation_fails():
+    with pytest.raises(AssertionError):
+        _check_reduce_scatter_fp32("rs-fp32-ignored")
+
+
 PP_VP = ("--pipeline-model-parallel-size 2 --num-layers 4 "
          "--num-layers-per-virtual-pipeline-stage 1").split()   # 2 stages x 2 chunks, 4 micro-batches
 
@@ -158,6 +183,7 @@ def test_interleaved_schedule_options_mutation_fails(mutate):
     ("--ddp-average-in-collective --calculate-per-token-loss", "--calculate-per-token-loss"),
     ("--ddp-num-buckets 2 --ddp-bucket-size 1000", "cannot be used with --ddp-bucket-size"),
     ("--ddp-num-buckets 0", "must be greater than 0"),
+    ("--ddp-reduce-scatter-with-fp32-accumulation", "needs --use-distributed-optimizer"),
     (" ".join(PP_VP) + " --microbatch-group-size-per-virtual-pipeline-stage 4 "
      "--overlap-p2p-communication-warmup-flush", "stalls with both"),
 ])

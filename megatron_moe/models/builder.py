@@ -284,6 +284,7 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
             bucket_size=(num_parameters // args.ddp_num_buckets if args.ddp_num_buckets
                          else args.ddp_bucket_size),
             pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
+            reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
             num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         )
         # Megatron-LM: only the first chunk buckets its grads (the others' reduce at the end)
