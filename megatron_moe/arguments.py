@@ -131,6 +131,12 @@ def _add_moe_args(p):
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g.add_argument("--moe-shared-expert-gate", action="store_true",
                    help="Sigmoid gate on the shared experts' output (Qwen2-MoE).")
+    from megatron_moe.flags import add_megatron_argument
+
+    add_megatron_argument(g, "--moe-shared-expert-overlap",
+                          help="Run the shared experts in pieces inside the alltoall dispatcher, "
+                               "on a side CUDA stream, while the tokens are exchanged "
+                               "(megatron-core's SharedExpertMLP overlap).")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-apply-probs-on-input", action="store_true",
                    help="Scale each token by its router probability before the expert instead of "
@@ -652,6 +658,12 @@ def validate_args(args, check_data_paths=True, training=True):
         if args.moe_shared_expert_intermediate_size is not None and args.add_bias_linear:
             raise ValueError("--moe-shared-expert-intermediate-size needs --disable-bias-linear "
                              "(megatron-core's shared experts have no biases)")
+        if args.moe_shared_expert_overlap and (args.moe_shared_expert_intermediate_size is None
+                                               or args.moe_token_dispatcher_type != "alltoall"):
+            raise ValueError("--moe-shared-expert-overlap needs shared experts "
+                             "(--moe-shared-expert-intermediate-size) and "
+                             "--moe-token-dispatcher-type alltoall (the dispatcher that runs "
+                             "them between its exchanges)")
         if args.moe_token_dispatcher_type == "flex" and not _cuda_available():
             raise ValueError("--moe-token-dispatcher-type flex needs CUDA and DeepEP/HybridEP")
     if tp == 1 and args.sequence_parallel:

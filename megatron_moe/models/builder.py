@@ -175,7 +175,8 @@ def _fusion_selectors(args, te: bool) -> dict:
         cross_entropy_loss_fusion=(te or (compiled and ce_native))
         and getattr(args, "cross_entropy_loss_fusion", False),
         moe_router_fusion=te and getattr(args, "moe_router_fusion", False),
-        moe_shared_expert_overlap=te and getattr(args, "moe_shared_expert_overlap", False),
+        # megatron-core's overlap runs with its legacy linears as with TE's (tested on the CPU)
+        moe_shared_expert_overlap=getattr(args, "moe_shared_expert_overlap", False),
     )
 
 
