@@ -13,6 +13,7 @@ is not applied there, and its scenario must pass without it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import time
 
@@ -355,6 +356,72 @@ def patch_tensor_cuda():
     torch.Tensor.cuda = cuda
 
 
+class _KeptSend:
+    """A gloo pipeline send, kept (with its tensor) until waited; ``wait()`` may be called twice
+    (gloo's own send handle would block on a second wait)."""
+
+    def __init__(self, work):
+        self._work = work
+        self.waited = False
+
+    def wait(self, *args, **kwargs):
+        if not self.waited:
+            self._work.wait(*args, **kwargs)
+            self.waited = True
+        return True
+
+    def is_completed(self):
+        return self.waited
+
+
+# gloo pipeline sends issued by the running schedule call (completed when it returns), and how
+# many of them megatron-core left unwaited (the count proves the shim ran; tests read it)
+_PIPELINE_SENDS: list = []
+PIPELINE_SENDS_COMPLETED_AFTER_SCHEDULE = [0]
+
+
+def patch_pipeline_sends():
+    """The interleaved schedule with ``overlap_p2p_comm_warmup_flush`` never waits on its last
+    send_next: in a forward-only call (evaluation) the first stage returns and drops its handle.
+    On NCCL the send runs on its stream anyway. gloo sends only when the peer has posted the
+    matching receive, and a send whose handle is dropped before that is lost: the next stage then
+    waits forever for its input (megatron-core 0.16.1 and 0.19.x, schedules.py's warm-up loop).
+    So on gloo every pipeline send is kept until waited, and the sends megatron-core left
+    unwaited are completed when the schedule returns. NCCL groups are untouched."""
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    if getattr(p2p_communication._p2p_ops, "_megatron_moe_cpu", False):
+        return
+    p2p_ops = p2p_communication._p2p_ops
+    interleaved = schedules.forward_backward_pipelining_with_interleaving
+
+    @functools.wraps(p2p_ops)
+    def kept_sends_p2p_ops(**kwargs):
+        reqs = p2p_ops(**kwargs)
+        if torch.distributed.get_backend(kwargs["group"]) == "gloo":
+            for name in ("send_next", "send_prev"):
+                if name in reqs:
+                    reqs[name] = _KeptSend(reqs[name])
+                    _PIPELINE_SENDS.append(reqs[name])
+        return reqs
+
+    @functools.wraps(interleaved)
+    def sends_completed_interleaved(*args, **kwargs):
+        try:
+            out = interleaved(*args, **kwargs)
+            for send in _PIPELINE_SENDS:
+                if not send.waited:
+                    send.wait()
+                    PIPELINE_SENDS_COMPLETED_AFTER_SCHEDULE[0] += 1
+            return out
+        finally:
+            _PIPELINE_SENDS.clear()
+
+    kept_sends_p2p_ops._megatron_moe_cpu = True
+    p2p_communication._p2p_ops = kept_sends_p2p_ops
+    schedules.forward_backward_pipelining_with_interleaving = sends_completed_interleaved
+
+
 SHIMS = (
     patch_torch_cuda,
     patch_rng_tracker,
@@ -367,6 +434,7 @@ SHIMS = (
     patch_param_type,
     patch_clip_grads,
     patch_tensor_cuda,
+    patch_pipeline_sends,
 )
 
 
