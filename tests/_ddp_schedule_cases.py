@@ -179,3 +179,85 @@ def train_reduce_scatter_fp32(rank, world_size, argv, mutate=None):
         pgb.reduce_scatter_with_fp32_accumulation = real
         restore()
     return losses, calls[0], sorted(dtypes)
+
+
+def evaluate_with_late_receiver(rank, world_size, argv, marker, gated_recv, mutate=None):
+    """pretrain() (2 pipeline ranks, interleaved, --overlap-p2p-communication-warmup-flush) with
+    the next stage late for its last input in the first evaluation: rank 1 posts its
+    ``gated_recv``-th receive of that forward-only schedule only once rank 0 has waited on or
+    dropped every send it issued there (rank 0 writes the file ``marker`` then). On gloo a send
+    dropped before its receive is posted is lost, so rank 1 then hangs unless the send was kept.
+    Returns (losses, sends compat completed after a schedule, receives gated).
+    ``mutate``: 'sends-dropped' (compat/cpu.py's pipeline-send shim undone)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    from megatron_moe.compat import cpu
+    from megatron_moe.training import loop
+    from tests._train_cases import pretrain_with_step
+
+    if mutate == "sends-dropped":
+        p2p_communication._p2p_ops = p2p_communication._p2p_ops.__wrapped__
+        schedules.forward_backward_pipelining_with_interleaving = (
+            schedules.forward_backward_pipelining_with_interleaving.__wrapped__)
+    first_eval, gated, outstanding = [None], [0], [0]
+    received = [0]
+    isend, irecv, evaluate = dist.isend, dist.irecv, loop.Trainer.evaluate
+
+    def released():   # rank 0: a send of the first evaluation waited on or dropped
+        outstanding[0] -= 1
+        if outstanding[0] == 0:
+            with open(marker, "w"):
+                pass
+
+    class WatchedSend:
+        def __init__(self, work):
+            self.work, self.done = work, False
+
+        def wait(self, *a, **k):
+            if not self.done:
+                self.done = True
+                released()
+            return self.work.wait(*a, **k)
+
+        def __del__(self):
+            if not self.done:
+                self.done, self.work = True, None   # gloo's handle goes first, then the marker
+                released()
+
+    def watched_isend(*a, **k):
+        work = isend(*a, **k)
+        if not (first_eval[0] and rank == 0):
+            return work
+        outstanding[0] += 1
+        return WatchedSend(work)
+
+    def late_irecv(*a, **k):
+        if first_eval[0] and rank == 1:
+            received[0] += 1
+            if received[0] == gated_recv:
+                gated[0] += 1
+                deadline = time.monotonic() + 120
+                while not os.path.exists(marker):
+                    assert time.monotonic() < deadline, "rank 0 never let go of its sends"
+                    time.sleep(0.01)
+        return irecv(*a, **k)
+
+    def first_evaluation_watched(self, *a, **k):
+        first_eval[0] = first_eval[0] is None
+        try:
+            return evaluate(self, *a, **k)
+        finally:
+            first_eval[0] = False
+
+    dist.isend, dist.irecv = watched_isend, late_irecv
+    loop.Trainer.evaluate = first_evaluation_watched
+    before = cpu.PIPELINE_SENDS_COMPLETED_AFTER_SCHEDULE[0]
+    try:
+        losses = pretrain_with_step(argv, lambda step: step)["history"]["lm_loss"]
+    finally:
+        dist.isend, dist.irecv, loop.Trainer.evaluate = isend, irecv, evaluate
+    return losses, cpu.PIPELINE_SENDS_COMPLETED_AFTER_SCHEDULE[0] - before, gated[0]

@@ -15,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TP2 x EP2 run (ETP=2, alltoall dispatcher) exercises it, and test_uneven_collectives below.
 # The layer-wise optimizer shim (megatron-core >= 0.19, Muon with the distributed optimizer) needs
 # 2 ranks and emerging-optimizers: tests/test_muon.py's dist_muon test runs with it and without it.
-MULTI_RANK_ONLY = {"uneven_collectives", "layer_wise_optimizer"}
+# The pipeline-send shim needs 2 pipeline ranks: tests/test_ddp_schedule_flags.py's late-receiver
+# test runs with it and without it.
+MULTI_RANK_ONLY = {"uneven_collectives", "layer_wise_optimizer", "pipeline_sends"}
 
 
 def _probe(*flags):

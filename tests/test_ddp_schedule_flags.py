@@ -16,7 +16,11 @@ on 2 gloo ranks (tiny CPU runs), each also failing under a mutation run in the s
 * --microbatch-group-size-per-virtual-pipeline-stage: megatron-core's interleaved schedule table
   is built with the group size given (the pipeline size without it), the same losses;
   --overlap-p2p-communication-warmup-flush reaches the config the schedule reads, same losses;
-  mutations: the config keeps its default.
+  mutations: the config keeps its default;
+* with the warmup/flush overlap, an evaluation whose next stage posts its last receive only after
+  the first stage let go of its last send (megatron-core never waits on that send; a dropped gloo
+  send is lost): compat/cpu.py completes it, the run ends; mutation: that shim undone, the next
+  stage hangs for its input (the clean-clone CI's flake, made deterministic).
 """
 
 import math
@@ -209,3 +213,33 @@ def test_megatrons_accumulate_flag_rule():
     assert not accumulate("") and not accumulate("--grad-reduce-in-bf16")
     assert not accumulate("--bf16 --grad-reduce-in-bf16")
     assert not accumulate("--bf16 --grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32")
+
+
+def _check_late_receiver(tmp_path, mutate=None):
+    """The first evaluation's forward-only schedule with rank 1 late for its last input (posted
+    only after rank 0 let go of its last send, tests/_ddp_schedule_cases.py): it completes
+    because compat/cpu.py keeps gloo pipeline sends until waited."""
+    last_recv = 4 * 2   # rank 1 receives each of its 4 micro-batches' inputs for each of 2 chunks
+    argv = TINY + EXACT + PP_VP + ["--overlap-p2p-communication-warmup-flush",
+                                   "--train-iters", "1"]
+    (losses, completed, gated), (_, _, gated_1) = run_distributed(
+        cases.evaluate_with_late_receiver, 2, argv, str(tmp_path / "rank0-sends-released"),
+        last_recv, timeout_s=300, mutate=mutate,
+        collective_timeout_s=5 if mutate else 120)   # the mutation hangs: fail it fast
+    assert gated == 0 and gated_1 == 1, (gated, gated_1)   # rank 1 was late, once
+    # one per schedule (1 training step, 2 evaluations): the send megatron-core left unwaited
+    assert completed == 3 and len(losses) == 1 and math.isfinite(losses[0]), (completed, losses)
+
+
+def test_evaluation_survives_a_late_receiver(tmp_path):
+    _check_late_receiver(tmp_path)
+
+
+def test_late_receiver_mutation_fails(tmp_path):
+    from megatron_moe.runtime.local_ranks import DistributedRunError
+
+    with pytest.raises(DistributedRunError) as failed:
+        _check_late_receiver(tmp_path, "sends-dropped")
+    # the clean-clone CI's hang: rank 1 waits for its last input, rank 0 in the next collective
+    assert "Timed out" in str(failed.value), str(failed.value)[-2000:]
+    assert "forward_backward_pipelining_with_interleaving" in str(failed.value)

@@ -13,6 +13,7 @@ is not applied there, and its scenario must pass without it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import time
 
@@ -355,6 +356,71 @@ def patch_tensor_cuda():
     torch.Tensor.cuda = cuda
 
 
+class _KeptSend:
+    """A gloo pipeline send, kept in ``_UNWAITED_SENDS`` until waited, with an alias of the memory
+    it sends from (megatron-core's deallocate_output_tensor swaps the tensor's ``.data`` after the
+    send); ``wait()`` may be called twice (gloo's own send handle would block on a second wait)."""
+
+    def __init__(self, work, tensor):
+        self._work, self._memory = work, tensor.detach()
+        self.waited = False
+        _UNWAITED_SENDS.append(self)
+
+    def wait(self, *args, **kwargs):
+        if not self.waited:
+            self._work.wait(*args, **kwargs)
+            self.waited, self._memory = True, None
+            _UNWAITED_SENDS.remove(self)
+        return True
+
+    def is_completed(self):
+        return self.waited
+
+
+# gloo pipeline sends not waited yet (a handful at a time), and how many megatron-core left
+# unwaited at the end of a schedule call (the count proves the shim ran; tests read it)
+_UNWAITED_SENDS: list = []
+PIPELINE_SENDS_COMPLETED_AFTER_SCHEDULE = [0]
+
+
+def patch_pipeline_sends():
+    """The interleaved schedule with ``overlap_p2p_comm_warmup_flush`` never waits on its last
+    send_next: in a forward-only call (evaluation) the first stage returns and drops its handle.
+    On NCCL the send runs on its stream anyway. gloo sends only when the peer has posted the
+    matching receive, and a send whose handle is dropped before that is lost: the next stage then
+    waits forever for its input (megatron-core 0.16.1 and 0.19.x, schedules.py's warm-up loop;
+    0.19 waits on each send at once only with deallocate_pipeline_outputs, off here). So on gloo
+    every pipeline send is kept until waited, and the sends megatron-core left unwaited are
+    completed when the schedule returns. NCCL groups are untouched."""
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    if getattr(p2p_communication._p2p_ops, "_megatron_moe_cpu", False):
+        return
+    p2p_ops = p2p_communication._p2p_ops
+    interleaved = schedules.forward_backward_pipelining_with_interleaving
+
+    @functools.wraps(p2p_ops)
+    def kept_sends_p2p_ops(**kwargs):
+        reqs = p2p_ops(**kwargs)
+        if torch.distributed.get_backend(kwargs["group"]) == "gloo":
+            for name in ("send_next", "send_prev"):
+                if name in reqs:
+                    reqs[name] = _KeptSend(reqs[name], kwargs[f"tensor_{name}"])
+        return reqs
+
+    @functools.wraps(interleaved)
+    def sends_completed_interleaved(*args, **kwargs):
+        out = interleaved(*args, **kwargs)
+        while _UNWAITED_SENDS:
+            _UNWAITED_SENDS[0].wait()
+            PIPELINE_SENDS_COMPLETED_AFTER_SCHEDULE[0] += 1
+        return out
+
+    kept_sends_p2p_ops._megatron_moe_cpu = True
+    p2p_communication._p2p_ops = kept_sends_p2p_ops
+    schedules.forward_backward_pipelining_with_interleaving = sends_completed_interleaved
+
+
 SHIMS = (
     patch_torch_cuda,
     patch_rng_tracker,
@@ -367,6 +433,7 @@ SHIMS = (
     patch_param_type,
     patch_clip_grads,
     patch_tensor_cuda,
+    patch_pipeline_sends,
 )
 
 
