@@ -27,6 +27,7 @@ import math
 
 import pytest
 
+from megatron_moe.compat.versions import mcore_at_least
 from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _ddp_schedule_cases as cases
 from tests.test_training import TINY
@@ -227,19 +228,26 @@ def _check_late_receiver(tmp_path, mutate=None):
         last_recv, timeout_s=300, mutate=mutate,
         collective_timeout_s=5 if mutate else 120)   # the mutation hangs: fail it fast
     assert gated == 0 and gated_1 == 1, (gated, gated_1)   # rank 1 was late, once
-    # one per schedule (1 training step, 2 evaluations): the send megatron-core left unwaited
-    assert completed == 3 and len(losses) == 1 and math.isfinite(losses[0]), (completed, losses)
+    # core_v0.16: one per schedule (1 training step, 2 evaluations), the send megatron-core left
+    # unwaited; core_v0.19 waits on each send itself under deallocate_pipeline_outputs
+    # (Megatron-LM's setting, the builder's too)
+    assert completed == (0 if mcore_at_least("0.19") else 3), completed
+    assert len(losses) == 1 and math.isfinite(losses[0]), losses
 
 
 def test_evaluation_survives_a_late_receiver(tmp_path):
     _check_late_receiver(tmp_path)
 
 
+@pytest.mark.skipif(mcore_at_least("0.19"), reason="megatron-core 0.19 waits on every pipeline "
+                    "send itself under deallocate_pipeline_outputs: no send is left to drop")
 def test_late_receiver_mutation_fails(tmp_path):
     from megatron_moe.runtime.local_ranks import DistributedRunError
 
     with pytest.raises(DistributedRunError) as failed:
         _check_late_receiver(tmp_path, "sends-dropped")
-    # the clean-clone CI's hang: rank 1 waits for its last input, rank 0 in the next collective
-    assert "Timed out" in str(failed.value), str(failed.value)[-2000:]
-    assert "forward_backward_pipelining_with_interleaving" in str(failed.value)
+    # a dropped send is lost (the clean-clone CI's hang: rank 1 waits for its last input, rank 0
+    # in the next collective), or its freed output (deallocate_pipeline_outputs) is sent: a NaN
+    message = str(failed.value)
+    assert ("Timed out" in message and "forward_backward_pipelining_with_interleaving" in message
+            ) or "loss is nan" in message, message[-2000:]

@@ -388,8 +388,11 @@ def patch_pipeline_sends():
     send_next: in a forward-only call (evaluation) the first stage returns and drops its handle.
     On NCCL the send runs on its stream anyway. gloo sends only when the peer has posted the
     matching receive, and a send whose handle is dropped before that is lost: the next stage then
-    waits forever for its input (megatron-core 0.16.1 and 0.19.x, schedules.py's warm-up loop;
-    0.19 waits on each send at once only with deallocate_pipeline_outputs, off here). So on gloo
+    waits forever for its input (megatron-core 0.16.1, schedules.py's warm-up loop; 0.19 waits
+    on each send at once under deallocate_pipeline_outputs, which the builder sets as
+    Megatron-LM does). With deallocate_pipeline_outputs 0.16 also frees a sent output's data
+    before its gloo send completed (a NaN on the next stage): the kept send holds that memory.
+    So on gloo
     every pipeline send is kept until waited, and the sends megatron-core left unwaited are
     completed when the schedule returns. NCCL groups are untouched."""
     from megatron.core.pipeline_parallel import p2p_communication, schedules

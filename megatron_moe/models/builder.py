@@ -72,6 +72,9 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         moe_permute_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # Megatron-LM's (always): a pipeline stage frees its output's data once sent, keeping
+        # only the autograd node (megatron-core's custom backward); activation memory under PP
+        deallocate_pipeline_outputs=True,
         moe_router_dtype=getattr(args, "moe_router_dtype", None),
         # megatron-core's --moe-grouped-gemm is Transformer Engine's; on the local path the spec
         # keeps SequentialMLP and megatron_moe.moe.grouped_experts swaps in the grouped_mm experts
