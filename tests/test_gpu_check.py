@@ -143,14 +143,15 @@ def test_cuda_only_parts_are_listed_as_skipped(cpu_run):
         assert f"gpu-check {name}: skipped here: " in p.stdout
 
 
-def test_gpu_profile_script_smoke(tmp_path):
+def test_gpu_profile_script_smoke(cpu_run):
     """scripts/gpu_profile.py (the H100 run's host-bound diagnosis, docs/gpu.md) on the CPU model
-    sizes: it trains, profiles the iterations after the warm-up and writes its tables."""
-    e = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_profile.py"),
-                        str(tmp_path), "--cpu", "--layers", "2", "--iters", "3", "--warmup", "1"],
-                       capture_output=True, text=True, env=e, timeout=300, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    text = (tmp_path / "gpu_profile.txt").read_text()
+    sizes: it trains, profiles the iterations after the warm-up and writes its tables. The kit's
+    CPU run above ran it (``run.profile``: ``gpu_profile.py OUTDIR --cpu --layers 2 --iters 3
+    --warmup 1``) and printed its first line only where it exited 0."""
+    p, _, out = cpu_run
+    cmd = f"scripts/gpu_profile.py {out} --cpu --layers 2 --iters 3 --warmup 1\n"
+    assert cmd in (out / "gpu_check.log").read_text()
+    text = (out / "gpu_profile.txt").read_text()
     assert text.startswith("profiled 2 iterations of BIG (2 layers)")
+    assert f"gpu-check profile: {text.splitlines()[0]}" in p.stdout, p.stdout[-2000:]
     assert "== by self CPU time ==" in text and "aten::mm" in text
