@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import io
 import os
 import signal
 import subprocess
@@ -93,8 +94,11 @@ def _forked_main(module, args, log_fd, cwd, env):
     os.setsid()   # as start_new_session=True: killing its group stops whatever it started
     for fd in (1, 2):
         os.dup2(log_fd, fd)
-    for stream in (sys.stdout, sys.stderr):   # PYTHONUNBUFFERED's effect
-        stream.reconfigure(line_buffering=True, write_through=True)
+    # stdout and stderr as a fresh interpreter's with PYTHONUNBUFFERED: over fds 1 and 2 (the
+    # runner's sys.stdout may be another object, e.g. a caller's capture), written through
+    sys.stdout, sys.stderr = (
+        io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True, errors=errors)
+        for fd, errors in ((1, "strict"), (2, "backslashreplace")))
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
