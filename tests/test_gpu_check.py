@@ -159,9 +159,11 @@ def test_gpu_profile_script_smoke(cpu_run):
 
 def _bounded_child(tmp_path, what):
     from megatron_moe.gpucheck.process import run_module
+    from tests import _gpucheck_child
 
     with open(tmp_path / "log", "w") as log:
-        got, _ = run_module("tests._gpucheck_child", what, log, 3.0, ROOT, cpu=True)
+        got, _ = run_module("tests._gpucheck_child", _gpucheck_child.main, what, log, 3.0, ROOT,
+                            cpu=True)
     return got, (tmp_path / "log").read_text()
 
 

@@ -626,7 +626,7 @@ def _row_process(system, shape, cpu, result, log, limit_s, eager=False):
     log.write(f"\n===== perf row {shape}/{system} (limit {limit_s:.0f}s): "
               f"{' '.join(module_command(module, args))}\n")
     log.flush()
-    why, took = run_module(module, args, log, limit_s, ROOT, cpu)
+    why, took = run_module(module, main, args, log, limit_s, ROOT, cpu)
     log.write(f"===== perf row {shape}/{system}: {why} in {took:.1f}s\n")
     log.flush()
     data = None

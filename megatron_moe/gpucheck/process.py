@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import io
 import os
 import signal
@@ -54,17 +53,18 @@ def module_command(module, args):
     return [sys.executable, "-m", module, *args]
 
 
-def run_module(module, args, log, limit_s: float, cwd: str, cpu: bool):
-    """``python -m module *args`` (its ``main(args)``) bounded as ``run_bounded``: a fresh
-    interpreter on the GPU, a fork of this preloaded process on the CPU (module docstring)."""
+def run_module(module, main, args, log, limit_s: float, cwd: str, cpu: bool):
+    """``python -m module *args`` (``main`` is that module's ``main(argv)``) bounded as
+    ``run_bounded``: a fresh interpreter on the GPU, a fork of this preloaded process that calls
+    ``main(args)`` on the CPU (module docstring)."""
     if not cpu:
         return run_bounded(module_command(module, args), log, limit_s, cwd, cpu)
     import multiprocessing
 
-    _preload(module)
+    _preload()
     t0 = time.monotonic()
     child = multiprocessing.get_context("fork").Process(
-        target=_forked_main, args=(module, list(args), log.fileno(), cwd, _env(cpu)))
+        target=_forked_main, args=(module, main, list(args), log.fileno(), cwd, _env(cpu)))
     child.start()
     child.join(max(1.0, limit_s))
     rc = child.exitcode
@@ -80,17 +80,19 @@ def run_module(module, args, log, limit_s: float, cwd: str, cpu: bool):
 
 
 @functools.cache
-def _preload(module):
-    """Imports every CPU child needs, once in the runner (the list the test ranks' fork server
-    preloads: megatron_moe first, then megatron-core), and the child's module itself."""
+def _preload():
+    """Imports every CPU child needs, once in the runner, in a training rank's order
+    (megatron_moe.runtime.local_ranks' fork-server list: megatron_moe first, then megatron-core)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")   # read once, when torch loads its thread pool
-    from megatron_moe.runtime.local_ranks import _PRELOAD
+    import megatron_moe.training.loop  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.transformer.moe.moe_layer  # noqa: F401
 
-    for name in [*_PRELOAD, module]:
-        importlib.import_module(name)
 
-
-def _forked_main(module, args, log_fd, cwd, env):
+def _forked_main(module, main, args, log_fd, cwd, env):
     os.setsid()   # as start_new_session=True: killing its group stops whatever it started
     for fd in (1, 2):
         os.dup2(log_fd, fd)
@@ -103,4 +105,4 @@ def _forked_main(module, args, log_fd, cwd, env):
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module, *args]
-    sys.exit(importlib.import_module(module).main(args))
+    sys.exit(main(args))

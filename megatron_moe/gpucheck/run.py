@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from megatron_moe.gpucheck.checks import GROUPED, PLANT_ENV, ROOT, SECTIONS
+from megatron_moe.gpucheck.checks import main as checks_main
 from megatron_moe.gpucheck.process import module_command, run_module
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
@@ -59,7 +60,7 @@ def run_section(name, cpu, work, log, budget_s, perf_systems=None):
     log.write(f"\n===== section {name} ({datetime.datetime.now():%H:%M:%S}, limit "
               f"{budget_s:.0f}s): {' '.join(module_command(module, args))}\n")
     log.flush()
-    why, took = run_module(module, args, log, budget_s, ROOT, cpu)
+    why, took = run_module(module, checks_main, args, log, budget_s, ROOT, cpu)
     log.write(f"===== section {name}: {why} in {took:.1f}s\n")
     log.flush()
     data = None
