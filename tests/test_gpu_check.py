@@ -143,14 +143,63 @@ def test_cuda_only_parts_are_listed_as_skipped(cpu_run):
         assert f"gpu-check {name}: skipped here: " in p.stdout
 
 
-def test_gpu_profile_script_smoke(tmp_path):
+def test_gpu_profile_script_smoke(cpu_run):
     """scripts/gpu_profile.py (the H100 run's host-bound diagnosis, docs/gpu.md) on the CPU model
-    sizes: it trains, profiles the iterations after the warm-up and writes its tables."""
-    e = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_profile.py"),
-                        str(tmp_path), "--cpu", "--layers", "2", "--iters", "3", "--warmup", "1"],
-                       capture_output=True, text=True, env=e, timeout=300, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    text = (tmp_path / "gpu_profile.txt").read_text()
+    sizes: it trains, profiles the iterations after the warm-up and writes its tables. The kit's
+    CPU run above ran it (``run.profile``: ``gpu_profile.py OUTDIR --cpu --layers 2 --iters 3
+    --warmup 1``) and printed its first line only where it exited 0."""
+    p, _, out = cpu_run
+    cmd = f"scripts/gpu_profile.py {out} --cpu --layers 2 --iters 3 --warmup 1\n"
+    assert cmd in (out / "gpu_check.log").read_text()
+    text = (out / "gpu_profile.txt").read_text()
     assert text.startswith("profiled 2 iterations of BIG (2 layers)")
+    assert f"gpu-check profile: {text.splitlines()[0]}" in p.stdout, p.stdout[-2000:]
     assert "== by self CPU time ==" in text and "aten::mm" in text
+
+
+def _bounded_child(tmp_path, what):
+    from megatron_moe.gpucheck.process import run_module
+    from tests import _gpucheck_child
+
+    with open(tmp_path / "log", "w") as log:
+        got, _ = run_module("tests._gpucheck_child", _gpucheck_child.main, what, log, 3.0, ROOT,
+                            cpu=True)
+    return got, (tmp_path / "log").read_text()
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("what, why", [(["print"], "ok"), (["exit", "3"], "exit 3"),
+                                       (["raise"], "exit 1"), (["hang"], "timed out after 3s")])
+def test_cpu_children_are_bounded_forks_of_the_runner(tmp_path, what, why):
+    """--cpu runs each section and row as a fork of the runner (megatron_moe/gpucheck/process.py):
+    its own process and process group, output in the log, the exit status or the time limit
+    reported as for a fresh interpreter, and whatever it started killed with it."""
+    got, text = _bounded_child(tmp_path, what)
+    assert got == why, text
+    pid, parent, group, preloaded = text.split()[1:8:2]
+    assert int(parent) == os.getpid() and int(pid) == int(group) != os.getpid()
+    assert preloaded == "True"   # megatron-core came with the fork
+    if what == ["raise"]:
+        assert "RuntimeError: the child failed" in text
+    if what == ["hang"]:   # the grandchild died with its process group
+        assert not _alive(int(text.split("grandchild ")[1].split()[0]))
+
+
+def test_a_childs_leftover_process_is_caught(tmp_path, monkeypatch):
+    """The mutation: the runner kills only the child, not its process group."""
+    from megatron_moe.gpucheck import process
+
+    monkeypatch.setattr(process.os, "killpg", lambda pid, sig: None)
+    got, text = _bounded_child(tmp_path, ["hang"])
+    grandchild = int(text.split("grandchild ")[1].split()[0])
+    try:
+        assert got == "timed out after 3s" and _alive(grandchild)
+    finally:
+        os.kill(grandchild, 9)

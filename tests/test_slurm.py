@@ -10,10 +10,12 @@ copy of examples/train_gpt_moe_slurm.sbatch, in both launch forms at once:
 Each form runs one chain of jobs on its own ``--save`` = ``--load`` directory, signalled the way
 Slurm signals a job (every process of the step, helpers included):
 
-1. a ``--requeue`` job with ``--time=3`` and the script's ``#SBATCH --signal=TERM@60``:
-   ``scontrol requeue`` at iteration >= 3 (SIGTERM to all, KillWait, requeue): the ranks save,
-   the job restarts on its own, resumes, and the time limit's lead signal stops it again: it saves
-   and ends COMPLETED with exit 0;
+1. a ``--requeue`` job with the script's ``#SBATCH --signal=TERM@60``: ``scontrol requeue`` at
+   iteration >= 3 (SIGTERM to all, KillWait, requeue): the ranks save, the job restarts on its own,
+   resumes, and once it trains its time limit is cut to the next whole minute at least 75 s ahead
+   (``scontrol update``; a limit that short at submission could send the lead signal during a
+   slow start-up, while the ranks still ignore SIGTERM): the time limit's lead signal stops it
+   again: it saves and ends COMPLETED with exit 0;
 2. a resubmitted job: ``scancel`` (SIGTERM to all): it saves the iteration every rank stopped at;
 3. a resubmitted job whose save is slowed past KillWait (tests/_slow_save.py): ``scancel``,
    SIGKILL lands mid-save: the tracker keeps naming the previous checkpoint;
@@ -43,8 +45,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_moe_slurm_cpu.sbatch")
 KILL_WAIT = 30          # s from a job's SIGTERM to its SIGKILL (Slurm's default); a CPU save and exit
                         # take 1-20 s on a loaded 2-core machine
-TIME_LIMIT_MIN = 3      # --time of the time-limit job: the script's lead (60 s, plus up to 30 s of
-                        # slurmctld's check period) must land after start-up (10-60 s here)
+TIME_LIMIT_MIN = 10     # --time of the time-limit job at submission: no lead signal during start-up
+LEAD_ROOM_S = 75        # once the requeued run trains, its limit is cut to the first whole minute
+                        # at least this far ahead: the script's lead (60 s) and the update's own
+                        # latency; slurmctld checks limits every 30 s, so the lead signal comes
+                        # 30-75 s before the limit (a CPU save and exit take 1-20 s here)
 SLOW_SAVE_S = 60        # tests/_slow_save.py's delay for the save that SIGKILL must cut
 COMMON = ["--num-workers", "1"]
 FORMS = {
@@ -59,6 +64,13 @@ ITER_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?\| 
 START_RE = re.compile(r"> training from iteration (\d+) to")
 STOP_RE = re.compile(r"exiting program after receiving SIGTERM \(iteration (\d+)\)")
 SAVED_RE = re.compile(r"(?:saved checkpoint|scheduled async save) at iteration\s+(\d+)")
+
+
+def _run_time_s(text):
+    """scontrol's RunTime ([D-]HH:MM:SS) in seconds."""
+    days, _, hms = text.rpartition("-")
+    h, m, sec = (int(v) for v in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
 
 
 def _tracker(ckpt):
@@ -117,6 +129,11 @@ class Chain:
         j = self.submit(options=[f"--time={TIME_LIMIT_MIN}"])
         self.wait_iteration(j, 3)
         c.run("scontrol", "requeue", str(j))
+        # the requeued run trains (its SIGTERM handler is in place): its limit becomes the first
+        # whole minute LEAD_ROOM_S ahead
+        self.wait_iteration(j, 1, run=2)
+        f["time_limit_min"] = -(-(_run_time_s(c.job(j)["RunTime"]) + LEAD_ROOM_S) // 60)
+        c.run("scontrol", "update", f"JobId={j}", f"TimeLimit={f['time_limit_min']}")
         c.wait_job(j, lambda fields, out: len(segments(out)) >= 2 and fields.get("JobState") in
                    ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), JOB_TIMEOUT_S,
                    "the requeued run to end")
@@ -200,6 +217,8 @@ def test_requeue_resumes_and_time_limit_lead_signal_saves(slurm_runs, form):
     # before the limit: the job COMPLETED with exit 0
     assert second["stop"] is not None and second["saved"][-1] == second["stop"]
     assert (r["fields"]["JobState"], r["fields"]["ExitCode"]) == ("COMPLETED", "0:0"), r["fields"]
+    # ... under the cut limit
+    assert r["fields"]["TimeLimit"] == f"00:{slurm_runs['facts'][form]['time_limit_min']:02d}:00"
     assert r["tracker"] == second["stop"]
     _no_traceback(r["output"])
 

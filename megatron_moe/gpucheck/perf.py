@@ -46,7 +46,7 @@ import time
 import traceback
 
 from megatron_moe.gpucheck.host_time import HostProfile, format_breakdown
-from megatron_moe.gpucheck.process import run_bounded
+from megatron_moe.gpucheck.process import module_command, run_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYSTEMS = ("ours", "ours-graphed", "ours-eager", "ours-per-expert", "stock", "torchtitan",
@@ -620,11 +620,13 @@ def run_row(system, shape, mode, eager=False):
 
 # --- the runner ---------------------------------------------------------------------------------
 def _row_process(system, shape, cpu, result, log, limit_s, eager=False):
-    cmd = [sys.executable, "-m", "megatron_moe.gpucheck.perf", "row", system, shape,
-           "--result", result] + (["--cpu"] if cpu else []) + (["--eager"] if eager else [])
-    log.write(f"\n===== perf row {shape}/{system} (limit {limit_s:.0f}s): {' '.join(cmd)}\n")
+    module = "megatron_moe.gpucheck.perf"
+    args = ["row", system, shape, "--result", result] + (["--cpu"] if cpu else []) + \
+        (["--eager"] if eager else [])
+    log.write(f"\n===== perf row {shape}/{system} (limit {limit_s:.0f}s): "
+              f"{' '.join(module_command(module, args))}\n")
     log.flush()
-    why, took = run_bounded(cmd, log, limit_s, ROOT, cpu)
+    why, took = run_module(module, main, args, log, limit_s, ROOT, cpu)
     log.write(f"===== perf row {shape}/{system}: {why} in {took:.1f}s\n")
     log.flush()
     data = None

@@ -24,7 +24,8 @@ import tempfile
 import time
 
 from megatron_moe.gpucheck.checks import GROUPED, PLANT_ENV, ROOT, SECTIONS
-from megatron_moe.gpucheck.process import run_bounded
+from megatron_moe.gpucheck.checks import main as checks_main
+from megatron_moe.gpucheck.process import module_command, run_module
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
 SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 300),
@@ -54,12 +55,12 @@ def run_section(name, cpu, work, log, budget_s, perf_systems=None):
             data, why = None, f"crashed ({exc!r})"
         return data, why, time.monotonic() - t0
     result = os.path.join(work, f"{name}.json")
-    cmd = [sys.executable, "-m", "megatron_moe.gpucheck.checks", name, "--result", result,
-           "--work", os.path.join(work, name)] + (["--cpu"] if cpu else [])
+    module = "megatron_moe.gpucheck.checks"
+    args = [name, "--result", result, "--work", os.path.join(work, name)] + (["--cpu"] if cpu else [])
     log.write(f"\n===== section {name} ({datetime.datetime.now():%H:%M:%S}, limit "
-              f"{budget_s:.0f}s): {' '.join(cmd)}\n")
+              f"{budget_s:.0f}s): {' '.join(module_command(module, args))}\n")
     log.flush()
-    why, took = run_bounded(cmd, log, budget_s, ROOT, cpu)
+    why, took = run_module(module, checks_main, args, log, budget_s, ROOT, cpu)
     log.write(f"===== section {name}: {why} in {took:.1f}s\n")
     log.flush()
     data = None
