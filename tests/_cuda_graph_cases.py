@@ -116,8 +116,8 @@ def train(rank, world_size, argv, mutate=None):
     if not mcore_at_least("0.19"):
         compat.full_iteration_config_fields = lambda: dict(cuda_graph_impl="none")
     _record_dispatcher_host_copies()
-    if mutate:
-        MUTATIONS[mutate]()
+    for name in mutate or ():
+        MUTATIONS[name]()
     losses = _pretrain(argv)["history"]["lm_loss"]
     (capture,) = EmulatedCapture.instances
     return losses, dict(capture.calls), dict(capture.reads), capture.config_impl
