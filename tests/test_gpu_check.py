@@ -11,6 +11,7 @@ import megatron.core
 import pytest
 
 from megatron_moe.gpucheck.checks import SECTIONS
+from tests.test_helper_processes import _alive   # a process neither gone nor a zombie
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -165,14 +166,6 @@ def _bounded_child(tmp_path, what):
         got, _ = run_module("tests._gpucheck_child", _gpucheck_child.main, what, log, 3.0, ROOT,
                             cpu=True)
     return got, (tmp_path / "log").read_text()
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("what, why", [(["print"], "ok"), (["exit", "3"], "exit 3"),
