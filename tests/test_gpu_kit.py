@@ -158,9 +158,16 @@ def test_perf_row_trains_the_shapes_model(mutate, monkeypatch):
 def test_perf_failing_row_reports_and_the_others_run(tmp_path, monkeypatch):
     """Each row is its own process with a time limit: a row that runs out of time is reported
     with why, the next row still runs, and the shape's check fails."""
+    import time
+
     from megatron_moe.gpucheck import perf
 
     monkeypatch.setitem(perf.ROW_CAP_S, "stock", (1, 1))
+    # the stock row outlasts its cap (a CPU-mode row is a fork of this process: it runs the
+    # patched function; at toy size the real row can finish inside the second)
+    run_row = perf.run_row
+    monkeypatch.setattr(perf, "run_row", lambda system, *a, **k: (
+        time.sleep(60) if system == "stock" else None) or run_row(system, *a, **k))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     with open(tmp_path / "log", "w") as log:
         data = perf.run_section(True, str(tmp_path), log, 600, shapes=["mixtral"],
