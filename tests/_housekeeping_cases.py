@@ -212,3 +212,27 @@ def train_counting_gc(rank, world_size, argv, mutate=None):
         torch.cuda.empty_cache = empty_cache
     events.append(("end", gc.isenabled()))
     return losses, events
+
+
+def train_failing_with_manual_gc(rank, world_size, argv, mutate=None):
+    """pretrain() whose second training step raises; returns (the error, whether Python's
+    collector is on after pretrain() returned by raising)."""
+    import gc
+
+    from tests._train_cases import pretrain_with_step
+
+    def wrap(step):
+        calls = [0]
+
+        def train_step(self, data_iterator):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("step 2 failed")
+            return step(self, data_iterator)
+        return train_step
+
+    try:
+        pretrain_with_step(argv, wrap)
+    except RuntimeError as exc:
+        return str(exc), gc.isenabled()
+    return None, gc.isenabled()

@@ -293,6 +293,12 @@ def test_manual_gc_and_empty_cache_on_megatrons_schedule():
     _check_manual_gc()
 
 
+def test_manual_gc_turns_the_collector_back_on_when_training_raises():
+    error, enabled = _train(cases.train_failing_with_manual_gc,
+                            EXACT + ["--train-iters", "3", "--manual-gc"])
+    assert error == "step 2 failed" and enabled, (error, enabled)
+
+
 @pytest.mark.parametrize("mutate", ["hooks-dropped", "empty-cache-ignored"])
 def test_manual_gc_and_empty_cache_mutation_fails(mutate):
     with pytest.raises(AssertionError):

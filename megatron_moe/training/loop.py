@@ -261,7 +261,7 @@ def _pretrain(args, datasets_provider, model_provider, model_type, forward_step_
         raise TrainingError(f"--save: {exc}") from None
     finally:
         exit_conditions.close()
-    hooks.close()
+        hooks.close()   # also when training raised: e.g. the manual GC turns the collector back on
     if result.get("exit_code") is not None:   # Megatron-LM's sys.exit(exit_code) after train()
         dist.barrier()
         sys.exit(result["exit_code"])
