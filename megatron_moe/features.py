@@ -88,7 +88,8 @@ class RunHooks:
     ``before_step(iteration)`` at the top of each loop pass; forward/backward of all micro-batches; ``before_finalize_grads`` / ``after_finalize_grads``
     around megatron-core's grad finalisation; ``after_optimizer_step(ok, grad_norm)`` before the
     learning rate moves; ``after_step(iteration)``; ``before_evaluate()`` / ``after_evaluate()``
-    around each evaluation; ``metrics()`` and ``log_lines()`` each log interval; ``checkpoint_io(load)`` around every save and load; ``state_dict()`` into the
+    around each evaluation; ``metrics()`` and ``log_lines()`` each log interval;
+    ``checkpoint_io(load)`` around every save and load; ``state_dict()`` into the
     checkpoint (one entry per feature, keyed by its name) and ``load_state_dict`` from it;
     ``close()`` at the end."""
 

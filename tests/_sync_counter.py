@@ -98,7 +98,7 @@ class HostReadCounter(TorchDispatchMode):
         self.phase = None
         self.stand_ins = set()  # code objects counted as ours (see _caller)
         self._inside = 0        # a wrapped method calling another (cpu -> to): count once
-        self._saved = {}
+        self._patched = []      # (owner, name, original), restored in reverse on exit
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _record(self, what):
@@ -121,9 +121,12 @@ class HostReadCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     # --- the Python view: methods that skip the dispatcher on CPU --------------------------------
+    def _patch(self, owner, name, replacement):
+        self._patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
     def _wrap(self, name, is_read=lambda *a, **k: True):
         orig = getattr(torch.Tensor, name)
-        self._saved[name] = orig
         counter = self
 
         @functools.wraps(orig)   # torch's function modes find the method by its __name__
@@ -137,7 +140,7 @@ class HostReadCounter(TorchDispatchMode):
             finally:
                 counter._inside -= 1
 
-        setattr(torch.Tensor, name, wrapped)
+        self._patch(torch.Tensor, name, wrapped)
 
     def __enter__(self):
         for name in ("tolist", "numpy", "cpu", "item"):
@@ -147,9 +150,9 @@ class HostReadCounter(TorchDispatchMode):
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
-        for name, orig in self._saved.items():
-            setattr(torch.Tensor, name, orig)
-        self._saved.clear()
+        while self._patched:
+            owner, name, orig = self._patched.pop()
+            setattr(owner, name, orig)
         return out
 
 
@@ -167,6 +170,11 @@ def _to_host(t, *args, **kwargs):
     for a in args:
         if isinstance(a, (str, torch.device)):
             device = a
+    return _names_host(device)
+
+
+def _names_host(device) -> bool:
+    """The strict device mode's convention: only the string ``"cpu"`` names the host."""
     return isinstance(device, str) and device.split(":")[0] == "cpu"
 
 
@@ -203,14 +211,9 @@ class CaptureCounter(HostReadCounter):
             self._record("host-to-device copy_")
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def _patch(self, owner, name, replacement):
-        self._patched.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, replacement)
-
     def __enter__(self):
         from megatron_moe.compat import cpu
 
-        self._patched = []
         counter = self
 
         def waits(what, orig):
@@ -226,8 +229,7 @@ class CaptureCounter(HostReadCounter):
         def factory(name, orig):
             def make(data, *args, **kwargs):
                 device = kwargs.get("device")
-                if (device is not None and not torch.is_tensor(data)
-                        and not (isinstance(device, str) and device.split(":")[0] == "cpu")):
+                if device is not None and not torch.is_tensor(data) and not _names_host(device):
                     counter._record(f"torch.{name} of host data to a device")
                 return orig(data, *args, **kwargs)
             return make
@@ -246,12 +248,9 @@ class CaptureCounter(HostReadCounter):
         self._patch(torch.Tensor, "cuda", h2d("cuda", torch.Tensor.cuda, lambda *a, **k: True))
         out = super().__enter__()
         # after the base class wrapped .to for device-to-host reads
-        to_device = lambda *a, **k: any(isinstance(x, torch.device) or (  # noqa: E731
-            isinstance(x, str) and x.split(":")[0] != "cpu") for x in list(a) + [k.get("device")])
+        to_device = lambda *a, **k: any(  # noqa: E731
+            isinstance(x, (str, torch.device)) and not _names_host(x)
+            for x in list(a) + [k.get("device")])
         self._patch(torch.Tensor, "to", h2d("to", torch.Tensor.to, to_device))
         return out
 
-    def __exit__(self, *exc):
-        for owner, name, orig in reversed(self._patched):
-            setattr(owner, name, orig)
-        return super().__exit__(*exc)

@@ -392,9 +392,8 @@ def patch_pipeline_sends():
     on each send at once under deallocate_pipeline_outputs, which the builder sets as
     Megatron-LM does). With deallocate_pipeline_outputs 0.16 also frees a sent output's data
     before its gloo send completed (a NaN on the next stage): the kept send holds that memory.
-    So on gloo
-    every pipeline send is kept until waited, and the sends megatron-core left unwaited are
-    completed when the schedule returns. NCCL groups are untouched."""
+    So on gloo every pipeline send is kept until waited, and the sends megatron-core left
+    unwaited are completed when the schedule returns. NCCL groups are untouched."""
     from megatron.core.pipeline_parallel import p2p_communication, schedules
 
     if getattr(p2p_communication._p2p_ops, "_megatron_moe_cpu", False):

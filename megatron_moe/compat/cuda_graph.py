@@ -22,8 +22,9 @@ def full_iteration_config_fields() -> dict:
 
 
 def captures_whole_iterations(config) -> bool:
-    """Whether a model config says "full-iteration CUDA graph" in this release's terms (no
-    per-layer graphs: the modules run as in eager mode, inside one captured region)."""
+    """Whether a model config (or the parsed flags, same names; scopes as enums or strings) says
+    "full-iteration CUDA graph" in either release's terms (no per-layer graphs: the modules run as
+    in eager mode, inside one captured region)."""
     impl = getattr(config, "cuda_graph_impl", "none")
     if impl == "full_iteration":
         return True

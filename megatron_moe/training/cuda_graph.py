@@ -55,9 +55,11 @@ def add_arguments(parser):
 
 
 def full_iteration(args) -> bool:
-    """Whether the run captures whole iterations (either release's spelling)."""
-    impl = getattr(args, "cuda_graph_impl", "none")
-    return impl == FULL or (impl == "local" and FULL in (getattr(args, "cuda_graph_scope", None) or ()))
+    """Whether the run captures whole iterations (either release's spelling; the flags and
+    megatron-core's config fields share their names)."""
+    from megatron_moe.compat.cuda_graph import captures_whole_iterations
+
+    return captures_whole_iterations(args)
 
 
 def validate_args(args):
