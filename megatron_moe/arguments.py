@@ -339,7 +339,8 @@ def _add_checkpoint_args(p):
                    help="Load weights only; reset iteration, optimizer and scheduler.")
     g.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
-                   help="torch_dist only here; the others are refused with one line.")
+                   help="torch_dist, or fsdp_dtensor with --use-megatron-fsdp; the others are "
+                        "refused with one line.")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Load this iteration from --load instead of the tracker's.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
@@ -919,10 +920,10 @@ def validate_megatron_ci_args(args):
     _validate_context_parallel(args)
     _validate_optimizer_choice(args)
     _validate_gpu_only(args)
-    if args.ckpt_format != "torch_dist":
+    if args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):   # fsdp_dtensor: Megatron-FSDP's
         raise ValueError(f"--ckpt-format {args.ckpt_format} is refused: checkpoints here are "
-                         f"megatron-core's torch_dist (fsdp_dtensor belongs to Megatron-FSDP, torch/"
-                         f"torch_dcp to Megatron's legacy loaders)")
+                         f"megatron-core's torch_dist, or fsdp_dtensor with --use-megatron-fsdp "
+                         f"(torch/torch_dcp belong to Megatron's legacy loaders)")
 
 
 def _validate_determinism(args):

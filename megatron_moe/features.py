@@ -28,8 +28,8 @@ from megatron_moe.flags import exclusions
 from megatron_moe.models import architecture, attention, embedding, gpt_oss, mla
 from megatron_moe.moe import dispatcher, grouped_experts, topo_router
 from megatron_moe.runtime import dist_signal_handler
-from megatron_moe.training import (cuda_graph, manual_gc, megatron_logging, pipeline_schedule,
-                                   profiling, result_validation, wandb_writer)
+from megatron_moe.training import (cuda_graph, manual_gc, megatron_fsdp, megatron_logging,
+                                   pipeline_schedule, profiling, result_validation, wandb_writer)
 
 FEATURES = (
     comm,                 # --moe-a2a-algorithm / compression / overlap, emulated link, topology
@@ -48,6 +48,7 @@ FEATURES = (
     result_validation,    # --rerun-mode, --check-for-spiky-loss, --error-injection-*, ...
     cuda_graph,           # --cuda-graph-impl full_iteration: whole iterations captured (CUDA)
     manual_gc,            # --manual-gc, --manual-gc-interval, --no-manual-gc-eval
+    megatron_fsdp,        # --use-megatron-fsdp, --data-parallel-sharding-strategy (ZeRO-1/2/3)
     mla,                  # MLA, YaRN, QK-norm, MTP (DeepSeek-V2/V3)
     gpt_oss,              # sinks, sliding windows, clamped GEGLU, YaRN (gpt-oss)
     architecture,         # activation, init, RoPE variants, q/k L2 norm, fp32 residual (Megatron-LM)

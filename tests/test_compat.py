@@ -16,8 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The layer-wise optimizer shim (megatron-core >= 0.19, Muon with the distributed optimizer) needs
 # 2 ranks and emerging-optimizers: tests/test_muon.py's dist_muon test runs with it and without it.
 # The pipeline-send shim needs 2 pipeline ranks: tests/test_ddp_schedule_flags.py's late-receiver
-# test runs with it and without it.
-MULTI_RANK_ONLY = {"uneven_collectives", "layer_wise_optimizer", "pipeline_sends"}
+# test runs with it and without it. The Megatron-FSDP shim: tests/test_megatron_fsdp.py trains on 2
+# ranks with it and fails without it.
+MULTI_RANK_ONLY = {"uneven_collectives", "layer_wise_optimizer", "pipeline_sends", "megatron_fsdp"}
 
 
 def _probe(*flags):

@@ -356,6 +356,56 @@ def patch_tensor_cuda():
     torch.Tensor.cuda = cuda
 
 
+class _FsdpCpuTorch(_CpuTorchProxy):
+    """``torch`` inside Megatron-FSDP: it names its device ``cuda:<current_device()>`` (and
+    ``torch.device("cuda", ...)``), which a CPU build cannot make: those are the host."""
+
+    @staticmethod
+    def device(*args, **kwargs):
+        if args and str(args[0]).startswith("cuda"):
+            return torch.device("cpu")
+        return torch.device(*args, **kwargs)
+
+
+class _CpuDeviceMesh:
+    """``DeviceMesh`` for Megatron-FSDP's adapter, which builds its meshes with
+    ``device_type="cuda"``: the same mesh over the host (gloo)."""
+
+    def __getattr__(self, name):
+        from torch.distributed import DeviceMesh
+
+        return getattr(DeviceMesh, name)
+
+    @staticmethod
+    def from_group(*args, device_type="cuda", **kwargs):
+        from torch.distributed import DeviceMesh
+
+        return DeviceMesh.from_group(*args, device_type="cpu" if device_type == "cuda"
+                                     else device_type, **kwargs)
+
+
+MEGATRON_FSDP_MODULES = tuple(
+    "megatron.core.distributed.fsdp." + name
+    for name in ("mcore_fsdp_adapter", "src.megatron_fsdp.megatron_fsdp",
+                 "src.megatron_fsdp.param_and_grad_buffer", "src.megatron_fsdp.utils",
+                 "src.megatron_fsdp.fully_shard", "src.megatron_fsdp.uneven_dtensor",
+                 "src.megatron_fsdp.mixed_precision"))
+
+
+def patch_megatron_fsdp():
+    """Megatron-FSDP (--use-megatron-fsdp) places its buffers, DTensors and meshes on ``cuda``;
+    on a CPU build they go to the host."""
+    for name in MEGATRON_FSDP_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # module moved in another megatron-core version
+            continue
+        if hasattr(module, "torch") and not isinstance(module.torch, _FsdpCpuTorch):
+            module.torch = _FsdpCpuTorch()
+        if name.endswith("mcore_fsdp_adapter"):   # the others use it in isinstance checks
+            module.DeviceMesh = _CpuDeviceMesh()
+
+
 class _KeptSend:
     """A gloo pipeline send, kept in ``_UNWAITED_SENDS`` until waited, with an alias of the memory
     it sends from (megatron-core's deallocate_output_tensor swaps the tensor's ``.data`` after the
@@ -436,6 +486,7 @@ SHIMS = (
     patch_clip_grads,
     patch_tensor_cuda,
     patch_pipeline_sends,
+    patch_megatron_fsdp,
 )
 
 

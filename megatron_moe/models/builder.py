@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe.models.mla import yarn_config_fields
 from megatron_moe.models.pipeline_split import SPLIT_FIELDS
-from megatron_moe.training import cuda_graph
+from megatron_moe.training import cuda_graph, megatron_fsdp
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -270,6 +270,7 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
         if args.bf16 or args.fp16:
             chunk = Float16Module(config, chunk)
         ddp_config = DistributedDataParallelConfig(
+            **megatron_fsdp.ddp_config_fields(args),   # --use-megatron-fsdp's
             # bf16 gradients with --bf16 --grad-reduce-in-bf16 (arguments.py)
             grad_reduce_in_fp32=getattr(args, "accumulate_allreduce_grads_in_fp32", True),
             average_in_collective=getattr(args, "ddp_average_in_collective", False),
@@ -292,8 +293,12 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
             num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         )
         # Megatron-LM: only the first chunk buckets its grads (the others' reduce at the end)
-        wrapped.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                               disable_bucketing=index > 0))
+        data_parallel = megatron_fsdp.data_parallel_class(args)
+        placement = {}
+        if args.use_megatron_fsdp and not torch.cuda.is_available():
+            placement["device"] = torch.device("cpu")   # its default is the current CUDA device
+        wrapped.append(data_parallel(config=config, ddp_config=ddp_config, module=chunk,
+                                     disable_bucketing=index > 0, **placement))
     config = configs[0]   # the schedule reads model[0]'s config
     config.finalize_model_grads_func = finalize_model_grads
     if len(wrapped) == 1:

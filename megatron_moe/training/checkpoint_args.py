@@ -69,11 +69,10 @@ def read_checkpoint_common(root: str, iteration: int | None = None,
                            flag: str = "--load") -> tuple[str, dict]:
     """(checkpoint directory, common state) of the checkpoint under ``root`` (its tracker's, or
     ``iteration``); ValueError naming ``flag`` and the file when there is none."""
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_moe.training.checkpointing import (
-        TRACKER, CheckpointError, checkpoint_dir, read_tracker)
+        TRACKER, CheckpointError, checkpoint_dir, read_common, read_tracker)
 
     if not os.path.isdir(root):
         raise ValueError(f"{flag}: {root} is not a directory")
@@ -91,7 +90,7 @@ def read_checkpoint_common(root: str, iteration: int | None = None,
             "--ckpt-step asks for"
         raise ValueError(f"{flag}: {where} iteration {iteration}, but {ckpt} does not exist")
     try:
-        return ckpt, dist_checkpointing.load_common_state_dict(ckpt)
+        return ckpt, read_common(ckpt)
     except (Exception, CheckpointException) as exc:  # 0.19 reads it through torch DCP
         raise ValueError(f"{flag}: cannot read {ckpt} ({type(exc).__name__}: {exc})") from None
 

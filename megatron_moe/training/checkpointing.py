@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.serialization import (
 
 from megatron_moe.models.builder import unwrap
 from megatron_moe.training import checkpoint_manifest as manifest
+from megatron_moe.training import fsdp_dtensor_checkpoint
 from megatron_moe.training import progress_log
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -170,15 +171,21 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
     finalize_async_save(blocking=True)
     wait_writer_ready()
     quiet_mcore_async_notice()
-    state = _sharded_state(model, optimizer, args, include_optimizer=not args.no_save_optim,
-                           include_rng=not args.no_save_rng, is_loading=False)
-    from megatron_moe.training import result_validation
+    fsdp_dtensor = args.ckpt_format == "fsdp_dtensor"   # Megatron-FSDP's format
+    if fsdp_dtensor:
+        state = fsdp_dtensor_checkpoint.build_state(
+            model, optimizer, args, include_optimizer=not args.no_save_optim,
+            include_rng=not args.no_save_rng, is_loading=False, rng_state=_rng_state())
+    else:
+        state = _sharded_state(model, optimizer, args, include_optimizer=not args.no_save_optim,
+                               include_rng=not args.no_save_rng, is_loading=False)
+        from megatron_moe.training import result_validation
 
-    rerun_state = result_validation.checkpoint_state(train_data_iterator)
-    if rerun_state is not None:   # Megatron-LM's key: common part + one sharded object per rank
-        state["rerun_state_machine"] = rerun_state
+        rerun_state = result_validation.checkpoint_state(train_data_iterator)
+        if rerun_state is not None:   # Megatron-LM's key: common part + one sharded object per rank
+            state["rerun_state_machine"] = rerun_state
     needed = _prepare_save_dir(root, tmp_dir, state)
-    state.update(
+    common = dict(
         iteration=iteration,
         checkpoint_version=3.0,
         args=_portable_args(args),
@@ -198,6 +205,14 @@ def save_checkpoint(iteration, model, optimizer, scheduler, args, consumed_train
                                retain=getattr(args, "save_retain_interval", None),
                                log_progress=getattr(args, "log_progress", False),
                                async_save=getattr(args, "async_save", False))
+    if fsdp_dtensor:
+        try:
+            fsdp_dtensor_checkpoint.save(state, common, tmp_dir, model, args)
+            commit()
+        except (Exception, CheckpointException) as exc:
+            _save_failed(exc, root, tmp_dir, needed)
+        return
+    state.update(common)
     if getattr(args, "async_save", False):
         global _async_queue
         from megatron_moe.compat.checkpoint import async_save_kwargs
@@ -264,9 +279,14 @@ def _state_bytes(state) -> int:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
+    from torch.distributed.tensor import DTensor
+
+    # fsdp_dtensor: each rank writes its DTensor shards
     return sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
                if isinstance(v, ShardedTensor) and isinstance(v.data, torch.Tensor)
-               and is_main_replica(v.replica_id))
+               and is_main_replica(v.replica_id)) + \
+        sum(v.to_local().numel() * v.element_size() for v in nested_values(state)
+            if isinstance(v, DTensor))
 
 
 def _last_checkpoint(root: str) -> str:
@@ -759,7 +779,7 @@ def keep_checkpoint_vocab_padding(args):
     if iteration is None or not os.path.isdir(checkpoint_dir(root, iteration)):
         return
     try:
-        common = dist_checkpointing.load_common_state_dict(checkpoint_dir(root, iteration))
+        common = read_common(checkpoint_dir(root, iteration))
     except (Exception, CheckpointException):  # megatron-core >= 0.19 reads it through torch DCP
         return  # load_checkpoint reports an unreadable checkpoint with its directory
     stored = getattr(common.get("args"), "padded_vocab_size", None)
@@ -797,8 +817,10 @@ def load_checkpoint(model, optimizer, scheduler, args):
         print(f" note: {ckpt} has no {manifest.MANIFEST} (saved before checkpoints carried "
               f"checksums): loading it without verifying its files", flush=True)
     verified = problems is not None
+    fsdp_dtensor = _check_format(ckpt, args)
     try:
-        common = dist_checkpointing.load_common_state_dict(ckpt)
+        common = (fsdp_dtensor_checkpoint.load_common(ckpt) if fsdp_dtensor
+                  else dist_checkpointing.load_common_state_dict(ckpt))
     except (Exception, CheckpointException) as exc:  # 0.19 reads it through torch DCP
         raise CheckpointError(f"{ckpt}: {_unreadable(verified)}: cannot read its common state "
                               f"({_describe_load_error(exc)})") from None
@@ -823,6 +845,10 @@ def load_checkpoint(model, optimizer, scheduler, args):
     changed = _decoupled_lr_change(common.get("args"), args) if load_optim else ""
     if changed:   # the optimizer state's param groups are the checkpoint's
         raise CheckpointError(f"{ckpt}: {changed}")
+    if fsdp_dtensor:
+        state = _load_fsdp_dtensor(model, optimizer, args, ckpt, verified, load_optim, load_rng)
+        return _restore(state, model, optimizer, scheduler, args, ckpt, root, finetune,
+                        load_optim, load_rng, rerun_template=None, fsdp_dtensor=True)
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
                              include_rng=load_rng, is_loading=True)
     # megatron-core's rerun state machine (a re-run pending: Megatron-LM's rerun checkpoint), only
@@ -856,8 +882,54 @@ def load_checkpoint(model, optimizer, scheduler, args):
                                   f"{_previous_good(root, iteration)}") from None
         raise CheckpointError(f"{ckpt}: {_unreadable(verified)} "
                               f"({_describe_load_error(exc)})") from None
+    return _restore(state, model, optimizer, scheduler, args, ckpt, root, finetune, load_optim,
+                    load_rng, rerun_template)
+
+
+def read_common(ckpt: str) -> dict:
+    """The run state beside the tensors (args, iteration, ...) of either format, read locally."""
+    if fsdp_dtensor_checkpoint.is_fsdp_dtensor(ckpt):
+        return fsdp_dtensor_checkpoint.load_common(ckpt)
+    return dist_checkpointing.load_common_state_dict(ckpt)
+
+
+def _check_format(ckpt: str, args) -> bool:
+    """True for an fsdp_dtensor checkpoint; a CheckpointError when it is not the format
+    --ckpt-format asks for (Megatron-FSDP's and torch_dist's do not load into each other)."""
+    fsdp_dtensor = fsdp_dtensor_checkpoint.is_fsdp_dtensor(ckpt)
+    if fsdp_dtensor != (args.ckpt_format == "fsdp_dtensor"):
+        saved = "fsdp_dtensor (Megatron-FSDP's)" if fsdp_dtensor else "torch_dist"
+        raise CheckpointError(f"{ckpt} is a {saved} checkpoint; this run has --ckpt-format "
+                              f"{args.ckpt_format}: resume it with the format it was saved in")
+    return fsdp_dtensor
+
+
+def _load_fsdp_dtensor(model, optimizer, args, ckpt, verified, load_optim, load_rng) -> dict:
+    state = fsdp_dtensor_checkpoint.build_state(
+        model, optimizer, args, include_optimizer=load_optim, include_rng=load_rng,
+        is_loading=True, rng_state=_rng_state())
+    strict = getattr(args, "strict_fsdp_dtensor_load", True)
+    try:
+        loaded = fsdp_dtensor_checkpoint.load(state, ckpt, model, args, strict=strict)
+    except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
+        raise CheckpointError(f"{ckpt}: {_unreadable(verified)} ({_describe_load_error(exc)})"
+                              + ("" if not strict else "; --no-strict-fsdp-dtensor-load loads "
+                                 "what it holds")) from None
+    loaded.update(fsdp_dtensor_checkpoint.load_common(ckpt))
+    if load_rng:
+        loaded["rng_state"] = fsdp_dtensor_checkpoint.rank_rng_state(loaded["rng_state"])
+    return loaded
+
+
+def _restore(state, model, optimizer, scheduler, args, ckpt, root, finetune, load_optim,
+             load_rng, rerun_template, fsdp_dtensor=False):
+    """The loaded ``state`` into the model, optimizer, scheduler, RNG and rerun machine."""
     for key, chunk in zip(model_keys(model), model):
-        unwrap(chunk).load_state_dict(state[key], strict=True)
+        if fsdp_dtensor:   # Megatron-FSDP's wrapper maps its own keys; DCP filled its shards
+            chunk.load_state_dict(state[key], strict=getattr(args, "strict_fsdp_dtensor_load",
+                                                             True))
+        else:
+            unwrap(chunk).load_state_dict(state[key], strict=True)
     if load_optim:
         from megatron_moe.compat import checkpoint as compat_checkpoint
 
@@ -872,7 +944,7 @@ def load_checkpoint(model, optimizer, scheduler, args):
         if optimizer is not None and (args.override_opt_param_scheduler
                                       or args.use_checkpoint_opt_param_scheduler):
             _schedule_bounds_to_param_groups(optimizer, scheduler)
-    if load_rng:
+    if load_rng and state.get("rng_state") is not None:
         _set_rng_state(state["rng_state"])
     if rerun_template is not None:
         from megatron_moe.training import result_validation
@@ -884,6 +956,7 @@ def load_checkpoint(model, optimizer, scheduler, args):
                   f"scheduler and RNG state not loaded)", flush=True)
         return 0, 0, 0, {}
     if dist.get_rank() == 0:
-        print(f" successfully loaded checkpoint from {root} at iteration {iteration}", flush=True)
+        print(f" successfully loaded checkpoint from {root} at iteration {state['iteration']}",
+              flush=True)
     return (state["iteration"], state["consumed_train_samples"],
             state.get("consumed_valid_samples", 0), state.get("extra_state", {}))

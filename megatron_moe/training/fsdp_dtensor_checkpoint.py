@@ -1,0 +1,199 @@
+"""Megatron-LM's ``fsdp_dtensor`` checkpoint format, the one Megatron-FSDP saves and loads
+(``--use-megatron-fsdp --ckpt-format fsdp_dtensor``; Megatron-LM's
+``megatron/training/checkpointing.py``, core_v0.16.1 / core_v0.19.0).
+
+``iter_XXXXXXX/`` holds one torch.distributed.checkpoint (DCP) save: the model's parameters as the
+DTensor shards Megatron-FSDP keeps (``model``, ``model0``, ...), the distributed optimizer's
+state in its ``fsdp_dtensor`` form (one DTensor per parameter and moment), and as pickled
+objects the args, iteration, scheduler, RNG states (Megatron's ``"(pp, tp)"`` key, one entry per
+data-parallel rank) and the run state the torch_dist path keeps in ``common.pt``. Before DCP sees
+them the state dicts pass megatron-core's own preprocessing, as Megatron-LM's do: SwiGLU's fused
+``linear_fc1`` split into its ``_w`` / ``_v`` halves and expert keys renumbered to global expert
+indices, so a checkpoint moves between data- and expert-parallel sizes.
+
+The save is atomic as every save here (``.tmp``, checksums, rename, tracker;
+training/checkpointing.py); a load verifies the checksums first.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import default_planner
+
+# What a torch_dist checkpoint keeps in common.pt; here they are DCP's pickled objects
+COMMON_KEYS = ("iteration", "checkpoint_version", "args", "parallel_layout",
+               "consumed_train_samples", "consumed_valid_samples", "opt_param_scheduler",
+               "extra_state", "has_optimizer", "optimizer_count", "has_rng")
+
+
+def is_fsdp_dtensor(ckpt: str) -> bool:
+    """A DCP save without megatron-core's dist_checkpointing metadata (metadata.json)."""
+    return (os.path.isfile(os.path.join(ckpt, ".metadata"))
+            and not os.path.isfile(os.path.join(ckpt, "metadata.json")))
+
+
+def _optimizer_metadata() -> dict:
+    # Megatron-LM's _build_sharded_state_dict_metadata for fsdp_dtensor
+    from megatron.core import parallel_state
+
+    return {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _rng_key() -> str:
+    from megatron.core import parallel_state
+
+    return (f"({parallel_state.get_pipeline_model_parallel_rank()}, "
+            f"{parallel_state.get_tensor_model_parallel_rank()})")
+
+
+def _rng_states(rng_state: dict) -> dict:
+    """Megatron-LM's layout: ``{"(pp, tp)": [state of each data-parallel rank]}`` (it gathers
+    over data-parallel ranks with --data-parallel-random-init; always here, so a resume restores
+    every rank's own generators: ranks of one data-parallel group draw different dropout masks
+    once their data differ)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    states = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, rng_state, group=group)
+    return {_rng_key(): states}
+
+
+def _model_states(model) -> dict:
+    from megatron_moe.training.checkpointing import model_keys
+
+    return {key: chunk.state_dict_for_save_checkpoint()
+            for key, chunk in zip(model_keys(model), model)}
+
+
+class _ParamLookup:
+    """A Megatron-FSDP chunk for megatron-core's ``handle_swiglu_in_state_dict``, which looks a
+    model-state key up as ``module.<key>`` from the chunk, but an optimizer-state key (named from
+    the chunk's own ``named_parameters``) with its first ``module.`` removed: one level short. A
+    name that does not resolve from the chunk resolves from its wrapped module."""
+
+    def __init__(self, chunk):
+        self.chunk, self.config = chunk, chunk.config
+
+    def get_parameter(self, name):
+        try:
+            return self.chunk.get_parameter(name)
+        except AttributeError:
+            return self.chunk.module.get_parameter(name)
+
+
+def _preprocess(args, state: dict, model) -> dict:
+    """Megatron-LM's preprocess_fsdp_dtensor_state_dict, with megatron-core's helpers."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor)
+    from megatron.core.transformer import fsdp_dtensor_checkpoint as fsdp_ckpt
+
+    from megatron_moe.training.checkpointing import model_keys
+
+    state = dict(state)
+    for index, key in enumerate(model_keys(model)):
+        fsdp_ckpt.handle_fp8_extra_state_case(state[key])
+        if args.swiglu:
+            state[key], _ = fsdp_ckpt.handle_swiglu_in_state_dict(
+                _ParamLookup(model[index]), state[key], None)
+        if args.num_experts:
+            state[key] = fsdp_ckpt.handle_experts_in_state_dict(state[key], args.num_experts)
+    preprocess_state_dict_for_uneven_dtensor(state)
+    return state
+
+
+def _same_entries_on_every_rank(optimizer, optimizer_state: dict) -> dict:
+    """The optimizer's fsdp_dtensor state with an entry for every parameter, in one order.
+
+    Megatron-FSDP shards each layer's flat buffer evenly, so a small parameter (a norm's weight)
+    can lie wholly on one rank; the others hold an empty shard, which megatron-core's distributed
+    optimizer gives no Adam state (it skips them when it initialises state for a load, too). Its
+    DTensor preprocessing then runs one collective per stored moment, so ranks with different
+    entries, or the same in another order, wait on each other forever. Each missing entry gets
+    empty moments of the parameter's DTensor layout (no bytes are stored for it; the rank that
+    holds the shard stores its own), and the entries are sorted by name."""
+    import torch
+
+    entries = optimizer_state["state"]
+    # Adam steps every parameter together: any entry's step is the empty ones' (torch's Adam
+    # needs one in every entry it is given back)
+    steps = [entry["step"] for entry in entries.values() if "step" in entry]
+    step = steps[0].clone() if steps else torch.zeros((), dtype=torch.float32)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                name = inner._param_name(param)
+                if name not in entries:
+                    entries[name] = {"step": step.clone(), "exp_avg": torch.zeros_like(param),
+                                     "exp_avg_sq": torch.zeros_like(param)}
+    optimizer_state["state"] = dict(sorted(entries.items()))
+    return optimizer_state
+
+
+def build_state(model, optimizer, args, *, include_optimizer: bool, include_rng: bool,
+                is_loading: bool, rng_state=None) -> dict:
+    state = _model_states(model)
+    if include_optimizer and optimizer is not None:
+        state["optimizer"] = _same_entries_on_every_rank(optimizer, optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=_optimizer_metadata()))
+    if include_rng:
+        state["rng_state"] = _rng_states(rng_state)
+    return state
+
+
+def save(state: dict, common: dict, tmp_dir: str, model, args):
+    """DCP-save the preprocessed state and the common objects into ``tmp_dir`` (every rank)."""
+    full = _preprocess(args, state, model)
+    full.update(common)
+    with warnings.catch_warnings():   # torch DCP's deprecation notices, on every rank
+        warnings.simplefilter("ignore")
+        dcp.save(full, storage_writer=dcp.FileSystemWriter(tmp_dir))
+
+
+def load_common(ckpt: str) -> dict:
+    """The pickled objects of an fsdp_dtensor checkpoint (what torch_dist keeps in common.pt)."""
+    reader = dcp.FileSystemReader(ckpt)
+    stored = reader.read_metadata().state_dict_metadata
+    common = {key: None for key in COMMON_KEYS if key in stored}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(common, storage_reader=reader, no_dist=True,   # any rank, alone
+                 planner=default_planner.DefaultLoadPlanner(allow_partial_load=True))
+    return common
+
+
+def stored_keys(ckpt: str) -> set:
+    return set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
+
+
+def load(state: dict, ckpt: str, model, args, strict: bool) -> dict:
+    """Load ``state`` (build_state's, is_loading) in place from ``ckpt``; returns it with the
+    model and optimizer entries as the model and optimizer load them (before preprocessing: the
+    split SwiGLU halves are views of those tensors, so loading them fills the originals)."""
+    raw = dict(state)
+    full = _preprocess(args, state, model)
+    reader = dcp.FileSystemReader(ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(full, storage_reader=reader,
+                 planner=default_planner.DefaultLoadPlanner(allow_partial_load=not strict))
+    raw.update({key: value for key, value in full.items() if key not in raw
+                or key == "rng_state"})
+    return raw
+
+
+def rank_rng_state(loaded_rng: dict):
+    """This rank's generators from Megatron's ``{"(pp, tp)": [per data-parallel rank]}``."""
+    from megatron.core import parallel_state
+
+    states = loaded_rng.get(_rng_key())
+    if states is None:
+        return None
+    rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    return states[rank] if rank < len(states) else states[0]
