@@ -81,15 +81,12 @@ def run_module(module, main, args, log, limit_s: float, cwd: str, cpu: bool):
 
 @functools.cache
 def _preload():
-    """Imports every CPU child needs, once in the runner, in a training rank's order
-    (megatron_moe.runtime.local_ranks' fork-server list: megatron_moe first, then megatron-core)."""
+    """Imports every CPU child needs, once in the runner (the fork server's list of gloo test
+    ranks, megatron_moe/compat/preload.py)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")   # read once, when torch loads its thread pool
-    import megatron_moe.training.loop  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-    import megatron.core.transformer.moe.moe_layer  # noqa: F401
+    from megatron_moe.compat import preload
+
+    preload.import_all()
 
 
 def _forked_main(module, main, args, log_fd, cwd, env):
