@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("outdir")
     p.add_argument("--iters", type=int, default=4)
@@ -23,7 +23,7 @@ def main():
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--extra", default="--moe-permute-fusion", help="more training flags")
     p.add_argument("--cpu", action="store_true", help="smoke test: the CPU model sizes, no CUDA")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
 

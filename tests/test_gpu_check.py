@@ -148,7 +148,8 @@ def test_gpu_profile_script_smoke(cpu_run):
     """scripts/gpu_profile.py (the H100 run's host-bound diagnosis, docs/gpu.md) on the CPU model
     sizes: it trains, profiles the iterations after the warm-up and writes its tables. The kit's
     CPU run above ran it (``run.profile``: ``gpu_profile.py OUTDIR --cpu --layers 2 --iters 3
-    --warmup 1``) and printed its first line only where it exited 0."""
+    --warmup 1``, its main in a fork of the runner) and printed its first line only where it
+    exited 0."""
     p, _, out = cpu_run
     cmd = f"scripts/gpu_profile.py {out} --cpu --layers 2 --iters 3 --warmup 1\n"
     assert cmd in (out / "gpu_check.log").read_text()
@@ -183,6 +184,28 @@ def test_cpu_children_are_bounded_forks_of_the_runner(tmp_path, what, why):
         assert "RuntimeError: the child failed" in text
     if what == ["hang"]:   # the grandchild died with its process group
         assert not _alive(int(text.split("grandchild ")[1].split()[0]))
+
+
+def test_cpu_profile_is_a_fork_of_the_runner(tmp_path, monkeypatch, capsys):
+    """--cpu runs scripts/gpu_profile.py as a section: its main in a bounded fork of the runner
+    (no fresh interpreter's imports), with the CPU arguments; the first line of its report is
+    printed. A fresh interpreter (the GPU's way) would run the real main, never the patched one."""
+    from megatron_moe.gpucheck import run
+    from scripts import gpu_profile
+
+    def main(argv):
+        with open(os.path.join(argv[0], "gpu_profile.txt"), "w") as f:
+            f.write(f"pid {os.getpid()} parent {os.getppid()} args {' '.join(argv[1:])}\n")
+
+    monkeypatch.setattr(gpu_profile, "main", main)
+    run.profile(str(tmp_path), True, 60, str(tmp_path / "log"))
+    head = (tmp_path / "gpu_profile.txt").read_text().splitlines()[0]
+    assert head.startswith("pid "), head   # the patched main ran
+    pid, parent = head.split()[1:4:2]
+    assert int(parent) == os.getpid() != int(pid)
+    assert head.endswith(" args --cpu --layers 2 --iters 3 --warmup 1")
+    assert f"gpu-check profile: {head}\n" in capsys.readouterr().out
+    assert "scripts/gpu_profile.py " in (tmp_path / "log").read_text()
 
 
 def test_a_childs_leftover_process_is_caught(tmp_path, monkeypatch):

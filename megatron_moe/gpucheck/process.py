@@ -1,14 +1,16 @@
-"""One bounded child process of the kit: a section or a performance row, in its own process group
-so that a crash, a hang or a CUDA error stops only itself, and whatever it forked dies with it.
+"""One bounded child process of the kit: a section, a performance row or the profile, in its own
+process group so that a crash, a hang or a CUDA error stops only itself, and whatever it forked
+dies with it.
 
-On the GPU each child is a fresh interpreter (``python -m MODULE ...``). In ``--cpu`` mode (the
-suite runs it on both CI legs) each child is a fork of the runner, which imported torch and
-megatron-core once: a fresh interpreter spent ~4 s of a 2-core machine's time on those imports
-before its first line, most of a CPU section's or row's time. The child is still a process of its
-own (own process group, own output, killed on timeout), and nothing of a section or row runs in
-the runner before the fork, so each starts from the same state a fresh interpreter would reach
-after its imports. The GPU keeps fresh interpreters: a CUDA context does not survive a fork, and
-each row's memory figures must be its own.
+On the GPU each child is a fresh interpreter (``python -m MODULE ...``, the profile
+``python scripts/gpu_profile.py ...``). In ``--cpu`` mode (the suite runs it on both CI legs) each
+child is a fork of the runner, which imported torch and megatron-core once: a fresh interpreter
+spent ~4 s of a 2-core machine's time on those imports before its first line, most of a CPU
+section's, row's or profile's time. The child is still a process of its own (own process group,
+own output, killed on timeout), and nothing of a section, row or profile runs in the runner before
+the fork, so each starts from the same state a fresh interpreter would reach after its imports.
+The GPU keeps fresh interpreters: a CUDA context does not survive a fork, and each row's memory
+figures must be its own.
 """
 
 from __future__ import annotations
@@ -59,12 +61,19 @@ def run_module(module, main, args, log, limit_s: float, cwd: str, cpu: bool):
     ``main(args)`` on the CPU (module docstring)."""
     if not cpu:
         return run_bounded(module_command(module, args), log, limit_s, cwd, cpu)
+    return run_forked(module, main, args, log, limit_s, cwd)
+
+
+def run_forked(name, main, args, log, limit_s: float, cwd: str):
+    """``main(args)`` in a fork of this preloaded process (``sys.argv`` ``[name, *args]``), bounded
+    and reported as ``run_bounded``: the CPU half of ``run_module``, also for a script's ``main``
+    (``run.profile``)."""
     import multiprocessing
 
     _preload()
     t0 = time.monotonic()
     child = multiprocessing.get_context("fork").Process(
-        target=_forked_main, args=(module, main, list(args), log.fileno(), cwd, _env(cpu)))
+        target=_forked_main, args=(name, main, list(args), log.fileno(), cwd, _env(cpu=True)))
     child.start()
     child.join(max(1.0, limit_s))
     rc = child.exitcode
@@ -81,18 +90,15 @@ def run_module(module, main, args, log, limit_s: float, cwd: str, cpu: bool):
 
 @functools.cache
 def _preload():
-    """Imports every CPU child needs, once in the runner, in a training rank's order
-    (megatron_moe.runtime.local_ranks' fork-server list: megatron_moe first, then megatron-core)."""
+    """Imports every CPU child needs, once in the runner (the fork server's list of gloo test
+    ranks, megatron_moe/compat/preload.py)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")   # read once, when torch loads its thread pool
-    import megatron_moe.training.loop  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-    import megatron.core.transformer.moe.moe_layer  # noqa: F401
+    from megatron_moe.compat import preload
+
+    preload.import_all()
 
 
-def _forked_main(module, main, args, log_fd, cwd, env):
+def _forked_main(name, main, args, log_fd, cwd, env):
     os.setsid()   # as start_new_session=True: killing its group stops whatever it started
     for fd in (1, 2):
         os.dup2(log_fd, fd)
@@ -104,5 +110,5 @@ def _forked_main(module, main, args, log_fd, cwd, env):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = [module, *args]
+    sys.argv = [name, *args]
     sys.exit(main(args))

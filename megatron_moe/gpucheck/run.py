@@ -25,7 +25,7 @@ import time
 
 from megatron_moe.gpucheck.checks import GROUPED, PLANT_ENV, ROOT, SECTIONS
 from megatron_moe.gpucheck.checks import main as checks_main
-from megatron_moe.gpucheck.process import module_command, run_module
+from megatron_moe.gpucheck.process import module_command, run_forked, run_module
 
 # seconds each section may take at most (GPU, CPU); the whole run stays inside --budget-s
 SECTION_CAP_S = {"kernels": (120, 300), "training": (240, 600), "resume": (120, 300),
@@ -235,22 +235,31 @@ def main(argv=None):
 
 def profile(outdir, cpu, limit_s, log_path):
     """Where a training iteration's time goes (scripts/gpu_profile.py -> OUTDIR/gpu_profile.txt),
-    with the time the checks left: the first GPU run needed a second device call for it."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_profile.py"), outdir]
-    cmd += (["--cpu", "--layers", "2", "--iters", "3", "--warmup", "1"] if cpu else
-            # the fastest configuration measured (the H200 run: the fused permute x0.86)
-            ["--iters", "6", "--warmup", "4", "--extra", GROUPED])
+    with the time the checks left: the first GPU run needed a second device call for it. On the
+    GPU a fresh interpreter; with --cpu a fork of this preloaded runner, as a section
+    (process.py)."""
+    script = os.path.join(ROOT, "scripts", "gpu_profile.py")
+    args = [outdir] + (["--cpu", "--layers", "2", "--iters", "3", "--warmup", "1"] if cpu else
+                       # the fastest configuration measured (the H200 run: the fused permute x0.86)
+                       ["--iters", "6", "--warmup", "4", "--extra", GROUPED])
+    cmd = [sys.executable, script, *args]
     with open(log_path, "a") as log:
         log.write(f"\n===== profile (limit {limit_s:.0f}s): {' '.join(cmd)}\n")
         log.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                timeout=limit_s, start_new_session=True).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        if cpu:
+            from scripts import gpu_profile
+
+            why, _ = run_forked(script, gpu_profile.main, args, log, limit_s, ROOT)
+        else:
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    timeout=limit_s, start_new_session=True).returncode
+                why = f"exit {rc}" if rc else "ok"
+            except subprocess.TimeoutExpired:
+                why = "timed out"
     path = os.path.join(outdir, "gpu_profile.txt")
-    head = f"failed ({rc})"
-    if rc == 0 and os.path.exists(path):
+    head = f"failed ({why})"
+    if why == "ok" and os.path.exists(path):
         with open(path) as f:
             head = f.readline().strip()
     print(f"gpu-check profile: {head}", flush=True)

@@ -5,10 +5,10 @@ it: every rank runs in its own process group, and on timeout or failure the whol
 killed, including anything the ranks forked.
 
 Ranks are forked from a fork server that has imported torch and megatron-core once per test
-session (``_PRELOAD``): a spawned rank re-imported them every time, ~5 CPU-seconds a rank, which was
-most of the CPU time of a short gloo test. Each rank still starts from that clean server, never from
-the caller's process, and gets the caller's current environment (a fork server keeps the one it
-started with), so a rank sees what a spawned one saw.
+session (megatron_moe/compat/preload.py): a spawned rank re-imported them every time, ~5
+CPU-seconds a rank, which was most of the CPU time of a short gloo test. Each rank still starts
+from that clean server, never from the caller's process, and gets the caller's current environment
+(a fork server keeps the one it started with), so a rank sees what a spawned one saw.
 
 Every rank runs in strict device mode (``MEGATRON_MOE_STRICT_DEVICES=1``, megatron_moe/comm/strict.py):
 each collective is checked as NCCL would need it, so the suite proves NCCL-readiness on gloo.
@@ -27,6 +27,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from megatron_moe.compat import preload
+
 
 STRICT_DEVICES_ENV = "MEGATRON_MOE_STRICT_DEVICES"   # = megatron_moe.comm.strict.ENV
 
@@ -41,16 +43,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# imported once by the fork server, in the order a rank imports them: megatron_moe first (its
-# __init__ keeps megatron-core's import-time ``import wandb`` from loading wandb, and silences the
-# TE/apex notices), megatron_moe.training.loop (registers the 0.19 triton stub before megatron-core), then
-# the megatron-core modules every training rank loads. None of them reads the environment at import
-# in a way the tests vary; a module that fails to import is skipped by multiprocessing.
-_PRELOAD = ["megatron_moe", "megatron_moe.training.loop", "torch", "torch.distributed", "megatron.core",
-            "megatron.core.models.gpt", "megatron.core.optimizer",
-            "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel",
-            "megatron.core.transformer.moe.moe_layer",
-            "megatron.core.datasets.blended_megatron_dataset_builder"]
 _ctx = None
 
 
@@ -59,7 +51,7 @@ def _context():
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(_PRELOAD)
+        _ctx.set_forkserver_preload(list(preload.MODULES))
         atexit.register(_stop_server)
     return _ctx
 
