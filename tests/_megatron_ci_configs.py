@@ -24,10 +24,6 @@ GPU_ONLY = {
     "--fp8-param-gather": "Transformer Engine",
     "--cuda-graph-impl": "needs CUDA", "--cuda-graph-modules": "needs CUDA",
     "--cuda-graph-warmup-steps": "needs CUDA",
-    "--use-megatron-fsdp": "FSDP", "--data-parallel-sharding-strategy": "FSDP",
-    "--outer-dp-sharding-strategy": "FSDP", "--megatron-fsdp-main-params-dtype": "FSDP",
-    "--megatron-fsdp-main-grads-dtype": "FSDP", "--megatron-fsdp-grad-comm-dtype": "FSDP",
-    "--ckpt-format": "fsdp_dtensor",
     "--attention-backend": "Transformer Engine",
     "--context-parallel-size": "Transformer Engine",
     "--overlap-moe-expert-parallel-comm": "needs CUDA",
@@ -43,6 +39,10 @@ MISSING_HERE = {
 }
 if mcore_at_least("0.19"):
     MISSING_HERE["--optimizer"] = "emerging-optimizers"
+else:   # Megatron-FSDP's buffer dtypes are megatron-core 0.19's settings
+    MISSING_HERE.update({flag: "0.19 or newer" for flag in (
+        "--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype",
+        "--megatron-fsdp-grad-comm-dtype")})
 
 
 def muon_runs_here() -> bool:

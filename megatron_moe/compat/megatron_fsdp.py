@@ -27,10 +27,29 @@ def validate(args):
 
 def ddp_config_fields(args) -> dict:
     fields = {}
-    if mcore_at_least("0.19"):
-        fields.update({dest: getattr(args, dest, default) for dest, default in DTYPE_FLAGS.items()})
+    if mcore_at_least("0.19"):   # Megatron-LM's mapping of the flags' strings ('auto': None)
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                  "auto": None}
+        fields.update({dest: dtypes[getattr(args, dest, default)]
+                       for dest, default in DTYPE_FLAGS.items()})
     if not torch.cuda.is_available():
         # gloo has no pre-multiplied sum (NCCL's PREMUL_SUM, Megatron-FSDP's fused gradient
         # scaling): megatron-core then scales the gradients and sums, the same average
         fields["gradient_reduce_div_fusion"] = False
     return fields
+
+
+class _NoTransformerEngineLinear:
+    """Stands for Transformer Engine's TELinear where it is not installed: no module is one."""
+
+
+def without_transformer_engine():
+    """megatron-core's Megatron-FSDP adapter (0.16 and 0.19) tests ``isinstance(module,
+    (TELinear,))`` under tensor parallelism; without Transformer Engine TELinear is not a class
+    (None, or megatron-core's MagicMock stand-in) and the test raises TypeError. With a class no
+    module is an instance of, the local linears (which carry megatron-core's own tensor-parallel
+    attributes) take the adapter's non-TE branch."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    if not isinstance(getattr(mcore_fsdp_adapter, "TELinear", None), type):
+        mcore_fsdp_adapter.TELinear = _NoTransformerEngineLinear

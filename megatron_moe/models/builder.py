@@ -293,12 +293,9 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
             num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         )
         # Megatron-LM: only the first chunk buckets its grads (the others' reduce at the end)
-        data_parallel = megatron_fsdp.data_parallel_class(args)
-        placement = {}
-        if args.use_megatron_fsdp and not torch.cuda.is_available():
-            placement["device"] = torch.device("cpu")   # its default is the current CUDA device
+        data_parallel = megatron_fsdp.data_parallel_wrapper(args)   # DDP, or Megatron-FSDP's
         wrapped.append(data_parallel(config=config, ddp_config=ddp_config, module=chunk,
-                                     disable_bucketing=index > 0, **placement))
+                                     disable_bucketing=index > 0))
     config = configs[0]   # the schedule reads model[0]'s config
     config.finalize_model_grads_func = finalize_model_grads
     if len(wrapped) == 1:

@@ -79,7 +79,10 @@ class _ParamLookup:
     name that does not resolve from the chunk resolves from its wrapped module."""
 
     def __init__(self, chunk):
-        self.chunk, self.config = chunk, chunk.config
+        self.chunk = chunk
+
+    def __getattr__(self, name):   # config, named_modules, ... (megatron-core 0.19 reads more)
+        return getattr(self.chunk, name)
 
     def get_parameter(self, name):
         try:
@@ -100,8 +103,11 @@ def _preprocess(args, state: dict, model) -> dict:
     for index, key in enumerate(model_keys(model)):
         fsdp_ckpt.handle_fp8_extra_state_case(state[key])
         if args.swiglu:
-            state[key], _ = fsdp_ckpt.handle_swiglu_in_state_dict(
-                _ParamLookup(model[index]), state[key], None)
+            optimizer_state = state.get("optimizer") if index == 0 else None
+            state[key], optimizer_state = fsdp_ckpt.handle_swiglu_in_state_dict(
+                _ParamLookup(model[index]), state[key], optimizer_state)
+            if optimizer_state is not None:
+                state["optimizer"] = optimizer_state
         if args.num_experts:
             state[key] = fsdp_ckpt.handle_experts_in_state_dict(state[key], args.num_experts)
     preprocess_state_dict_for_uneven_dtensor(state)
@@ -157,14 +163,26 @@ def save(state: dict, common: dict, tmp_dir: str, model, args):
 
 
 def load_common(ckpt: str) -> dict:
-    """The pickled objects of an fsdp_dtensor checkpoint (what torch_dist keeps in common.pt)."""
+    """The pickled objects of an fsdp_dtensor checkpoint (what torch_dist keeps in common.pt).
+    DCP stored nested dicts flattened (``parallel_layout.tp``): read those entries and nest
+    them again."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     reader = dcp.FileSystemReader(ckpt)
     stored = reader.read_metadata().state_dict_metadata
-    common = {key: None for key in COMMON_KEYS if key in stored}
+    flat = {key: None for key, meta in stored.items()
+            if key.split(".", 1)[0] in COMMON_KEYS and isinstance(meta, BytesStorageMetadata)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(common, storage_reader=reader, no_dist=True,   # any rank, alone
+        dcp.load(flat, storage_reader=reader, no_dist=True,   # any rank, alone
                  planner=default_planner.DefaultLoadPlanner(allow_partial_load=True))
+    common: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = common
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return common
 
 

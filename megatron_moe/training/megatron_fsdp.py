@@ -116,8 +116,19 @@ def ddp_config_fields(args) -> dict:
             **version_fields(args)}
 
 
-def data_parallel_class(args):
+def data_parallel_wrapper(args):
     """megatron-core's wrapper for each model chunk: FullyShardedDataParallel or DDP."""
+    import functools
+
+    import torch
     from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
 
-    return FullyShardedDataParallel if args.use_megatron_fsdp else DistributedDataParallel
+    from megatron_moe.compat.megatron_fsdp import without_transformer_engine
+
+    if not args.use_megatron_fsdp:
+        return DistributedDataParallel
+    without_transformer_engine()
+    if torch.cuda.is_available():
+        return FullyShardedDataParallel
+    # its default device is the current CUDA device
+    return functools.partial(FullyShardedDataParallel, device=torch.device("cpu"))

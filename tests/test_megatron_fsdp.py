@@ -1,0 +1,140 @@
+"""Megatron-FSDP (--use-megatron-fsdp, --data-parallel-sharding-strategy, --ckpt-format
+fsdp_dtensor) in the real training loop on 2 gloo ranks (tiny CPU runs):
+
+* ZeRO-3 (optim_grads_params) at DP=2: each rank holds half of the parameters' elements as
+  megatron-core FullyShardedDataParallel DTensor shards, and the losses equal the DDP +
+  distributed optimizer run's (fp32, 1e-6); mutation: the builder wraps in DDP (every rank holds
+  every element), and without compat/cpu.py's shim the wrapper cannot be built on a CPU;
+* fsdp_dtensor checkpoints at EP=2 with SwiGLU, grouped experts and dropout: a run saved at
+  iteration 2 and resumed repeats iterations 3-4 of the uninterrupted run exactly; the directory
+  is one DCP save (SwiGLU's fc1 and its Adam moments split into _w / _v as Megatron-LM stores
+  them) with our checksum manifest; mutation: the optimizer state not loaded, the losses differ;
+  a run without Megatron-FSDP refuses that checkpoint with one line naming the format;
+* Megatron-LM's parse-time rules and ours, one line each.
+"""
+
+import os
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from megatron_moe.arguments import parse_args
+from megatron_moe.runtime.local_ranks import DistributedRunError, run_distributed
+from tests import _megatron_fsdp_cases as cases
+from tests.test_training import TINY
+
+EXACT = "--attention-dropout 0 --hidden-dropout 0".split()
+FSDP = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+        "--ckpt-format fsdp_dtensor").split()
+
+
+def _run(argv, mutate=None, dropout=False):
+    return run_distributed(cases.train, 2, TINY + ([] if dropout else EXACT) + argv,
+                           timeout_s=300, mutate=mutate)
+
+
+def _zero3(mutate=None):
+    (losses, proof), (losses1, proof1) = _run(FSDP + ["--train-iters", "3"], mutate)
+    assert losses == losses1
+    assert proof["wrapper"] == "FullyShardedDataParallel", proof
+    # each rank holds its shard: the two halves of every layer's flat buffer
+    assert 0.3 < proof["share"] < 0.7 and 0.3 < proof1["share"] < 0.7, (proof, proof1)
+    assert abs(proof["share"] + proof1["share"] - 1) < 1e-6, (proof, proof1)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def ddp_losses():
+    (losses, proof), _ = _run(["--use-distributed-optimizer", "--train-iters", "3"])
+    assert proof["wrapper"] == "DistributedDataParallel" and proof["share"] == 1.0
+    return losses
+
+
+def test_zero3_shards_and_trains_as_ddp(ddp_losses):
+    losses = _zero3()
+    assert len(set(losses)) == 3
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, ddp_losses)), \
+        (losses, ddp_losses)
+
+
+def test_zero3_mutation_fsdp_dropped_fails():
+    with pytest.raises(AssertionError):
+        _zero3("fsdp-dropped")
+
+
+def test_megatron_fsdp_needs_its_cpu_shim():
+    with pytest.raises(DistributedRunError, match="cuda"):
+        _zero3("no-cpu-shim")
+
+
+RESUME = FSDP + "--expert-model-parallel-size 2 --moe-grouped-gemm --swiglu".split()
+
+
+def _resume_run(argv, mutate=None):
+    # dropout on: an exact resume also needs every rank's generators back
+    return _run(RESUME + argv, mutate, dropout=True)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(uninterrupted losses, checkpoint root saved at iteration 2 of the same run)."""
+    root = str(tmp_path_factory.mktemp("fsdp") / "ckpt")
+    (straight, _), _ = _resume_run(["--train-iters", "4"])
+    (first, _), _ = _resume_run(["--train-iters", "4", "--save", root, "--save-interval", "2",
+                                 "--exit-interval", "2"])
+    assert first == straight[:2]
+    return straight, root
+
+
+def test_fsdp_dtensor_resume_is_exact(saved):
+    straight, root = saved
+    ckpt = os.path.join(root, "iter_0000002")
+    names = set(os.listdir(ckpt))
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "megatron_moe_checksums.json"} <= names
+    assert "metadata.json" not in names and "common.pt" not in names   # not torch_dist
+    stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    for part in ("model.", "optimizer.state."):   # megatron-core's SwiGLU split, as Megatron-LM
+        assert any(k.startswith(part) and "linear_fc1.weight_w" in k for k in stored), part
+    assert {"args", "iteration", "opt_param_scheduler.num_steps"} <= set(stored)
+    (resumed, _), _ = _resume_run(["--train-iters", "4", "--load", root])
+    assert resumed == straight[2:], (resumed, straight)
+
+
+def test_fsdp_dtensor_resume_mutation_optimizer_not_loaded(saved):
+    straight, root = saved
+    (resumed, _), _ = _resume_run(["--train-iters", "4", "--load", root],
+                                  mutate="optimizer-not-loaded")
+    assert resumed != straight[2:]
+
+
+def test_fsdp_dtensor_checkpoint_refused_by_a_ddp_run(saved):
+    _, root = saved
+    argv = [a for a in RESUME if a not in FSDP] + ["--train-iters", "4", "--load", root]
+    with pytest.raises(DistributedRunError, match="fsdp_dtensor .Megatron-FSDP's. checkpoint; "
+                                                  "this run has --ckpt-format torch_dist"):
+        _run(argv)
+
+
+BASE = TINY + ["--train-iters", "2"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor"),
+    (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp"),
+    (FSDP + ["--optimizer", "muon"], "--optimizer muon"),   # 0.16: no Muon at all
+    (FSDP + ["--outer-dp-sharding-strategy", "optim"], "hybrid FSDP is not supported"),
+    (FSDP + ["--async-save", "--save", "ckpt"], "--async-save cannot run with --ckpt-format fsdp_dtensor"),
+    (FSDP + ["--moe-balance-policy", "proprophet"], "cannot be combined with --moe-balance-policy"),
+    (FSDP + ["--moe-expert-offload", "host"], "cannot be combined with --moe-expert-offload"),
+    (FSDP + ["--check-weight-hash-across-dp-replicas-interval", "5"], "no rank holds"),
+])
+def test_refused_at_parse_time(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + extra)
+    err = capsys.readouterr().err
+    assert message in err and len([line for line in err.splitlines() if "error:" in line]) == 1, err
+
+
+def test_turns_on_the_distributed_optimizer():
+    args = parse_args(BASE + FSDP)
+    assert args.use_distributed_optimizer and args.use_megatron_fsdp
