@@ -9,6 +9,8 @@ fsdp_dtensor) in the real training loop on 2 gloo ranks (tiny CPU runs):
   iteration 2 and resumed repeats iterations 3-4 of the uninterrupted run exactly; the directory
   is one DCP save (SwiGLU's fc1 and its Adam moments split into _w / _v as Megatron-LM stores
   them) with our checksum manifest; mutation: the optimizer state not loaded, the losses differ;
+  the checkpoint loads at EP=1 too (iteration 3 within 1e-6 of the same-layout resume, 4
+  within 1e-4: gradients reduced in another order);
   a run without Megatron-FSDP refuses that checkpoint with one line naming the format;
 * Megatron-LM's parse-time rules and ours, one line each.
 """
@@ -105,6 +107,23 @@ def test_fsdp_dtensor_resume_mutation_optimizer_not_loaded(saved):
     (resumed, _), _ = _resume_run(["--train-iters", "4", "--load", root],
                                   mutate="optimizer-not-loaded")
     assert resumed != straight[2:]
+
+
+def test_fsdp_dtensor_reshards_from_ep2_to_ep1(saved):
+    """The same checkpoint at EP=1 (experts sharded over both ranks instead of split between
+    them): megatron-core's expert renumbering maps them; the Adam state loads as well. Dropout
+    off (the RNG state is restored only into the same layout, as for torch_dist), against the
+    same-layout resume, also without dropout."""
+    _, root = saved
+    load = ["--train-iters", "4", "--load", root]
+    (same, _), _ = _run(RESUME + load)
+    ep1 = [a for a in RESUME if a not in ("--expert-model-parallel-size", "2")]
+    (resharded, _), _ = _run(ep1 + load)
+    assert len(set(same)) == 2
+    # the first step from the loaded state: the same forward; after it the gradients were
+    # reduced in another order (EP=1 reduce-scatters the experts' over both ranks)
+    assert abs(resharded[0] - same[0]) <= 1e-6 * same[0], (resharded, same)
+    assert abs(resharded[1] - same[1]) <= 1e-4 * same[1], (resharded, same)
 
 
 def test_fsdp_dtensor_checkpoint_refused_by_a_ddp_run(saved):
