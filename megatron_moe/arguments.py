@@ -766,9 +766,11 @@ def _validate_model_impl_args(args):
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         raise ValueError("--no-position-embedding is deprecated in Megatron and accepted only with "
                          "--position-embedding-type rope; use --position-embedding-type none|rope")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (Megatron's "
-                         "rule: parameters are gathered only from distributed-optimizer shards)")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer
+                                          or args.use_megatron_fsdp):
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer or "
+                         "--use-megatron-fsdp (Megatron's rule: parameters are gathered only "
+                         "from their shards)")
     if not 0.0 < args.rotary_percent <= 1.0:
         raise ValueError(f"--rotary-percent ({args.rotary_percent}) must be in (0, 1]")
 

@@ -5,7 +5,8 @@ fsdp_dtensor) in the real training loop on 2 gloo ranks (tiny CPU runs):
   megatron-core FullyShardedDataParallel DTensor shards, and the losses equal the DDP +
   distributed optimizer run's (fp32, 1e-6); mutation: the builder wraps in DDP (every rank holds
   every element), and without compat/cpu.py's shim the wrapper cannot be built on a CPU;
-* fsdp_dtensor checkpoints at EP=2 with SwiGLU, grouped experts and dropout: a run saved at
+* fsdp_dtensor checkpoints at EP=2 with SwiGLU, grouped experts, bf16, overlapped gradient
+  reduce and parameter gather, and dropout: a run saved at
   iteration 2 and resumed repeats iterations 3-4 of the uninterrupted run exactly; the directory
   is one DCP save (SwiGLU's fc1 and its Adam moments split into _w / _v as Megatron-LM stores
   them) with our checksum manifest; mutation: the optimizer state not loaded, the losses differ;
@@ -69,7 +70,9 @@ def test_megatron_fsdp_needs_its_cpu_shim():
         _zero3("no-cpu-shim")
 
 
-RESUME = FSDP + "--expert-model-parallel-size 2 --moe-grouped-gemm --swiglu".split()
+# as Megatron's DeepSeek-proxy FSDP configs: bf16, overlapped gradient reduce and param gather
+RESUME = FSDP + ("--expert-model-parallel-size 2 --moe-grouped-gemm --swiglu --bf16 "
+                 "--overlap-grad-reduce --overlap-param-gather").split()
 
 
 def _resume_run(argv, mutate=None):
@@ -102,6 +105,29 @@ def test_fsdp_dtensor_resume_is_exact(saved):
     assert resumed == straight[2:], (resumed, straight)
 
 
+def test_tools_read_or_refuse_an_fsdp_dtensor_checkpoint(saved, tmp_path):
+    """tools/checkpoint_info.py reads its common state from the shards; the converter refuses
+    it in one line (it reads torch_dist)."""
+    import subprocess
+    import sys
+
+    from tools import checkpoint_info
+
+    _, root = saved
+    info = checkpoint_info.inspect(os.path.join(root, "iter_0000002"))
+    assert info["complete"], info["problems"]
+    assert info["iteration"] == 2 and info["layout"]["ep"] == 2 and info["has_optimizer"]
+    assert info["format"] == {"sharded_backend": "fsdp_dtensor"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(repo, "tools", "checkpoint", "convert.py"),
+                          "--model-type", "GPT", "--loader", "megatron", "--saver", "hf",
+                          "--load-dir", root, "--save-dir", str(tmp_path / "hf")],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=repo))
+    assert out.returncode != 0 and "is a Megatron-FSDP fsdp_dtensor checkpoint" in out.stderr, \
+        out.stderr[-2000:]
+
+
 def test_fsdp_dtensor_resume_mutation_optimizer_not_loaded(saved):
     straight, root = saved
     (resumed, _), _ = _resume_run(["--train-iters", "4", "--load", root],
@@ -128,7 +154,8 @@ def test_fsdp_dtensor_reshards_from_ep2_to_ep1(saved):
 
 def test_fsdp_dtensor_checkpoint_refused_by_a_ddp_run(saved):
     _, root = saved
-    argv = [a for a in RESUME if a not in FSDP] + ["--train-iters", "4", "--load", root]
+    argv = [a for a in RESUME if a not in FSDP] + ["--use-distributed-optimizer",
+                                                   "--train-iters", "4", "--load", root]
     with pytest.raises(DistributedRunError, match="fsdp_dtensor .Megatron-FSDP's. checkpoint; "
                                                   "this run has --ckpt-format torch_dist"):
         _run(argv)

@@ -73,28 +73,34 @@ def inspect(ckpt: str, verify: bool = False) -> dict:
     if ckpt.rstrip("/").endswith(".tmp"):
         problems.append("a .tmp directory: a save that never finished (never loaded)")
     from megatron_moe.compat.checkpoint import COMMON_PT, common_state_in_dcp, read_common_state
+    from megatron_moe.training import fsdp_dtensor_checkpoint
 
-    for name in ("metadata.json", ".metadata"):
+    # Megatron-FSDP's fsdp_dtensor: one DCP save, its common state among the shards' objects
+    fsdp_dtensor = fsdp_dtensor_checkpoint.is_fsdp_dtensor(ckpt)
+    for name in (".metadata",) if fsdp_dtensor else ("metadata.json", ".metadata"):
         if not os.path.isfile(os.path.join(ckpt, name)):
             problems.append(f"{name} missing")
     if os.path.isfile(os.path.join(ckpt, "metadata.json")):
         info["format"] = json.load(open(os.path.join(ckpt, "metadata.json")))
+    if fsdp_dtensor:
+        info["format"] = {"sharded_backend": "fsdp_dtensor"}
     in_dcp = False
-    if os.path.isfile(os.path.join(ckpt, ".metadata")):
+    if not fsdp_dtensor and os.path.isfile(os.path.join(ckpt, ".metadata")):
         try:
             in_dcp = common_state_in_dcp(FileSystemReader(ckpt).read_metadata())
         except Exception:
             pass  # reported below
     common = {}
-    if not in_dcp and not os.path.isfile(os.path.join(ckpt, COMMON_PT)):
+    if not fsdp_dtensor and not in_dcp and not os.path.isfile(os.path.join(ckpt, COMMON_PT)):
         problems.append(f"{COMMON_PT} missing")
     else:
         try:
-            common = read_common_state(ckpt)
+            common = (fsdp_dtensor_checkpoint.load_common(ckpt) if fsdp_dtensor
+                      else read_common_state(ckpt))
         except BaseException as exc:  # a truncated file, a foreign pickle (DCP: BaseException)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            where = "common state in the shards" if in_dcp else COMMON_PT
+            where = "common state in the shards" if in_dcp or fsdp_dtensor else COMMON_PT
             problems.append(f"{where} unreadable: {type(exc).__name__}: {str(exc)[:300]}")
     info["iteration"] = common.get("iteration")
     layout = common.get("parallel_layout")

@@ -81,8 +81,10 @@ def _params_gathered(model, args):
     optimizer updates only each rank's shard of the (bf16/fp16) model params and defers their
     all-gather to the next forward's pre-hooks, so at a save the other shards still hold the
     previous iteration's values. disable_forward_pre_hook() runs that all-gather synchronously
-    (param_sync=True); the hooks come back after the save."""
-    gather = args.use_distributed_optimizer and args.overlap_param_gather
+    (param_sync=True); the hooks come back after the save. Not under Megatron-FSDP, which saves
+    its own shards (Megatron-LM's should_disable_forward_pre_hook)."""
+    gather = (args.use_distributed_optimizer and args.overlap_param_gather
+              and not args.use_megatron_fsdp)
     if gather:
         for chunk in model:
             chunk.disable_forward_pre_hook()

@@ -75,6 +75,11 @@ def load_checkpoint(args):
     if iteration is None:
         raise SystemExit(f"--load-dir {args.load_dir}: no latest_checkpointed_iteration.txt")
     ckpt = checkpoint_dir(args.load_dir, iteration)
+    from megatron_moe.training.fsdp_dtensor_checkpoint import is_fsdp_dtensor
+
+    if is_fsdp_dtensor(ckpt):
+        raise SystemExit(f"--load-dir {args.load_dir}: {ckpt} is a Megatron-FSDP fsdp_dtensor "
+                         f"checkpoint; conversion reads torch_dist checkpoints only")
     common = dist_checkpointing.load_common_state_dict(ckpt)
     stored = common["args"]
     hf = (common.get("extra_state") or {}).get("hf")
