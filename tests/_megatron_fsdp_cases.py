@@ -83,7 +83,8 @@ def train(rank, world_size, argv, mutate=None):
             local = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel()
                         for t in weights)
             proof.update(wrapper=type(chunk).__name__,
-                         share=local / sum(t.numel() for t in weights))
+                         share=local / sum(t.numel() for t in weights),
+                         unit=chunk.ddp_config.suggested_communication_unit_size)
             return out
         return train_step
 

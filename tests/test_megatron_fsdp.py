@@ -2,7 +2,8 @@
 fsdp_dtensor) in the real training loop on 2 gloo ranks (tiny CPU runs):
 
 * ZeRO-3 (optim_grads_params) at DP=2: each rank holds half of the parameters' elements as
-  megatron-core FullyShardedDataParallel DTensor shards, and the losses equal the DDP +
+  megatron-core FullyShardedDataParallel DTensor shards (its config has the
+  --suggested-communication-unit-size given), and the losses equal the DDP +
   distributed optimizer run's (fp32, 1e-6); mutation: the builder wraps in DDP (every rank holds
   every element), and without compat/cpu.py's shim the wrapper cannot be built on a CPU;
 * fsdp_dtensor checkpoints at EP=2 with SwiGLU, grouped experts, bf16, overlapped gradient
@@ -37,9 +38,11 @@ def _run(argv, mutate=None, dropout=False):
 
 
 def _zero3(mutate=None):
-    (losses, proof), (losses1, proof1) = _run(FSDP + ["--train-iters", "3"], mutate)
+    (losses, proof), (losses1, proof1) = _run(
+        FSDP + ["--train-iters", "3", "--suggested-communication-unit-size", "5000"], mutate)
     assert losses == losses1
     assert proof["wrapper"] == "FullyShardedDataParallel", proof
+    assert proof["unit"] == 5000, proof
     # each rank holds its shard: the two halves of every layer's flat buffer
     assert 0.3 < proof["share"] < 0.7 and 0.3 < proof1["share"] < 0.7, (proof, proof1)
     assert abs(proof["share"] + proof1["share"] - 1) < 1e-6, (proof, proof1)

@@ -60,6 +60,9 @@ def add_arguments(parser):
         help="Megatron-FSDP's main gradient buffer dtype (megatron-core 0.19 or newer).")
     add(g, "--megatron-fsdp-grad-comm-dtype",
         help="Megatron-FSDP's gradient communication dtype (megatron-core 0.19 or newer).")
+    add(g, "--suggested-communication-unit-size",
+        help="With --use-megatron-fsdp: the elements per all-gather / reduce-scatter bucket "
+             "megatron-core aims for (its default when not given).")
     add(g, "--no-strict-fsdp-dtensor-load",
         help="Load an fsdp_dtensor checkpoint that lacks some of this model's entries "
              "(they keep their initial values).")
@@ -76,6 +79,8 @@ def validate_args(args):
     if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
         raise ValueError("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron-LM's rule)")
     if not args.use_megatron_fsdp:
+        if args.suggested_communication_unit_size is not None:
+            raise ValueError("--suggested-communication-unit-size needs --use-megatron-fsdp")
         return
     if args.ckpt_format != "fsdp_dtensor":
         raise ValueError(f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (Megatron-LM's "
@@ -113,6 +118,8 @@ def ddp_config_fields(args) -> dict:
     return {"use_megatron_fsdp": True,
             "data_parallel_sharding_strategy": args.data_parallel_sharding_strategy,
             "outer_dp_sharding_strategy": args.outer_dp_sharding_strategy,
+            **({"suggested_communication_unit_size": args.suggested_communication_unit_size}
+               if args.suggested_communication_unit_size is not None else {}),
             **version_fields(args)}
 
 
