@@ -87,7 +87,8 @@ def test_per_token_loss_returns_megatrons_sum_and_token_count():
     ("--cuda-graph-impl transformer_engine", "--cuda-graph-impl needs CUDA"),
     # (Muon's refusals, which depend on the megatron-core release: tests/test_muon.py)
     ("--optimizer soap", "--optimizer soap "),
-    ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor is refused"),
+    ("--ckpt-format torch_dcp", "--ckpt-format torch_dcp is refused"),
+    ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp"),
     ("--num-distributed-optimizer-instances 2", "needs --use-distributed-optimizer"),
     ("--context-parallel-size 2", "--context-parallel-size 2 needs --transformer-impl "
                                   "transformer_engine"),

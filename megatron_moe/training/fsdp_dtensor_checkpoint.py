@@ -186,24 +186,17 @@ def load_common(ckpt: str) -> dict:
     return common
 
 
-def stored_keys(ckpt: str) -> set:
-    return set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
-
-
 def load(state: dict, ckpt: str, model, args, strict: bool) -> dict:
-    """Load ``state`` (build_state's, is_loading) in place from ``ckpt``; returns it with the
-    model and optimizer entries as the model and optimizer load them (before preprocessing: the
-    split SwiGLU halves are views of those tensors, so loading them fills the originals)."""
-    raw = dict(state)
+    """Load ``state`` (build_state's, is_loading) in place from ``ckpt`` and return it: its
+    model and optimizer entries are what the model and optimizer load (DCP reads the
+    preprocessed copy, whose split SwiGLU halves are views of those tensors and whose other
+    entries are the same objects, so the load fills the originals)."""
     full = _preprocess(args, state, model)
-    reader = dcp.FileSystemReader(ckpt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(full, storage_reader=reader,
+        dcp.load(full, storage_reader=dcp.FileSystemReader(ckpt),
                  planner=default_planner.DefaultLoadPlanner(allow_partial_load=not strict))
-    raw.update({key: value for key, value in full.items() if key not in raw
-                or key == "rng_state"})
-    return raw
+    return state
 
 
 def rank_rng_state(loaded_rng: dict):

@@ -22,9 +22,6 @@ import os
 
 from megatron_moe.flags import exclusions
 
-# Megatron-LM's: the strategies Megatron-FSDP can shard by (its --data-parallel-sharding-strategy)
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
 # Our features that edit or read the parameters' storage or their DDP gradient buffers in ways
 # Megatron-FSDP's sharded buffers do not offer (refused at parse time, one line each).
 EXCLUDES = (
