@@ -10,7 +10,8 @@ fsdp_dtensor) in the real training loop on 2 gloo ranks (tiny CPU runs):
   reduce and parameter gather, and dropout: a run saved at
   iteration 2 and resumed repeats iterations 3-4 of the uninterrupted run exactly; the directory
   is one DCP save (SwiGLU's fc1 and its Adam moments split into _w / _v as Megatron-LM stores
-  them) with our checksum manifest; mutation: the optimizer state not loaded, the losses differ;
+  them) with our checksum manifest; mutations: the optimizer state not loaded, or the RNG states
+  not restored (--no-load-rng): the losses differ;
   the checkpoint loads at EP=1 too (iteration 3 within 1e-6 of the same-layout resume, 4
   within 1e-4: gradients reduced in another order);
   a run without Megatron-FSDP refuses that checkpoint with one line naming the format;
@@ -106,6 +107,12 @@ def test_fsdp_dtensor_resume_is_exact(saved):
     assert {"args", "iteration", "opt_param_scheduler.num_steps"} <= set(stored)
     (resumed, _), _ = _resume_run(["--train-iters", "4", "--load", root])
     assert resumed == straight[2:], (resumed, straight)
+
+
+def test_fsdp_dtensor_resume_mutation_rng_not_restored(saved):
+    straight, root = saved
+    (resumed, _), _ = _resume_run(["--train-iters", "4", "--load", root, "--no-load-rng"])
+    assert resumed != straight[2:]   # other dropout masks
 
 
 def test_tools_read_or_refuse_an_fsdp_dtensor_checkpoint(saved, tmp_path):
