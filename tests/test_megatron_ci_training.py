@@ -68,10 +68,9 @@ def _assert_tracker(ckpt, iteration):
         assert f.read() == iteration, "the first run's tracker"
 
 
-def test_resume_config_resumes_exactly(tmp_path):
-    """Megatron's ckpt-resume test: train 4 == train 2, save, stop, resume, train 2 (sinkhorn,
-    distributed optimizer, --dist-ckpt-strictness log_all, async save, deterministic mode)."""
-    name = "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer"
+def _check_resumes_exactly(name, tmp_path):
+    """Megatron's ckpt-resume test for config ``name``: train 4 == train 2, save, stop, resume,
+    train 2. Returns the resumed run's checkpoint root."""
     world, full_argv, _ = tiny_training_argv(name, str(tmp_path / "full"), 4, ())
     resumed = {"--save-interval": "2"}
     _, first_argv, _ = tiny_training_argv(name, str(tmp_path / "resumed"), 4, (),
@@ -93,6 +92,23 @@ def test_resume_config_resumes_exactly(tmp_path):
     assert second["iteration"][0] == 3
     assert first["lm_loss"] + second["lm_loss"] == full["lm_loss"]
     assert first["lr"] + second["lr"] == full["lr"]
+    return ckpt, full_argv
+
+
+def test_resume_config_resumes_exactly(tmp_path):
+    """Megatron's ckpt-resume test: train 4 == train 2, save, stop, resume, train 2 (sinkhorn,
+    distributed optimizer, --dist-ckpt-strictness log_all, async save, deterministic mode)."""
+    _check_resumes_exactly(
+        "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer", tmp_path)
+
+
+def test_megatron_fsdp_zero3_config_resumes_exactly(tmp_path):
+    """Megatron's ZeRO-3 ckpt-resume test (Megatron-FSDP optim_grads_params with TP2 x EP2,
+    sequence parallel, per-token loss, --ckpt-format fsdp_dtensor)."""
+    ckpt, argv = _check_resumes_exactly(
+        "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router", tmp_path)
+    assert {"--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"} <= set(argv)
+    assert (ckpt / "iter_0000002" / ".metadata").is_file()
 
 
 def test_verify_integrity_refuses_a_changed_checkpoint_file(tmp_path):
@@ -119,28 +135,3 @@ def test_verify_integrity_refuses_a_changed_checkpoint_file(tmp_path):
     with pytest.raises(DistributedRunError, match=shard.name):
         _train(name, tmp_path, train_iters=3, without=("--verify-integrity",),
                **{"--load": str(ckpt), "--save-interval": "100"})
-
-
-def test_megatron_fsdp_zero3_config_resumes_exactly(tmp_path):
-    """Megatron's ZeRO-3 ckpt-resume test (Megatron-FSDP optim_grads_params with TP2 x EP2,
-    sequence parallel, per-token loss, --ckpt-format fsdp_dtensor): train 4 == train 2, save,
-    stop, resume, train 2."""
-    name = "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router"
-    world, full_argv, _ = tiny_training_argv(name, str(tmp_path / "full"), 4, ())
-    assert {"--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"} <= set(full_argv)
-    resumed = {"--save-interval": "2"}
-    _, first_argv, _ = tiny_training_argv(name, str(tmp_path / "resumed"), 4, (),
-                                          **resumed, **{"--exit-interval": "2"})
-    ckpt = tmp_path / "resumed" / "checkpoint_save_path"
-    _, second_argv, _ = tiny_training_argv(name, str(tmp_path / "resumed"), 4, (),
-                                           **resumed, **{"--load": str(ckpt)})
-    runs = run_distributed(run_pretrain_steps, world, [
-        {"argv": full_argv}, {"argv": first_argv},
-        {"argv": second_argv, "prepare": functools.partial(_assert_tracker, str(ckpt), "2")},
-    ], timeout_s=900)[-1]
-    for run in runs:
-        assert run["exit"] in (0, None) and run["history"] is not None, run["text"][-3000:]
-    full, first, second = (run["history"] for run in runs)
-    assert second["iteration"][0] == 3
-    assert first["lm_loss"] + second["lm_loss"] == full["lm_loss"]
-    assert (ckpt / "iter_0000002" / ".metadata").is_file()
