@@ -278,7 +278,6 @@ def _state_bytes(state) -> int:
     """The tensor bytes this rank writes: its main replicas (each shard is written once)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
-
     from torch.distributed.tensor import DTensor
 
     # fsdp_dtensor: each rank writes its DTensor shards
@@ -819,8 +818,7 @@ def load_checkpoint(model, optimizer, scheduler, args):
     verified = problems is not None
     fsdp_dtensor = _check_format(ckpt, args)
     try:
-        common = (fsdp_dtensor_checkpoint.load_common(ckpt) if fsdp_dtensor
-                  else dist_checkpointing.load_common_state_dict(ckpt))
+        common = read_common(ckpt)
     except (Exception, CheckpointException) as exc:  # 0.19 reads it through torch DCP
         raise CheckpointError(f"{ckpt}: {_unreadable(verified)}: cannot read its common state "
                               f"({_describe_load_error(exc)})") from None
@@ -846,7 +844,8 @@ def load_checkpoint(model, optimizer, scheduler, args):
     if changed:   # the optimizer state's param groups are the checkpoint's
         raise CheckpointError(f"{ckpt}: {changed}")
     if fsdp_dtensor:
-        state = _load_fsdp_dtensor(model, optimizer, args, ckpt, verified, load_optim, load_rng)
+        state = _load_fsdp_dtensor(model, optimizer, args, ckpt, verified, common, load_optim,
+                                   load_rng)
         return _restore(state, model, optimizer, scheduler, args, ckpt, root, finetune,
                         load_optim, load_rng, rerun_template=None, fsdp_dtensor=True)
     sharded = _sharded_state(model, optimizer, args, include_optimizer=load_optim,
@@ -904,7 +903,8 @@ def _check_format(ckpt: str, args) -> bool:
     return fsdp_dtensor
 
 
-def _load_fsdp_dtensor(model, optimizer, args, ckpt, verified, load_optim, load_rng) -> dict:
+def _load_fsdp_dtensor(model, optimizer, args, ckpt, verified, common, load_optim,
+                       load_rng) -> dict:
     state = fsdp_dtensor_checkpoint.build_state(
         model, optimizer, args, include_optimizer=load_optim, include_rng=load_rng,
         is_loading=True, rng_state=_rng_state())
@@ -915,7 +915,7 @@ def _load_fsdp_dtensor(model, optimizer, args, ckpt, verified, load_optim, load_
         raise CheckpointError(f"{ckpt}: {_unreadable(verified)} ({_describe_load_error(exc)})"
                               + ("" if not strict else "; --no-strict-fsdp-dtensor-load loads "
                                  "what it holds")) from None
-    loaded.update(fsdp_dtensor_checkpoint.load_common(ckpt))
+    loaded.update(common)
     if load_rng:
         loaded["rng_state"] = fsdp_dtensor_checkpoint.rank_rng_state(loaded["rng_state"])
     return loaded
