@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_moe.compat.versions import mcore_at_least
+from megatron_moe.compat.versions import mcore_at_least, megatron_core_version
 
 # Megatron-LM core_v0.19's flags for Megatron-FSDP's buffer dtypes (DistributedDataParallelConfig
 # fields of the same names since megatron-core 0.19), with their defaults
@@ -20,9 +20,9 @@ def validate(args):
         value = getattr(args, dest, default)
         if value != default:
             flag = "--" + dest.replace("_", "-")
-            raise ValueError(f"{flag} {value}: megatron-core "
-                             f"{__import__('megatron.core').core.__version__} has no such "
-                             f"Megatron-FSDP setting (0.19 or newer; its buffers are {default})")
+            raise ValueError(f"{flag} {value}: megatron-core {megatron_core_version()} has no "
+                             f"such Megatron-FSDP setting (0.19 or newer; its buffers are "
+                             f"{default})")
 
 
 def ddp_config_fields(args) -> dict:

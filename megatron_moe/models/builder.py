@@ -263,6 +263,7 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
         model.append(chunk)
     configs = [chunk.config for chunk in model]
     num_parameters = sum(p.nelement() for chunk in model for p in chunk.parameters())
+    data_parallel = megatron_fsdp.data_parallel_wrapper(args)   # DDP, or Megatron-FSDP's
     wrapped = []
     for index, (chunk, config) in enumerate(zip(model, configs)):
         if torch.cuda.is_available():
@@ -293,7 +294,6 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
             num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         )
         # Megatron-LM: only the first chunk buckets its grads (the others' reduce at the end)
-        data_parallel = megatron_fsdp.data_parallel_wrapper(args)   # DDP, or Megatron-FSDP's
         wrapped.append(data_parallel(config=config, ddp_config=ddp_config, module=chunk,
                                      disable_bucketing=index > 0))
     config = configs[0]   # the schedule reads model[0]'s config
