@@ -69,7 +69,8 @@ def cpu_model_args(model_args, tmp):
             value = "local"
         if key == "--distributed-backend" and value == "nccl":
             value = "gloo"
-        for var in ("CHECKPOINT_SAVE_PATH", "CHECKPOINT_LOAD_PATH", "TENSORBOARD_PATH"):
+        for var in ("CHECKPOINT_SAVE_PATH", "CHECKPOINT_LOAD_PATH", "TENSORBOARD_PATH",
+                    "INFERENCE_OUTPUT_PATH"):
             value = value.replace("${%s}" % var, os.path.join(tmp, var.lower()))
         out.append([key, value])
     return out

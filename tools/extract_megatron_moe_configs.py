@@ -7,6 +7,11 @@
 Also recorded: the model confs of Qwen3-235B-A22B, DeepSeek-R1 and Kimi-K2
 (``examples/post_training/modelopt/conf``, their ``MODEL_ARGS`` words) under ``model_confs``.
 
+With ``--static-inference-output FILE``: the MoE configs that Megatron's CI runs through its static
+generation script (``examples/inference/advanced/gpt_static_inference.py``: the test cases of
+``tests/test_utils/recipes/h100/moe-static-inference.yaml``), as ``MODEL_ARGS`` pairs with the
+recipe's script path (tests/data/megatron_moe_static_inference_configs.json; docs/inference.md).
+
 With ``--reruns-output FILE``: the rerun engine's flags (``--rerun-mode``, ``--error-injection-*``,
 ...) of Megatron-LM's ``tests/functional_tests/test_cases/gpt/gpt3_mcore_reruns_*`` configs
 (tests/data/megatron_reruns_configs.json; docs/checkpoints.md, "Result validation").
@@ -91,6 +96,27 @@ def read_rerun_configs(git_dir: str, ref: str) -> dict:
     return out
 
 
+STATIC_INFERENCE_RECIPE = "tests/test_utils/recipes/h100/moe-static-inference.yaml"
+
+
+def read_static_inference_configs(git_dir: str, ref: str) -> dict:
+    """{name: {test_type, script, model_args}} of the MoE configs Megatron's static-inference
+    recipe runs (its ``products`` list), read as ``read_configs`` reads the pretraining ones."""
+    import yaml
+
+    recipe = yaml.load(_git(git_dir, "show", f"{ref}:{STATIC_INFERENCE_RECIPE}"),
+                       Loader=yaml.BaseLoader)
+    script = re.search(r"TRAINING_SCRIPT_PATH=(\S+?)\"", recipe["spec"]["script"]).group(1)
+    names = [n for product in recipe["products"] for n in product["test_case"]]
+    out = {}
+    for name in names:
+        text = _git(git_dir, "show", f"{ref}:{CASES_DIR}/{name}/model_config.yaml")
+        data = yaml.load(text, Loader=yaml.BaseLoader)
+        out[name] = {"test_type": data.get("TEST_TYPE"), "script": script,
+                     "model_args": [[key, value] for key, value in data["MODEL_ARGS"].items()]}
+    return out
+
+
 def command_line(model_args) -> list[str]:
     """Megatron's runner rule (``_run_training.sh``): the argv of one config's MODEL_ARGS."""
     argv = []
@@ -113,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--reruns-output", default=None,
                    help="also write the gpt3_mcore_reruns_* configs' rerun flags here")
+    p.add_argument("--static-inference-output", default=None,
+                   help="also write the MoE static-inference configs here")
     args = p.parse_args(argv)
     commit = _git(args.git_dir, "rev-parse", f"{args.ref}^{{commit}}").strip()
     if args.reruns_output:
@@ -122,6 +150,14 @@ def main(argv=None) -> int:
                   "configs": read_rerun_configs(args.git_dir, args.ref)}
         with open(args.reruns_output, "w") as f:
             json.dump(reruns, f, indent=1)
+            f.write("\n")
+    if args.static_inference_output:
+        static = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
+                  "source": f"{STATIC_INFERENCE_RECIPE} (products) -> {CASES_DIR}/<name>/"
+                            f"model_config.yaml (MODEL_ARGS)",
+                  "configs": read_static_inference_configs(args.git_dir, args.ref)}
+        with open(args.static_inference_output, "w") as f:
+            json.dump(static, f, indent=1)
             f.write("\n")
     out = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
            "source": f"{CASES_DIR}/*/model_config.yaml (MODEL_ARGS, configs without MODE)",

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,8 +40,11 @@ def add_text_generate_args(parser):
                    help="Prompts, each in quotes, separated by spaces.")
     g.add_argument("--prompt-file", default=None,
                    help="JSONL file, one prompt per line in its 'text' field (or a JSON string).")
-    g.add_argument("--max-batch-size", type=int, default=8, dest="inference_max_requests",
-                   help="Max number of prompts to process at once.")
+    g.add_argument("--max-batch-size", "--inference-max-requests", "--inference-max-batch-size",
+                   type=int, default=8, dest="inference_max_requests",
+                   help="Max number of prompts to process at once (Megatron's names: "
+                        "--inference-max-requests, 0.16's --inference-max-batch-size, the static "
+                        "script's --max-batch-size).")
     g.add_argument("--inference-max-seq-length", type=int, default=None,
                    help="Prompt + generated tokens limit (default: --max-position-embeddings).")
     add_ring_memory_args(parser)
@@ -51,6 +55,20 @@ def add_ring_memory_args(parser):
     from megatron_moe.inference.ring_memory_args import add_ring_memory_args as add
 
     return add(parser)
+
+
+def add_generate_args(parser):
+    """This tool's flags: the shared generation flags and Megatron's static-inference script's."""
+    from megatron_moe.inference.static_script import add_static_script_args
+
+    return add_static_script_args(add_text_generate_args(parser))
+
+
+def validate_generate_args(args):
+    from megatron_moe.inference.static_script import validate_static_script_args
+
+    validate_generation_args(args)
+    validate_static_script_args(args)
 
 
 def validate_generation_args(args, need_prompts=True):
@@ -94,7 +112,8 @@ def validate_inference_layout(args):
         raise ValueError("--context-parallel-size > 1 is not supported for generation")
 
 
-def read_prompts(path: str) -> list[str]:
+def read_prompts(path: str, limit: int | None = None) -> list[str]:
+    """The prompts of a JSONL file (the first ``limit`` of them: --prompt-file-num-truncate)."""
     prompts = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -109,6 +128,8 @@ def read_prompts(path: str) -> list[str]:
                 raise ValueError(f"--prompt-file {path}:{number}: expected a string or an object "
                                  f"with a 'text' string")
             prompts.append(text)
+            if len(prompts) == limit:
+                break
     return prompts
 
 
@@ -123,7 +144,7 @@ def _help_parser():
     p.add_argument("--load", required=True, help="Checkpoint directory (pretrain_gpt_moe.py --save).")
     p.add_argument("--use-checkpoint-args", action="store_true")
     p.add_argument("--seed", type=int, default=1234, help="Sampling seed.")
-    add_text_generate_args(p)
+    add_generate_args(p)
     return p
 
 
@@ -138,10 +159,10 @@ def main(argv=None):
     install_megatron_core_stubs()
     from megatron_moe.inference.arguments import parse_inference_args
 
-    args = parse_inference_args(argv, add_text_generate_args, prog="generate.py",
-                                validate_tool=validate_generation_args)
+    args = parse_inference_args(argv, add_generate_args, prog="generate.py",
+                                validate_tool=validate_generate_args)
     try:
-        prompts = args.prompts or read_prompts(args.prompt_file)
+        prompts = args.prompts or read_prompts(args.prompt_file, args.prompt_file_num_truncate)
     except ValueError as exc:
         print(f"generate.py: error: {exc}", file=sys.stderr)
         return 2
@@ -161,14 +182,27 @@ def main(argv=None):
     ring = attach_ring_memory(model, args)
     generator = TextGenerator(model, tokenizer, args)
     try:
-        results = generator.generate(
-            prompts, tokens_to_generate=args.num_tokens_to_generate,
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            return_log_probs=args.return_log_probs)
+        for repeat in range(args.inference_repeat_n):  # Megatron's --inference-repeat-n benchmark
+            start = time.perf_counter()
+            results = generator.generate(
+                prompts, tokens_to_generate=args.num_tokens_to_generate,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                return_log_probs=args.return_log_probs, top_n_logprobs=args.top_n_logprobs)
+            latency = time.perf_counter() - start
+            if dist.get_rank() == 0 and args.inference_repeat_n > 1:
+                print(f"run {repeat + 1} of {args.inference_repeat_n}: {len(prompts)} prompts in "
+                      f"{latency:.3f} s", flush=True)
     except ValueError as exc:
         if dist.get_rank() == 0:
             print(f"generate.py: error: {exc}", file=sys.stderr)
         return 2
+    if dist.get_rank() == 0 and args.output_path:
+        from megatron_moe.inference.static_script import megatron_output, write_output
+
+        write_output(args.output_path, megatron_output(
+            results, latency, return_log_probs=args.return_log_probs,
+            skip_prompt_log_probs=args.skip_prompt_log_probs,
+            every_n=args.output_every_n_results))
     if dist.get_rank() == 0:
         for r in results:
             print("-" * 80)

@@ -155,6 +155,7 @@ def parse_inference_args(argv, add_tool_args, prog: str, *, need_data: bool = Fa
             args.mock_data = False
         else:
             margs.validate_args(args, check_data_paths=need_data, training=False)
+        margs.validate_megatron_ci_args(args)   # GPU-only flags, determinism, formats
         margs.validate_extension_args(args)
         _check_tokenizer_files(args)
         if validate_tool is not None:

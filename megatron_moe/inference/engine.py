@@ -114,6 +114,9 @@ class Generation:
     prompt_log_probs: list | None = None  # of prompt tokens 2..n, when asked for
     top_n: list | None = None    # per generated token {token text: log prob}, when asked for
     prompt_top_n: list | None = None  # per prompt token 2..n, when asked for
+    request_id: int | None = None  # megatron-core's id of the request (Megatron's output keys)
+    generated_text: str | None = None  # megatron-core's detokenization of `tokens` alone
+    tpot: list | None = None     # megatron-core's seconds per generation step
 
 
 class TextGenerator:
@@ -193,7 +196,9 @@ class TextGenerator:
                 log_probs=list(req.generated_log_probs) if return_log_probs else None,
                 prompt_log_probs=list(req.prompt_log_probs) if return_log_probs else None,
                 top_n=list(req.generated_top_n_logprobs or []) if top_n_logprobs else None,
-                prompt_top_n=list(req.prompt_top_n_logprobs or []) if top_n_logprobs else None))
+                prompt_top_n=list(req.prompt_top_n_logprobs or []) if top_n_logprobs else None,
+                request_id=req.request_id, generated_text=req.generated_text,
+                tpot=[float(t) for t in (req.tpot or [])]))
         return out
 
     def _completion(self, prompt_tokens, tokens) -> str:
