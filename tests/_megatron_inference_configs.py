@@ -97,7 +97,8 @@ def training_argv(pairs, save: str, vocab_size: int) -> list:
             and getattr(options[k], "megatron_status", "") != "refused"]
     return command_line(kept) + [
         "--mock-data", "--vocab-size", str(vocab_size), "--seq-length", "64",
-        "--train-iters", "3", "--global-batch-size", "2", "--lr", "1e-3", "--save", save]
+        "--train-iters", "3", "--eval-iters", "1", "--global-batch-size", "2", "--lr", "1e-3",
+        "--num-workers", "0", "--save", save]   # the configs' 8 loader workers: start-up only
 
 
 def write_tokenizer(path: str) -> int:
