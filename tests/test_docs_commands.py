@@ -641,6 +641,9 @@ FOREIGN_PATHS = {
     "examples/post_training/modelopt/conf/openai/gpt-oss-20b.sh": "Megatron-LM",
     "examples/gptoss/02_train.sh": "Megatron-LM",
     "tests/functional_tests/test_cases/moe/*/model_config.yaml": "Megatron-LM",
+    "examples/inference/advanced/gpt_static_inference.py": "Megatron-LM",
+    "gpt_static_inference.py": "Megatron-LM", "gpt_dynamic_inference.py": "Megatron-LM",
+    "tests/test_utils/recipes/h100/moe-static-inference.yaml": "Megatron-LM",
 }
 
 
