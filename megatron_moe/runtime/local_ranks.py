@@ -100,6 +100,10 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, collective_timeou
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    # a rank forked from the fork server inherits "forkserver" as its start method; under torchrun
+    # a rank's is Linux's default, fork. DataLoader workers (--num-workers) start the rank's way:
+    # through a fork server of their own they re-import torch each (~8 s for 8 workers here)
+    mp.set_start_method("fork", force=True)
     try:
         import torch
         import torch.distributed as dist
