@@ -14,7 +14,9 @@ megatron_moe/flops.py), then Megatron's summary line
 The arithmetic (docs/memory.md) is our own; it differs from Megatron-LM's
 ``theoretical_memory_usage.py`` in that experts are sharded by EP x ETP (not TP) and their
 distributed-optimizer state by the expert-data-parallel size, and MoE activations scale with
-top-k (gradients: fp32 with --bf16 and fp32 parameters, fp16 with --fp16, as DDP keeps them).
+top-k (gradients: fp32 with --bf16 and fp32 parameters, fp16 with --fp16, as DDP keeps them), and
+Megatron-FSDP's ZeRO-1/2/3 shard what they shard (Megatron-LM counts them as the distributed
+optimizer).
 """
 
 from __future__ import annotations
@@ -268,12 +270,33 @@ def weight_and_optimizer_bytes(args, stage):
     dp = args.data_parallel_size * args.context_parallel_size
     edp = args.world_size // (args.expert_model_parallel_size * args.expert_tensor_parallel_size
                               * args.pipeline_model_parallel_size)
-    if args.use_distributed_optimizer:
-        optimizer = opt_per_param * (nonexp / dp + exp / edp)
+    def held(sharded):   # parameters' elements this rank keeps: all, or its data-parallel shard
+        return nonexp / dp + exp / edp if sharded else nonexp + exp
+
+    if getattr(args, "use_megatron_fsdp", False):
+        # Megatron-FSDP's buffers (megatron-core param_and_grad_buffer.py): the fp32 main weights
+        # and the optimizer state are sharded from "optim" on, the gradients from "optim_grads",
+        # the model's weights with "optim_grads_params" (ZeRO-3)
+        from megatron_moe.compat.megatron_fsdp import main_grad_bytes
+
+        grad_bytes = main_grad_bytes(args, grad_bytes, p_bytes)
+        strategy = args.data_parallel_sharding_strategy
+        weights = strategy == "optim_grads_params"
+        grads = strategy in ("optim_grads", "optim_grads_params")
+        out = dict(params=p_bytes * held(weights), grads=grad_bytes * held(grads),
+                   optimizer=opt_per_param * held(strategy != "no_shard"))
+        # what is unsharded while computing: a layer's weights gathered for its forward/backward
+        # and the next one's prefetched (ZeRO-3), a layer's full gradients until they are
+        # reduce-scattered (ZeRO-2/3); an estimate, not measured by tests/test_theoretical_memory.py
+        dense, moe, experts = layer_params(args)
+        tp, ep, etp = (args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                       args.expert_tensor_parallel_size)
+        unit = max(dense[0] / tp + dense[1], moe[0] / tp + moe[1] + experts / (ep * etp))
+        out["gathered"] = 2 * p_bytes * unit * weights + grad_bytes * unit * grads
     else:
-        optimizer = opt_per_param * (nonexp + exp)
-    return dict(params=p_bytes * (nonexp + exp), grads=grad_bytes * (nonexp + exp),
-                optimizer=optimizer, nonexpert_params=nonexp, expert_params=exp)
+        out = dict(params=p_bytes * (nonexp + exp), grads=grad_bytes * (nonexp + exp),
+                   optimizer=opt_per_param * held(args.use_distributed_optimizer), gathered=0)
+    return dict(out, nonexpert_params=nonexp, expert_params=exp)
 
 
 def _local(args):
@@ -414,7 +437,8 @@ def estimate(args, num_microbatches=None):
     for stage in range(args.pipeline_model_parallel_size):
         r = weight_and_optimizer_bytes(args, stage)
         r["activations"] = activation_bytes(args, stage, num_microbatches)
-        r["total"] = r["params"] + r["grads"] + r["optimizer"] + r["activations"]
+        r["total"] = (r["params"] + r["grads"] + r["optimizer"] + r["gathered"]
+                      + r["activations"])
         r["stage"] = stage
         if best is None or r["total"] > best["total"]:
             best = r
@@ -429,16 +453,19 @@ def report(args, ignored=(), out=print):
     r = estimate(args)
     tp, pp, ep, etp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                        args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+    sharding = (f"Megatron-FSDP {args.data_parallel_sharding_strategy}"
+                if getattr(args, "use_megatron_fsdp", False) else
+                f"distributed optimizer {'on' if args.use_distributed_optimizer else 'off'}")
     out(f"world {args.world_size}: TP={tp} PP={pp} EP={ep} ETP={etp} CP={args.context_parallel_size} "
         f"DP={args.data_parallel_size} expert-DP={args.world_size // (ep * etp * pp)}, "
-        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, "
-        f"distributed optimizer {'on' if args.use_distributed_optimizer else 'off'}, "
+        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, {sharding}, "
         f"recompute {args.recompute_granularity or 'none'}"
         f"{' (' + str(args.recompute_method) + ')' if args.recompute_granularity == 'full' else ''}")
     out(f"most loaded rank: pipeline stage {r['stage']}: {r['nonexpert_params'] / 1e9:.3f}B non-expert "
         f"+ {r['expert_params'] / 1e9:.3f}B expert parameters")
-    for k in ("params", "grads", "optimizer", "activations", "total"):
-        out(f"  {k:<12} {r[k] / GB:9.2f} GB")
+    for k in ("params", "grads", "optimizer", "gathered", "activations", "total"):
+        if k != "gathered" or r[k]:   # Megatron-FSDP's unsharded layers while computing
+            out(f"  {k:<12} {r[k] / GB:9.2f} GB")
     if ignored:
         out(f"ignored (not modelled here): {' '.join(ignored)}")
     for note in getattr(args, "memory_notes", []):
@@ -448,7 +475,7 @@ def report(args, ignored=(), out=print):
     r["flops_per_iteration"] = num_floating_point_operations(args, args.global_batch_size)
     out(f"model FLOPs per iteration: {r['flops_per_iteration'] / 1e12:.3f} TFLOP (global batch "
         f"{args.global_batch_size} x sequence {args.seq_length}, forward + backward)")
-    w = (r["params"] + r["grads"] + r["optimizer"]) / MB
+    w = (r["params"] + r["grads"] + r["optimizer"] + r["gathered"]) / MB
     a = r["activations"] / MB
     out(f"Theoretical memory footprints: weight and optimizer={w:.2f} MB, activation={a:.2f} MB, "
         f"total={w + a:.2f} MB")

@@ -39,6 +39,17 @@ def ddp_config_fields(args) -> dict:
     return fields
 
 
+def main_grad_bytes(args, ddp_bytes: int, param_bytes: int) -> int:
+    """Bytes per element of Megatron-FSDP's gradient buffer. megatron-core 0.19 keeps it in
+    ``--megatron-fsdp-main-grads-dtype`` ('auto', the default: the parameters' dtype, so bf16
+    gradients under --bf16); 0.16 in fp32 under DDP's ``grad_reduce_in_fp32`` rule
+    (``ddp_bytes``)."""
+    if not mcore_at_least("0.19"):
+        return ddp_bytes
+    value = getattr(args, "megatron_fsdp_main_grads_dtype", "auto")
+    return param_bytes if value == "auto" else {"fp32": 4, "bf16": 2, "fp16": 2}[value]
+
+
 class _NoTransformerEngineLinear:
     """Stands for Transformer Engine's TELinear where it is not installed: no module is one."""
 
