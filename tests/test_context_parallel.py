@@ -1,0 +1,110 @@
+"""Context parallelism (--context-parallel-size) on the local path: this package's SDPA attention
+by all-gather (models/attention.py), megatron-core's batch split (pretrain_gpt_moe.get_batch) and
+the loss over whole sequences, on gloo ranks (tiny CPU runs, float64 / fp32):
+
+* the CP attention on 2 ranks equals one rank's SDPA over the whole sequence (output and the q, k,
+  v gradients; causal GQA, causal MHA with a sliding window) within 1e-12 in float64; each rank's
+  query positions are megatron-core's get_batch_on_this_cp_rank split; the K/V all-gathers are
+  counted; mutations: the gathered chunks left in rank order, or no all-gather: they differ;
+* training (MoE, EP=2) with --context-parallel-size 2 on 2 ranks logs the losses of the CP=1
+  run (DP=2, EP=2: the same global batch and expert seeds; fp32, 1e-5) and its grad norms, each
+  rank holding half of each sequence; mutations: get_batch hands every CP rank the whole sequence
+  (megatron-core's split not called), or the loss divided by the rank's own token count (the
+  gradients then cp times too large): they differ;
+* parse time, one line each: megatron-core's local attention, a2a+p2p, an unknown
+  --cp-comm-type, a sequence not divisible by 2 x cp, BERT.
+"""
+
+import pytest
+
+from megatron_moe.arguments import parse_args
+from megatron_moe.runtime.local_ranks import run_distributed
+from tests import _cp_cases as cases
+from tests.test_training import TINY
+
+ATTENTION_CASES = [(2, None), (4, (5, 0))]
+
+
+def _attention(mutate=None):
+    return run_distributed(cases.attention_rank, 2, ATTENTION_CASES, mutate=mutate, timeout_s=180)
+
+
+def test_cp_attention_equals_whole_sequence_attention():
+    for diffs, gathers, same_split in _attention():
+        assert same_split
+        assert gathers == 2 * len(ATTENTION_CASES)   # K and V per case
+        assert max(diffs) < 1e-12, diffs
+
+
+@pytest.mark.parametrize("mutate", ["identity-order", "no-gather"])
+def test_cp_attention_mutations_differ(mutate):
+    assert any(max(diffs) > 1e-3 for diffs, _, _ in _attention(mutate))
+
+
+EXACT = ("--attention-dropout 0 --hidden-dropout 0 --attention-backend flash "
+         "--train-iters 3").split()
+
+
+def _train(world, extra, mutate=None):
+    return run_distributed(cases.train, world, TINY + EXACT + extra.split(), mutate=mutate,
+                           timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def cp1():
+    # EP=2 on both sides: megatron-core seeds each EP rank's experts by its EP rank, so the
+    # experts start equal only with equal EP sizes; here DP=2 reads the same global batch
+    runs = _train(2, "--expert-model-parallel-size 2")
+    for history, gathers, seen in runs:
+        assert gathers == 0 and seen == [2 * 32]
+    return runs[0][0]
+
+
+def _close(a, b):
+    return len(a) == len(b) and all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(a, b))
+
+
+def _same_run(history, cp1):
+    return all(_close(history[key], cp1[key]) for key in ("lm_loss", "grad_norm"))
+
+
+CP2 = "--context-parallel-size 2 --expert-model-parallel-size 2"
+
+
+def test_cp2_training_equals_cp1(cp1):
+    runs = _train(2, CP2)
+    for history, gathers, seen in runs:
+        assert gathers > 0 and seen == [2 * 16]   # half of each sequence per rank
+        assert _same_run(history, cp1), (history, cp1)
+    assert len(set(cp1["lm_loss"])) == len(cp1["lm_loss"])
+
+
+@pytest.mark.parametrize("mutate", ["no-cp-split", "local-token-mean"])
+def test_cp2_training_mutations_differ(cp1, mutate):
+    runs = _train(2, CP2, mutate)
+    assert not _same_run(runs[0][0], cp1)
+
+
+BASE = TINY + ["--transformer-impl", "local", "--train-iters", "3"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--context-parallel-size 2 --attention-backend unfused",
+     "--context-parallel-size 2 with --attention-backend unfused is not supported"),
+    ("--context-parallel-size 2 --cp-comm-type a2a+p2p",
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),
+    ("--context-parallel-size 2 --cp-comm-type allgather", "--cp-comm-type allgather: choose"),
+    ("--context-parallel-size 2 --seq-length 30", "must be divisible by 2 x --context-parallel"),
+])
+def test_parse_time_refusals(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + extra.split(), world_size=2)
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_cp_comm_types_accepted_on_the_local_path():
+    for comm in ("p2p", "all_gather", "a2a"):
+        args = parse_args(BASE + f"--context-parallel-size 2 --cp-comm-type {comm}".split(),
+                          world_size=2)
+        assert args.context_parallel_size == 2
