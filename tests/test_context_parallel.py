@@ -60,6 +60,17 @@ def cp1():
     return runs[0][0]
 
 
+def test_cp2_per_token_loss_equals_cp1():
+    """--calculate-per-token-loss: (loss sum, tokens) per CP rank; megatron-core's
+    finalize_model_grads divides by the DP x CP token count. Without the aux loss: megatron-core's
+    router scales it by the rank's local token count under this flag, which under CP gives its
+    gradient 1/cp of the CP=1 run's (megatron-core's behaviour, Transformer Engine's path too)."""
+    extra = " --calculate-per-token-loss --moe-aux-loss-coeff 0"
+    ref = _train(2, "--expert-model-parallel-size 2" + extra)[0][0]
+    for history, gathers, _ in _train(2, CP2 + extra):
+        assert gathers > 0 and _same_run(history, ref), (history, ref)
+
+
 def _close(a, b):
     return len(a) == len(b) and all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(a, b))
 
@@ -108,3 +119,17 @@ def test_cp_comm_types_accepted_on_the_local_path():
         args = parse_args(BASE + f"--context-parallel-size 2 --cp-comm-type {comm}".split(),
                           world_size=2)
         assert args.context_parallel_size == 2
+
+
+def test_bert_refuses_context_parallelism():
+    """Megatron-LM's BERT never splits its batch over CP ranks; refused in one line."""
+    import argparse
+
+    from megatron_moe.data.bert import validate_bert_args
+
+    args = argparse.Namespace(mask_prob=0.15, short_seq_prob=0.1, mock_data=False, seq_length=32,
+                              calculate_per_token_loss=False, context_parallel_size=2)
+    with pytest.raises(ValueError, match="--context-parallel-size > 1 is not supported for BERT"):
+        validate_bert_args(args)
+    args.context_parallel_size = 1
+    validate_bert_args(args)
