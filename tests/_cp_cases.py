@@ -69,7 +69,7 @@ def _attention(config, window=None):
 
 
 def attention_rank(rank, world_size, cases, mutate=None):
-    """For each case (groups, window): this CP rank's attention output and q/k/v gradients against
+    """For each case (groups, window, documents per sequence or 0): this CP rank's attention output and q/k/v gradients against
     one rank's SDPA over the whole sequence (same inputs on every rank, float64). Returns
     ([max abs difference per case], all-gathers counted, this rank's positions == megatron-core's
     split)."""
@@ -91,7 +91,7 @@ def attention_rank(rank, world_size, cases, mutate=None):
         same_split = torch.equal(pos, split)
         diffs = []
         before = SDPADotProductAttention.cp_gathers
-        for groups, window in cases:
+        for groups, window, documents in cases:
             config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
                                        num_query_groups=groups, kv_channels=d, attention_dropout=0.0,
                                        context_parallel_size=world_size, params_dtype=torch.float64)
@@ -103,11 +103,18 @@ def attention_rank(rank, world_size, cases, mutate=None):
             q, k, v = (torch.randn(S, b, n, d, generator=g, dtype=torch.float64)
                        for n in (heads, groups, groups))
             grad = torch.randn(S, b, heads * d, generator=g, dtype=torch.float64)
+            mask = local_mask = None
+            if documents:   # --reset-attention-mask: causal within documents (True = masked)
+                doc = torch.arange(S) * documents // S
+                keep = (doc.view(S, 1) == doc.view(1, S)) & torch.ones(S, S, dtype=torch.bool).tril()
+                mask = ~keep.view(1, 1, S, S)
+                # as get_batch hands it to the model: this rank's query rows
+                local_mask = batch_on_this_cp_rank({"attention_mask": mask})["attention_mask"]
             full = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = ref_attn(*full, None)
+            out = ref_attn(*full, mask)
             out.backward(grad)
             local = [t[pos].clone().requires_grad_() for t in (q, k, v)]
-            out_cp = cp_attn(*local, None)
+            out_cp = cp_attn(*local, local_mask)
             out_cp.backward(grad[pos])
             diff = (out_cp - out[pos]).abs().max().item()
             for a, ref in zip(local, full):

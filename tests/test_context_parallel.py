@@ -3,7 +3,8 @@ by all-gather (models/attention.py), megatron-core's batch split (pretrain_gpt_m
 the loss over whole sequences, on gloo ranks (tiny CPU runs, float64 / fp32):
 
 * the CP attention on 2 ranks equals one rank's SDPA over the whole sequence (output and the q, k,
-  v gradients; causal GQA, causal MHA with a sliding window) within 1e-12 in float64; each rank's
+  v gradients; causal GQA, causal MHA with a sliding window, GQA with --reset-attention-mask's
+  per-document mask as get_batch splits it) within 1e-12 in float64; each rank's
   query positions are megatron-core's get_batch_on_this_cp_rank split; the K/V all-gathers are
   counted; mutations: the gathered chunks left in rank order, or no all-gather: they differ;
 * training (MoE, EP=2) with --context-parallel-size 2 on 2 ranks logs the losses of the CP=1
@@ -18,27 +19,33 @@ the loss over whole sequences, on gloo ranks (tiny CPU runs, float64 / fp32):
 import pytest
 
 from megatron_moe.arguments import parse_args
-from megatron_moe.runtime.local_ranks import run_distributed
+from megatron_moe.runtime.local_ranks import DistributedRunError, run_distributed
 from tests import _cp_cases as cases
 from tests.test_training import TINY
 
-ATTENTION_CASES = [(2, None), (4, (5, 0))]
+ATTENTION_CASES = [(2, None, 0), (4, (5, 0), 0), (2, None, 3)]
 
 
 def _attention(mutate=None):
     return run_distributed(cases.attention_rank, 2, ATTENTION_CASES, mutate=mutate, timeout_s=180)
 
 
-def test_cp_attention_equals_whole_sequence_attention():
-    for diffs, gathers, same_split in _attention():
+def _check_attention(mutate=None):
+    for diffs, gathers, same_split in _attention(mutate):
         assert same_split
         assert gathers == 2 * len(ATTENTION_CASES)   # K and V per case
         assert max(diffs) < 1e-12, diffs
 
 
+def test_cp_attention_equals_whole_sequence_attention():
+    _check_attention()
+
+
 @pytest.mark.parametrize("mutate", ["identity-order", "no-gather"])
 def test_cp_attention_mutations_differ(mutate):
-    assert any(max(diffs) > 1e-3 for diffs, _, _ in _attention(mutate))
+    # without the gather, the document mask's keys (the whole sequence) no longer fit: an error
+    with pytest.raises((AssertionError, DistributedRunError)):
+        _check_attention(mutate)
 
 
 EXACT = ("--attention-dropout 0 --hidden-dropout 0 --attention-backend flash "
