@@ -11,7 +11,8 @@ the loss over whole sequences, on gloo ranks (tiny CPU runs, float64 / fp32):
   run (DP=2, EP=2: the same global batch and expert seeds; fp32, 1e-5) and its grad norms, each
   rank holding half of each sequence; mutations: get_batch hands every CP rank the whole sequence
   (megatron-core's split not called), or the loss divided by the rank's own token count (the
-  gradients then cp times too large): they differ;
+  gradients then cp times too large): they differ; the same with --calculate-per-token-loss, and
+  with TP=2 + sequence parallelism (4 ranks against TP=2 alone);
 * parse time, one line each: megatron-core's local attention, a2a+p2p, an unknown
   --cp-comm-type, a sequence not divisible by 2 x cp, BERT.
 """
@@ -140,3 +141,12 @@ def test_bert_refuses_context_parallelism():
         validate_bert_args(args)
     args.context_parallel_size = 1
     validate_bert_args(args)
+
+
+def test_cp2_with_tensor_and_sequence_parallel_equals_cp1():
+    """TP=2 with sequence parallelism: the CP gather is of each TP rank's heads, after the
+    sequence-parallel gather of the QKV projection (4 ranks against TP=2 alone on 2)."""
+    tp = "--tensor-model-parallel-size 2 --sequence-parallel"
+    ref = _train(2, tp)[0][0]
+    for history, gathers, seen in _train(4, tp + " --context-parallel-size 2"):
+        assert gathers > 0 and seen == [2 * 16] and _same_run(history, ref), (history, ref)
