@@ -11,8 +11,8 @@ the loss over whole sequences, on gloo ranks (tiny CPU runs, float64 / fp32):
   run (DP=2, EP=2: the same global batch and expert seeds; fp32, 1e-5) and its grad norms, each
   rank holding half of each sequence; mutations: get_batch hands every CP rank the whole sequence
   (megatron-core's split not called), or the loss divided by the rank's own token count (the
-  gradients then cp times too large): they differ; the same with --calculate-per-token-loss, and
-  with TP=2 + sequence parallelism (4 ranks against TP=2 alone);
+  gradients then cp times too large): they differ; the same with RoPE, with
+  --calculate-per-token-loss, and with TP=2 + sequence parallelism (4 ranks against TP=2 alone);
 * parse time, one line each: megatron-core's local attention, a2a+p2p, an unknown
   --cp-comm-type, a sequence not divisible by 2 x cp, BERT.
 """
@@ -66,6 +66,15 @@ def cp1():
     for history, gathers, seen in runs:
         assert gathers == 0 and seen == [2 * 32]
     return runs[0][0]
+
+
+def test_cp2_with_rope_equals_cp1():
+    """RoPE: megatron-core's rotary embedding takes this CP rank's positions itself (on a CPU
+    through compat/cpu.py's shim of its pinned index)."""
+    extra = " --position-embedding-type rope"
+    ref = _train(2, "--expert-model-parallel-size 2" + extra)[0][0]
+    for history, gathers, _ in _train(2, CP2 + extra):
+        assert gathers > 0 and _same_run(history, ref), (history, ref)
 
 
 def test_cp2_per_token_loss_equals_cp1():
