@@ -18,7 +18,9 @@ TE's attention (GPU with TE) is left alone.
 CUDA, the math kernel on CPU): no [b, heads, sq, sk] score matrix is materialised by us, where the
 parent's baddbmm + masked_fill + softmax + bmm are four passes over it. Chosen by Megatron's own
 flags: ``--transformer-impl local`` with ``--attention-backend flash`` (or ``auto`` when CUDA is
-available); ``local``/``unfused`` (and ``auto`` on CPU) keep megatron-core's math.
+available or with ``--context-parallel-size`` > 1, which only this attention runs: all-gather
+context parallelism); ``local``/``unfused`` (and ``auto`` on CPU without CP) keep megatron-core's
+math.
 """
 
 from __future__ import annotations
