@@ -126,15 +126,17 @@ def attention_rank(rank, world_size, cases, mutate=None):
 
 
 def train(rank, world_size, argv, mutate=None):
-    """pretrain(); (history, K/V all-gathers counted, this rank's tokens per micro-batch)."""
+    """pretrain(); (history with the evaluations' lm loss as "eval_lm_loss", K/V all-gathers
+    counted, this rank's tokens per micro-batch)."""
     from megatron_moe.models.attention import SDPADotProductAttention
+    from megatron_moe.training import loop
     from tests._train_cases import run_pretrain
 
     import pretrain_gpt_moe
 
     restore = MUTATIONS[mutate]() if mutate else (lambda: None)
-    seen = []
-    real_get = pretrain_gpt_moe.get_batch
+    seen, evals = [], []
+    real_get, real_eval = pretrain_gpt_moe.get_batch, loop.Trainer.evaluate
 
     def get_batch(*a, **k):
         out = real_get(*a, **k)
@@ -142,11 +144,17 @@ def train(rank, world_size, argv, mutate=None):
             seen.append(out[0].numel())
         return out
 
-    pretrain_gpt_moe.get_batch = get_batch
+    def evaluate(self, data_iterator):
+        losses = real_eval(self, data_iterator)
+        evals.append(float(losses["lm loss"]))
+        return losses
+
+    pretrain_gpt_moe.get_batch, loop.Trainer.evaluate = get_batch, evaluate
     before = SDPADotProductAttention.cp_gathers
     try:
         history = run_pretrain(rank, world_size, argv)
     finally:
-        pretrain_gpt_moe.get_batch = real_get
+        pretrain_gpt_moe.get_batch, loop.Trainer.evaluate = real_get, real_eval
         restore()
+    history["eval_lm_loss"] = evals
     return history, SDPADotProductAttention.cp_gathers - before, sorted(set(seen))

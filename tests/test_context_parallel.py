@@ -8,8 +8,8 @@ the loss over whole sequences, on gloo ranks (tiny CPU runs, float64 / fp32):
   query positions are megatron-core's get_batch_on_this_cp_rank split; the K/V all-gathers are
   counted; mutations: the gathered chunks left in rank order, or no all-gather: they differ;
 * training (MoE, EP=2) with --context-parallel-size 2 on 2 ranks logs the losses of the CP=1
-  run (DP=2, EP=2: the same global batch and expert seeds; fp32, 1e-5) and its grad norms, each
-  rank holding half of each sequence; mutations: get_batch hands every CP rank the whole sequence
+  run (DP=2, EP=2: the same global batch and expert seeds; fp32, 1e-5), its grad norms and its
+  evaluation losses, each rank holding half of each sequence; mutations: get_batch hands every CP rank the whole sequence
   (megatron-core's split not called), or the loss divided by the rank's own token count (the
   gradients then cp times too large): they differ; the same with RoPE, with
   --calculate-per-token-loss, and with TP=2 + sequence parallelism (4 ranks against TP=2 alone);
@@ -93,7 +93,8 @@ def _close(a, b):
 
 
 def _same_run(history, cp1):
-    return all(_close(history[key], cp1[key]) for key in ("lm_loss", "grad_norm"))
+    assert cp1["eval_lm_loss"]   # the evaluations after training (validation and test)
+    return all(_close(history[key], cp1[key]) for key in ("lm_loss", "grad_norm", "eval_lm_loss"))
 
 
 CP2 = "--context-parallel-size 2 --expert-model-parallel-size 2"
