@@ -69,7 +69,7 @@ def _attention(config, window=None):
 
 
 def attention_rank(rank, world_size, cases, mutate=None):
-    """For each case (groups, window, documents per sequence or 0): this CP rank's attention output and q/k/v gradients against
+    """For each case (groups, window, documents per sequence or 0, sinks): this CP rank's attention output and q/k/v gradients against
     one rank's SDPA over the whole sequence (same inputs on every rank, float64). Returns
     ([max abs difference per case], all-gathers counted, this rank's positions == megatron-core's
     split)."""
@@ -91,15 +91,21 @@ def attention_rank(rank, world_size, cases, mutate=None):
         same_split = torch.equal(pos, split)
         diffs = []
         before = SDPADotProductAttention.cp_gathers
-        for groups, window, documents in cases:
+        for groups, window, documents, sinks in cases:
             config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
                                        num_query_groups=groups, kv_channels=d, attention_dropout=0.0,
-                                       context_parallel_size=world_size, params_dtype=torch.float64)
+                                       context_parallel_size=world_size, params_dtype=torch.float64,
+                                       softmax_type="learnable" if sinks else "vanilla")
             one = copy.copy(config)
             one.context_parallel_size = 1
             ref_attn, cp_attn = _attention(one, window), _attention(config, window)
             assert ref_attn.cp_group is None and cp_attn.cp_group is not None
-            g = torch.Generator().manual_seed(groups + 7 * (window is not None))
+            g = torch.Generator().manual_seed(groups + 7 * (window is not None) + 3 * documents)
+            if sinks:   # gpt-oss's learnable sinks, the same logits on both
+                logits = torch.randn(heads, generator=g, dtype=torch.float64)
+                with torch.no_grad():
+                    ref_attn.softmax_offset.copy_(logits)
+                    cp_attn.softmax_offset.copy_(logits)
             q, k, v = (torch.randn(S, b, n, d, generator=g, dtype=torch.float64)
                        for n in (heads, groups, groups))
             grad = torch.randn(S, b, heads * d, generator=g, dtype=torch.float64)
@@ -119,6 +125,10 @@ def attention_rank(rank, world_size, cases, mutate=None):
             diff = (out_cp - out[pos]).abs().max().item()
             for a, ref in zip(local, full):
                 diff = max(diff, (a.grad - ref.grad[pos]).abs().max().item())
+            if sinks:   # each CP rank's queries' share of the sink gradient, summed over CP
+                share = cp_attn.softmax_offset.grad.clone()
+                torch.distributed.all_reduce(share, group=cp_attn.cp_group)
+                diff = max(diff, (share - ref_attn.softmax_offset.grad).abs().max().item())
             diffs.append(diff)
         return diffs, SDPADotProductAttention.cp_gathers - before, same_split
     finally:

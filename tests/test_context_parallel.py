@@ -3,18 +3,20 @@ by all-gather (models/attention.py), megatron-core's batch split (pretrain_gpt_m
 the loss over whole sequences, on gloo ranks (tiny CPU runs, float64 / fp32):
 
 * the CP attention on 2 ranks equals one rank's SDPA over the whole sequence (output and the q, k,
-  v gradients; causal GQA, causal MHA with a sliding window, GQA with --reset-attention-mask's
-  per-document mask as get_batch splits it) within 1e-12 in float64; each rank's
-  query positions are megatron-core's get_batch_on_this_cp_rank split; the K/V all-gathers are
-  counted; mutations: the gathered chunks left in rank order, or no all-gather: they differ;
-* training (MoE, EP=2) with --context-parallel-size 2 on 2 ranks logs the losses of the CP=1
-  run (DP=2, EP=2: the same global batch and expert seeds; fp32, 1e-5), its grad norms and its
-  evaluation losses, each rank holding half of each sequence; mutations: get_batch hands every CP rank the whole sequence
-  (megatron-core's split not called), or the loss divided by the rank's own token count (the
-  gradients then cp times too large): they differ; the same with RoPE, with
-  --calculate-per-token-loss, and with TP=2 + sequence parallelism (4 ranks against TP=2 alone);
+  v gradients, the sinks' gradient summed over CP) within 1e-12 in float64: causal GQA, causal MHA
+  with a sliding window, GQA with --reset-attention-mask's per-document mask as get_batch splits
+  it, gpt-oss's GQA + window + learnable sinks; each rank's query positions are megatron-core's
+  get_batch_on_this_cp_rank split; the K/V all-gathers are counted; mutations: the gathered chunks
+  left in rank order, or no all-gather: they fail;
+* training (MoE, EP=2) with --context-parallel-size 2 on 2 ranks logs the losses, grad norms and
+  evaluation losses of the CP=1 run (DP=2, EP=2: the same global batch and expert seeds; fp32,
+  1e-5), each rank holding half of each sequence; mutations: get_batch hands every CP rank the
+  whole sequence (megatron-core's split not called), or the loss divided by the rank's own token
+  count (the gradients then cp times too large): they differ; the same equality with RoPE, with
+  --calculate-per-token-loss, with TP=2 + sequence parallelism (4 ranks against TP=2 alone), and
+  for a tiny gpt-oss (sinks, window on every other layer, YaRN);
 * parse time, one line each: megatron-core's local attention, a2a+p2p, an unknown
-  --cp-comm-type, a sequence not divisible by 2 x cp, BERT.
+  --cp-comm-type, a sequence not divisible by 2 x cp, BERT; the accepted --cp-comm-type values.
 """
 
 import pytest
@@ -24,7 +26,8 @@ from megatron_moe.runtime.local_ranks import DistributedRunError, run_distribute
 from tests import _cp_cases as cases
 from tests.test_training import TINY
 
-ATTENTION_CASES = [(2, None, 0), (4, (5, 0), 0), (2, None, 3)]
+ATTENTION_CASES = [(2, None, 0, False), (4, (5, 0), 0, False), (2, None, 3, False),
+                   (2, (3, 0), 0, True)]
 
 
 def _attention(mutate=None):
@@ -159,4 +162,28 @@ def test_cp2_with_tensor_and_sequence_parallel_equals_cp1():
     tp = "--tensor-model-parallel-size 2 --sequence-parallel"
     ref = _train(2, tp)[0][0]
     for history, gathers, seen in _train(4, tp + " --context-parallel-size 2"):
+        assert gathers > 0 and seen == [2 * 16] and _same_run(history, ref), (history, ref)
+
+
+def test_gpt_oss_cp2_equals_cp1(tmp_path):
+    """gpt-oss (examples/train_gpt_oss_20b_cpu.sh's model: learnable sinks, window 3,0 on every
+    other layer, YaRN RoPE, EP=2) in fp32, without its checkpoint flags."""
+    from tests.test_gpt_oss import SCRIPT, script_argv
+
+    argv = script_argv(SCRIPT, tmp_path, str(tmp_path / "ckpt"))
+    drop = {"--bf16": 0, "--save": 1, "--load": 1, "--save-interval": 1, "--train-iters": 1}
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] in drop:
+            i += 1 + drop[argv[i]]
+            continue
+        kept.append(argv[i])
+        i += 1
+    kept += ["--train-iters", "3", "--attention-backend", "flash"]
+
+    def run(extra, world=2):
+        return run_distributed(cases.train, world, kept + extra, timeout_s=300)
+
+    ref = run([])[0][0]
+    for history, gathers, seen in run(["--context-parallel-size", "2"]):
         assert gathers > 0 and seen == [2 * 16] and _same_run(history, ref), (history, ref)
