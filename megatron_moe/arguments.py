@@ -57,7 +57,7 @@ def _add_parallel_args(p):
         g, "--cp-comm-type",
         help="Context-parallel attention's communication (Transformer Engine's names): p2p, "
              "all_gather, a2a; one for all layers or one per layer. --transformer-impl local "
-             "computes every one by all-gather (same result; docs/architecture.md).")
+             "computes every one by all-gather (same result; docs/gpu.md).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="Defaults to --tensor-model-parallel-size.")
