@@ -15,6 +15,7 @@ quiet_known_warnings()
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 
+from megatron_moe.compat.context_parallel import batch_on_this_cp_rank
 from megatron_moe.data.gpt import build_gpt_datasets
 from megatron_moe.runtime.global_vars import get_args, get_tokenizer
 from megatron_moe.models.builder import gpt_model_provider
@@ -34,6 +35,10 @@ def needs_attention_mask(args) -> bool:
     return bool(args.reset_attention_mask)
 
 
+# the per-token tensors a context-parallel rank keeps its chunks of (the mask: its query rows)
+_CP_SPLIT_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
 def get_batch(data_iterator, vp_stage=None):
     """This rank's micro-batch; middle pipeline stages take their input from the previous stage
     (with virtual stages: this model chunk's place in the pipeline)."""
@@ -47,12 +52,17 @@ def get_batch(data_iterator, vp_stage=None):
     device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
     batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
              for k, v in batch.items() if keep_mask or k != "attention_mask"}
+    # --context-parallel-size: this CP rank's two chunks of the sequence (megatron-core's
+    # load-balanced split, as Megatron-LM's pretrain_gpt.py); the attention gathers the keys
+    batch = batch_on_this_cp_rank(
+        {k: batch[k] for k in _CP_SPLIT_KEYS if batch.get(k) is not None})
     return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
             batch["position_ids"])
 
 
 def loss_func(loss_mask, output_tensor):
-    """Mean next-token loss over unmasked tokens; reported per data-parallel rank.
+    """Mean next-token loss over unmasked tokens (of the whole sequences under context
+    parallelism); reported per data-parallel rank.
 
     --calculate-per-token-loss (Megatron's form): the loss summed over tokens with the token
     count; megatron-core's schedule and finalize_model_grads divide by the global token count."""
@@ -66,9 +76,21 @@ def loss_func(loss_mask, output_tensor):
         # forward-backward in one host read (megatron_moe/training/result_validation.py)
         record_loss(loss_sum)
         return loss_sum, num_tokens, {"lm loss": report}
-    loss = loss_sum / loss_mask.sum().clamp(min=1.0)
+    num_tokens = loss_mask.sum()
+    if parallel_state.get_context_parallel_world_size() > 1:
+        # this CP rank holds 1/cp of each sequence: divide its loss sum by the whole sequences'
+        # token count (megatron-core's schedule multiplies the loss by cp and its DDP averages
+        # gradients over data x context parallel ranks, so the gradient is the CP=1 run's), and
+        # report the whole sequences' mean on every CP rank (the log averages over DP x CP ranks)
+        pair = torch.stack([loss_sum.detach(), num_tokens])
+        torch.distributed.all_reduce(pair, group=parallel_state.get_context_parallel_group())
+        loss = loss_sum / pair[1].clamp(min=1.0)
+        report = pair[0] / pair[1].clamp(min=1.0)
+    else:
+        loss = loss_sum / num_tokens.clamp(min=1.0)
+        report = loss.detach().clone()
     record_loss(loss)
-    return loss, {"lm loss": loss.detach().clone()}
+    return loss, {"lm loss": report}
 
 
 def forward_step(data_iterator, model):

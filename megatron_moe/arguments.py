@@ -51,6 +51,13 @@ def _add_parallel_args(p):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    from megatron_moe.flags import add_megatron_argument
+
+    add_megatron_argument(
+        g, "--cp-comm-type",
+        help="Context-parallel attention's communication (Transformer Engine's names): p2p, "
+             "all_gather, a2a; one for all layers or one per layer. --transformer-impl local "
+             "computes every one by all-gather (same result; docs/gpu.md).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="Defaults to --tensor-model-parallel-size.")
@@ -980,15 +987,40 @@ def _validate_parallel_mapping(args):
         raise ValueError("--check-weight-hash-across-dp-replicas-interval must be >= 1")
 
 
+# Transformer Engine's context-parallel communication types (megatron-core TransformerConfig
+# cp_comm_type; Megatron-LM's help spells all_gather "allgather", which TE would reject)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
 def _validate_context_parallel(args):
-    """megatron-core's context parallelism runs only inside TEDotProductAttention: with the local
-    path every rank would stop at its first forward (an AssertionError per rank)."""
-    cp = args.context_parallel_size
-    if cp > 1 and args.transformer_impl != "transformer_engine":
-        raise ValueError(f"--context-parallel-size {cp} needs --transformer-impl "
-                         f"transformer_engine (megatron-core's context parallelism is Transformer "
-                         f"Engine attention's; the local path, megatron-core's local attention and "
-                         f"this package's SDPA one, has none)")
+    """--context-parallel-size / --cp-comm-type. Megatron-LM's rules (the sequence splits into
+    2 x cp chunks; a2a+p2p needs hierarchical CP sizes, not supported here), then the attention:
+    Transformer Engine's, or on the local path this package's SDPA attention (all-gather CP,
+    models/attention.py); megatron-core's local attention has no context parallelism."""
+    from megatron_moe.models.attention import use_sdpa
+
+    cp, comm = args.context_parallel_size, args.cp_comm_type
+    comm = [comm] if isinstance(comm, str) else list(comm)
+    for kind in comm:
+        if kind not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {kind}: choose from {', '.join(CP_COMM_TYPES)} "
+                             f"(Transformer Engine's names)")
+    if len(comm) not in (1, args.num_layers):
+        raise ValueError(f"--cp-comm-type takes one value or one per layer ({args.num_layers}), "
+                         f"got {len(comm)}")
+    if "a2a+p2p" in comm:
+        raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes, "
+                         "which is not supported")
+    if cp == 1:
+        return
+    if args.seq_length is not None and args.seq_length % (2 * cp):
+        raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by 2 x "
+                         f"--context-parallel-size ({cp})")
+    if args.transformer_impl == "local" and not use_sdpa(args):
+        raise ValueError(f"--context-parallel-size {cp} with --attention-backend "
+                         f"{args.attention_backend} is not supported: megatron-core's local "
+                         f"attention has no context parallelism; use --attention-backend flash "
+                         f"(or auto: torch SDPA with all-gather context parallelism)")
 
 
 def _validate_model_options(args):

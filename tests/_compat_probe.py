@@ -73,6 +73,13 @@ def s_hardcoded_cuda_devices():
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     assert RerunStateMachine()._reduce_any(False) is False   # the re-run verdict's all-reduce
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    # RoPE's positions of this CP rank (a pinned index tensor: no allocator without CUDA)
+    emb = torch.arange(8.0).view(8, 1, 1, 1)
+    group = parallel_state.get_context_parallel_group()
+    assert torch.equal(get_pos_emb_on_this_cp_rank(emb, 0, group), emb)
 
 
 def s_param_type():

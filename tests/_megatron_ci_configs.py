@@ -25,7 +25,6 @@ GPU_ONLY = {
     "--cuda-graph-impl": "needs CUDA", "--cuda-graph-modules": "needs CUDA",
     "--cuda-graph-warmup-steps": "needs CUDA",
     "--attention-backend": "Transformer Engine",
-    "--context-parallel-size": "Transformer Engine",
     "--overlap-moe-expert-parallel-comm": "needs CUDA",
     "--fine-grained-activation-offloading": "needs CUDA", "--offload-modules": "needs CUDA",
     "--use-transformer-engine-op-fuser": "needs CUDA",

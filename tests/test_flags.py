@@ -193,19 +193,21 @@ def test_gradients_in_fp32_is_accepted_and_always_on():
         assert args.accumulate_allreduce_grads_in_fp32 is True and args.main_grads_dtype == "fp32"
 
 
-def test_context_parallel_with_local_attention_fails_at_parse_time(capsys):
-    """megatron-core's local attention asserts CP == 1 inside the model build; refused here."""
+def test_context_parallel_with_megatron_core_local_attention_fails_at_parse_time(capsys):
+    """megatron-core's local attention asserts CP == 1 inside the model build; refused here (the
+    SDPA attention has CP: tests/test_context_parallel.py)."""
     with pytest.raises(SystemExit) as exc:
-        parse_args(BASE + "--transformer-impl local --context-parallel-size 2".split(),
-                   world_size=2)
+        parse_args(BASE + "--transformer-impl local --attention-backend local "
+                          "--context-parallel-size 2".split(), world_size=2)
     assert exc.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(err) == 1 and "--context-parallel-size 2 needs --transformer-impl " \
-        "transformer_engine" in err[0] and "SDPA" in err[0], err
-    # the local path with one context-parallel rank is accepted, flash (SDPA) included
-    args = parse_args(BASE + "--transformer-impl local --attention-backend flash".split(),
-                      world_size=2)
-    assert args.attention_backend == "flash" and args.context_parallel_size == 1
+    assert len(err) == 1 and "--context-parallel-size 2 with --attention-backend local is not " \
+        "supported" in err[0] and "--attention-backend flash" in err[0], err
+    # flash (SDPA), and auto (SDPA under CP), are accepted
+    for backend in ("flash", "auto"):
+        args = parse_args(BASE + f"--transformer-impl local --attention-backend {backend} "
+                                 f"--context-parallel-size 2".split(), world_size=2)
+        assert args.context_parallel_size == 2
 
 
 def test_transformer_impl_resolution():

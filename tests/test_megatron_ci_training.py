@@ -135,3 +135,13 @@ def test_verify_integrity_refuses_a_changed_checkpoint_file(tmp_path):
     with pytest.raises(DistributedRunError, match=shard.name):
         _train(name, tmp_path, train_iters=3, without=("--verify-integrity",),
                **{"--load": str(ckpt), "--save-interval": "100"})
+
+
+def test_context_parallel_config_resumes_exactly(tmp_path):
+    """Megatron's CP2 x PP2 x EP2 config (4 ranks) with --context-parallel-size kept: the local
+    path's SDPA attention by all-gather (--attention-backend flash), each CP rank half of every
+    sequence on both pipeline stages that read data; train 4 == train 2, save, resume, train 2."""
+    _, argv = _check_resumes_exactly(
+        "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic", tmp_path)
+    i = argv.index("--context-parallel-size")
+    assert argv[i + 1] == "2" and "--pipeline-model-parallel-size" in argv

@@ -90,8 +90,8 @@ def test_per_token_loss_returns_megatrons_sum_and_token_count():
     ("--ckpt-format torch_dcp", "--ckpt-format torch_dcp is refused"),
     ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp"),
     ("--num-distributed-optimizer-instances 2", "needs --use-distributed-optimizer"),
-    ("--context-parallel-size 2", "--context-parallel-size 2 needs --transformer-impl "
-                                  "transformer_engine"),
+    ("--context-parallel-size 2 --attention-backend unfused",
+     "--context-parallel-size 2 with --attention-backend unfused is not supported"),
 ])
 def test_cpu_refusals_are_one_line_naming_the_flag(flag, message, capsys):
     if torch.cuda.is_available():

@@ -24,7 +24,9 @@ _APPLIED = False
 
 # --- helpers --------------------------------------------------------------------------------------
 class _CpuTorchProxy:
-    """Stands in for ``torch`` inside one megatron-core module: ``device='cuda'`` becomes cpu."""
+    """Stands in for ``torch`` inside one megatron-core module: ``device='cuda'`` becomes cpu, and
+    ``pin_memory=True`` (a staging buffer for a host-to-device copy) is dropped: a CPU-only build
+    has no pinned-memory allocator."""
 
     _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "zeros_like", "empty_like")
 
@@ -37,6 +39,8 @@ class _CpuTorchProxy:
             device = kwargs.get("device")
             if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
                 kwargs["device"] = torch.device("cpu")  # an object: comm/strict.py reads it as the data device
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
             return attr(*args, **kwargs)
 
         return factory
@@ -103,6 +107,8 @@ HARDCODED_CUDA_MODULES = (
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.router",
     "megatron.core.rerun_state_machine",   # its all-reduce of the re-run verdict
+    # RoPE under context parallelism: this CP rank's positions, a pinned index copied to CUDA
+    "megatron.core.models.common.embeddings.rope_utils",
 )
 
 

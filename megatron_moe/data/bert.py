@@ -44,6 +44,10 @@ def validate_bert_args(args) -> None:
     if args.mock_data:
         raise ValueError("BERT has no synthetic data: pass --data-path with a sentence-level "
                          "dataset (tools/preprocess_data.py --split-sentences)")
+    if getattr(args, "context_parallel_size", 1) > 1:
+        # Megatron-LM's BERT (examples/bert/pretrain_bert.py) never splits its batch over CP ranks
+        raise ValueError("--context-parallel-size > 1 is not supported for BERT (nor by "
+                         "Megatron-LM's BERT): its padding-masked attention sees whole sequences")
     if getattr(args, "calculate_per_token_loss", False):
         raise ValueError("--calculate-per-token-loss is for GPT's next-token loss (pretrain_gpt_moe.py); "
                          "BERT's loss here is the masked-LM mean (+ the per-sequence order loss)")

@@ -18,12 +18,15 @@ TE's attention (GPU with TE) is left alone.
 CUDA, the math kernel on CPU): no [b, heads, sq, sk] score matrix is materialised by us, where the
 parent's baddbmm + masked_fill + softmax + bmm are four passes over it. Chosen by Megatron's own
 flags: ``--transformer-impl local`` with ``--attention-backend flash`` (or ``auto`` when CUDA is
-available); ``local``/``unfused`` (and ``auto`` on CPU) keep megatron-core's math.
+available or with ``--context-parallel-size`` > 1, which only this attention runs: all-gather
+context parallelism); ``local``/``unfused`` (and ``auto`` on CPU without CP) keep megatron-core's
+math.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Optional
 
@@ -35,6 +38,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 __all__ = ["UnequalHeadDotProductAttention", "SDPADotProductAttention", "use_sdpa",
+           "cp_chunk_order", "cp_query_positions",
            "LayerNormColumnParallelLinear", "customize_spec"]
 
 
@@ -99,7 +103,43 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
     The explicit masks (window, sinks, padding) are [sq, sk] per batch/head at most; only the
     unmasked causal path reaches the flash kernel. Packed sequences and attention biases are
     refused as megatron-core's local attention refuses them.
+
+    Context parallelism (``--context-parallel-size`` cp > 1), by all-gather (the Llama 3 paper's
+    all-gather CP; Transformer Engine's ``--cp-comm-type all_gather``), whatever
+    ``--cp-comm-type`` says (same result; the memory is all-gather's: the whole sequence's K and V
+    on every CP rank): each CP rank holds the sequence chunks r and 2*cp-1-r of 2*cp
+    (megatron-core's ``get_batch_on_this_cp_rank``); K and V are all-gathered over the CP group and
+    put back in sequence order, and the local queries attend with the mask of their true positions
+    (causal, or the window; a dataloader mask arrives already cut to the local query rows). The
+    mask is explicit ([2 * s / cp, s]), so the flash kernel is not used under CP.
     """
+
+    # K/V all-gathers over the context-parallel group, counted (the equivalence tests prove the
+    # CP path ran)
+    cp_gathers = 0
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        cp = config.context_parallel_size
+        # megatron-core's local attention asserts one CP rank at construction (its math has no
+        # CP); this subclass does the CP itself, so the parent sees a copy with cp = 1
+        base = config
+        if cp > 1:
+            base = copy.copy(config)
+            base.context_parallel_size = 1
+        super().__init__(base, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         k_channels=k_channels, v_channels=v_channels,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        self.config = config
+        self.cp_group = None
+        if cp > 1:
+            from megatron.core import parallel_state
+
+            self.cp_group = (getattr(pg_collection, "cp", None)
+                             or parallel_state.get_context_parallel_group())
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **unused):
@@ -110,8 +150,12 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
             raise ValueError("attention_bias is not supported by the local attention")
         self.check_head_dims(query, key, value)
         sq, b, heads, _ = query.shape
+        cp = self.cp_group is not None and self.cp_group.size() > 1
+        if cp:
+            key, value = self._gather_cp(key), self._gather_cp(value)
         sk = key.shape[0]
-        keep, is_causal = self._keep_mask(attention_mask, sq, sk, query.device)
+        keep, is_causal = (self._cp_keep_mask if cp else self._keep_mask)(
+            attention_mask, sq, sk, query.device)
         offset = self.softmax_offset
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -166,6 +210,41 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
             return None, False
         return ~attention_mask, False
 
+    def _gather_cp(self, t):
+        """[s / cp, b, groups, d] of this CP rank -> [s, b, groups, d] of the whole sequence in
+        sequence order. megatron-core's sequence-parallel gather is autograd-aware as needed here:
+        forward all-gathers the first dim, backward reduce-scatters it (every rank's queries add
+        to the gradient of every rank's keys and values; each rank keeps the sum for its own
+        chunks), on NCCL and on gloo."""
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        cp = self.cp_group.size()
+        chunk = t.shape[0] // 2
+        full = gather_from_sequence_parallel_region(t.contiguous(), tensor_parallel_output_grad=True,
+                                                    group=self.cp_group)
+        SDPADotProductAttention.cp_gathers += 1
+        order = cp_chunk_order(cp, t.device)
+        return full.view(2 * cp, chunk, *t.shape[1:]).index_select(0, order).view(
+            2 * cp * chunk, *t.shape[1:])
+
+    def _cp_keep_mask(self, attention_mask, sq, sk, device):
+        """(keep, is_causal) of the local queries over the whole sequence's keys: the causal (or
+        window) mask of the queries' true positions, or the dataloader's mask (its query rows
+        already this rank's)."""
+        window = self.scale_mask_softmax.window_size
+        pos = cp_query_positions(self.cp_group.size(), self.cp_group.rank(), sq, device)
+        rel = torch.arange(sk, device=device).view(1, sk) - pos.view(sq, 1)   # key - query
+        if window is not None:
+            return (rel >= -window[0]) & (rel <= window[1]), False
+        if attention_mask is not None:
+            if attention_mask.shape[-1] != sk:
+                raise ValueError(f"context parallelism: the attention mask has "
+                                 f"{attention_mask.shape[-1]} keys, the sequence {sk}")
+            return ~attention_mask, False
+        if self.attn_mask_type == AttnMaskType.causal:
+            return rel <= 0, False
+        return None, False
+
     @staticmethod
     def _uniform_rows(out, v, dead):
         """megatron-core's softmax over a fully masked row is uniform (its masked scores are all
@@ -184,13 +263,29 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
         return torch.cat([base, sink], dim=-1)
 
 
+def cp_chunk_order(cp: int, device) -> torch.Tensor:
+    """Index of each sequence chunk (of 2 * cp) in the all-gather of the CP ranks' chunks
+    (rank r holds chunks r and 2 * cp - 1 - r: megatron-core's ``get_batch_on_this_cp_rank``)."""
+    return torch.tensor([2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)],
+                        dtype=torch.long, device=device)
+
+
+def cp_query_positions(cp: int, rank: int, sq: int, device) -> torch.Tensor:
+    """Sequence positions of CP rank ``rank``'s ``sq`` local tokens (its chunks r and 2cp-1-r)."""
+    chunk = sq // 2
+    local = torch.arange(chunk, device=device)
+    return torch.cat([rank * chunk + local, (2 * cp - 1 - rank) * chunk + local])
+
+
 def use_sdpa(args) -> bool:
-    """--transformer-impl local with --attention-backend flash, or auto when CUDA is available:
-    the core attention is SDPADotProductAttention (TE's attention has its own kernels)."""
+    """--transformer-impl local with --attention-backend flash, or auto when CUDA is available or
+    with --context-parallel-size > 1 (only this attention has context parallelism on the local
+    path): the core attention is SDPADotProductAttention (TE's attention has its own kernels)."""
     if getattr(args, "transformer_impl", None) != "local":
         return False
     backend = getattr(args, "attention_backend", "auto")
-    return backend == "flash" or (backend == "auto" and torch.cuda.is_available())
+    return backend == "flash" or (backend == "auto" and (
+        torch.cuda.is_available() or getattr(args, "context_parallel_size", 1) > 1))
 
 
 def customize_spec(args, spec):

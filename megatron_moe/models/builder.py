@@ -55,6 +55,9 @@ def transformer_config_from_args(args, config_class=TransformerConfig) -> Transf
         field = _RENAMED.get(key, key)
         if field in names:
             kwargs[field] = value
+    comm = kwargs.get("cp_comm_type")
+    if isinstance(comm, (list, tuple)) and len(comm) == 1:
+        kwargs["cp_comm_type"] = comm[0]   # Megatron-LM's: one value for every layer
     dtype = _DTYPES[args.params_dtype]
     te = use_transformer_engine(args)
     modules = kwargs.get("recompute_modules")

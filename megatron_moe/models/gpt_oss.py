@@ -98,8 +98,12 @@ def validate_args(args):
     if mla and (args.window_size is not None or args.softmax_type != "vanilla"):
         raise ValueError("--window-size/--softmax-type are not wired to --multi-latent-attention "
                          "here (MLA's core attention is ours on CPU; untested)")
-    if args.window_size is not None and args.context_parallel_size > 1:
-        raise ValueError("--window-size with --context-parallel-size > 1 is not supported")
+    if args.window_size is not None and args.context_parallel_size > 1 \
+            and getattr(args, "transformer_impl", None) != "local":
+        # the local path's SDPA attention applies the window to the gathered keys (all-gather
+        # CP, models/attention.py); Transformer Engine's windowed CP is untested here
+        raise ValueError("--window-size with --context-parallel-size > 1 needs --transformer-impl "
+                         "local (the SDPA attention's all-gather context parallelism)")
     if args.position_embedding_type == "yarn":
         if mla:
             raise ValueError("--position-embedding-type yarn is for standard attention; "
