@@ -88,12 +88,15 @@ def try_parse(model_args, world_size=WORLD_SIZE):
     return None
 
 
-def peel_cpu(model_args, world_size=WORLD_SIZE):
-    """Parse; each refusal must be one line naming a GPU-only flag (or entry) of the config,
+def peel_cpu(model_args, world_size=WORLD_SIZE, parse=None, gpu_only=None):
+    """Parse (``parse``: another entry point's, e.g. generate.py's); each refusal must be one line
+    naming a GPU-only flag (or entry) of the config (``gpu_only``: flag -> a word of its refusal),
     which is then dropped. Returns (dropped flags, final refusal or None, the remaining args)."""
+    parse = parse or try_parse
+    expected_words = {**GPU_ONLY, **MISSING_HERE} if gpu_only is None else gpu_only
     dropped = []
     for _ in range(len(model_args) + 1):
-        refusal = try_parse(model_args, world_size)
+        refusal = parse(model_args, world_size)
         if refusal is None:
             return dropped, None, model_args
         message = refusal.split("error:", 1)[1].splitlines()[0].strip()
@@ -108,7 +111,7 @@ def peel_cpu(model_args, world_size=WORLD_SIZE):
             model_args = [p for p in model_args if p[1] not in ("[]", "")]
             dropped.append(f"{flag} {entry}")
             continue
-        expected = GPU_ONLY.get(flag) or MISSING_HERE.get(flag)
+        expected = expected_words.get(flag)
         if expected is None or expected not in message:
             return dropped, message, model_args
         model_args = [p for p in model_args if p[0] != flag]

@@ -65,24 +65,8 @@ def try_parse(pairs, world_size: int):
 
 
 def peel_cpu(pairs, world_size: int):
-    """(dropped flags, final refusal or None, remaining pairs): each refusal must be one line
-    naming a GPU-only flag of the config with its expected words; that flag is then dropped."""
-    import re
-
-    dropped = []
-    for _ in range(len(pairs) + 1):
-        refusal = try_parse(pairs, world_size)
-        if refusal is None:
-            return dropped, None, pairs
-        message = refusal.split("error:", 1)[1].splitlines()[0].strip()
-        named = re.findall(r"--[a-z0-9][a-z0-9_-]*", message)
-        present = [k for k, _ in pairs]
-        flag = next((f for f in named if f in present), None)
-        if flag not in GPU_ONLY or GPU_ONLY[flag] not in message:
-            return dropped, message, pairs
-        pairs = [p for p in pairs if p[0] != flag]
-        dropped.append(flag)
-    return dropped, "did not converge", pairs
+    """The pretraining configs' refusal peel (tests/_megatron_ci_configs.py) over generate.py."""
+    return C.peel_cpu(pairs, world_size, parse=try_parse, gpu_only=GPU_ONLY)
 
 
 def training_argv(pairs, save: str, vocab_size: int) -> list:

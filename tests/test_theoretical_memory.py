@@ -56,26 +56,34 @@ def _storages(tensors):
     return seen
 
 
-def _measure_rank(rank, world, argvs):
-    import torch
-    from megatron.core import parallel_state
+def _model_and_optimizer(argv, world):
+    """(args, model chunks, optimizer) of one command line, built as the training loop builds them."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     import pretrain_gpt_moe
-    from megatron_moe.runtime import global_vars
     from megatron_moe.arguments import parse_args
+    from megatron_moe.models.builder import get_model
+    from megatron_moe.runtime import global_vars
     from megatron_moe.runtime.initialize import initialize_distributed
-    from megatron_moe.models.builder import get_model, unwrap
     from megatron_moe.training.loop import _build_tokenizer, _optimizer_config
+
+    args = parse_args(argv, world_size=world, check_data_paths=False)
+    global_vars.set_args(args)
+    initialize_distributed(args)
+    _build_tokenizer(args)
+    model = get_model(pretrain_gpt_moe.model_provider, args)
+    return args, model, get_megatron_optimizer(_optimizer_config(args, OptimizerConfig), model)
+
+
+def _measure_rank(rank, world, argvs):
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_moe.models.builder import unwrap
 
     out = {}
     for name, argv in argvs.items():
-        args = parse_args(argv, world_size=world, check_data_paths=False)
-        global_vars.set_args(args)
-        initialize_distributed(args)
-        _build_tokenizer(args)
-        model = get_model(pretrain_gpt_moe.model_provider, args)
-        opt = get_megatron_optimizer(_optimizer_config(args, OptimizerConfig), model)
+        args, model, opt = _model_and_optimizer(argv, world)
         params = [p for m in model for p in m.parameters()]
         p_st = _storages(params)
         g_st = _storages([getattr(p, "main_grad", None) for p in params])
@@ -225,23 +233,10 @@ FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 def _measure_fsdp_rank(rank, world, argvs):
     import torch
     from megatron.core import parallel_state
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    import pretrain_gpt_moe
-    from megatron_moe.arguments import parse_args
-    from megatron_moe.models.builder import get_model
-    from megatron_moe.runtime import global_vars
-    from megatron_moe.runtime.initialize import initialize_distributed
-    from megatron_moe.training.loop import _build_tokenizer, _optimizer_config
 
     out = {}
     for name, argv in argvs.items():
-        args = parse_args(argv, world_size=world, check_data_paths=False)
-        global_vars.set_args(args)
-        initialize_distributed(args)
-        _build_tokenizer(args)
-        model = get_model(pretrain_gpt_moe.model_provider, args)
-        opt = get_megatron_optimizer(_optimizer_config(args, OptimizerConfig), model)
+        args, model, opt = _model_and_optimizer(argv, world)
         groups = model[0].module.param_and_grad_buffer.parameter_groups
         # buffers of one kind share an allocation (one per dtype): each storage counted once
         nbytes = lambda bufs: sum(_storages(b.data for b in bufs if b is not None).values())
