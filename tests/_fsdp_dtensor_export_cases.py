@@ -1,0 +1,130 @@
+"""Rank functions for tests/test_fsdp_dtensor_export.py (spawned by run_distributed). ``mutate``
+breaks the reader inside the spawned process; the test expects that comparison to fail."""
+
+TRUE_VOCAB = 256   # NullTokenizer --vocab-size 255: its ids and the eod
+
+
+def _swap_swiglu_halves():
+    """The SwiGLU re-join puts the up half first: [up; gate] instead of megatron-core's
+    [gate; up]."""
+    import torch
+
+    from megatron_moe.training import fsdp_dtensor_checkpoint as fdc
+
+    read = fdc.ModelWeights.read
+
+    def swapped(self, names):
+        out = read(self, names)
+        for name in names:
+            if len(self.keys[fdc._canonical(name)]) == 2:
+                gate, up = out[name].chunk(2)
+                out[name] = torch.cat([up, gate])
+        return out
+
+    fdc.ModelWeights.read = swapped
+    return lambda: setattr(fdc.ModelWeights, "read", read)
+
+
+def _experts_not_renumbered():
+    """Every expert-parallel rank reads experts 0.. (the stored global numbers taken as local)."""
+    from megatron.core.transformer import fsdp_dtensor_checkpoint as core
+
+    offset = core.get_ep_layer_offset
+    core.get_ep_layer_offset = lambda num_experts=None: 0
+    return lambda: setattr(core, "get_ep_layer_offset", offset)
+
+
+MUTATIONS = {"swiglu-swapped": _swap_swiglu_halves,
+             "experts-not-renumbered": _experts_not_renumbered}
+
+
+def _forward(model, tokens):
+    import torch
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    ids = torch.tensor(tokens)
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        return gather_from_tensor_model_parallel_region(model(ids, pos, None))
+
+
+def train_and_reference(rank, world_size, argv, tokens, prompt, steps):
+    """pretrain() under Megatron-FSDP (``argv`` saves at its last iteration). After every train
+    step, the trained model itself (Megatron-FSDP-wrapped, every rank) in eval mode: its logits
+    of ``tokens`` and a greedy decode of ``prompt`` by full forwards (``steps`` tokens, each with
+    its log prob over the true vocabulary). Returns (losses, the last step's reference)."""
+    import torch
+
+    from tests._train_cases import pretrain_with_step
+
+    reference = {}
+
+    def wrap(step):
+        def train_step(self, data_iterator):
+            out = step(self, data_iterator)
+            chunk = self.model[0]
+            chunk.eval()
+            try:
+                reference["logits"] = _forward(chunk, tokens).clone()
+                seq, logps = list(prompt), []
+                for _ in range(steps):
+                    last = torch.log_softmax(_forward(chunk, [seq])[0, -1, :TRUE_VOCAB].double(), -1)
+                    seq.append(int(last.argmax()))
+                    logps.append(float(last[seq[-1]]))
+                reference["greedy"] = (seq[len(prompt):], logps)
+            finally:
+                chunk.train()
+            return out
+        return train_step
+
+    losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    return losses, reference
+
+
+def load_logits(rank, world_size, argv, layouts, tokens, mutate=None):
+    """Our model at each layout (no Megatron-FSDP: gpt_model_provider, no wrapper), every
+    checkpoint tensor first set to NaN, loaded through load_checkpoint as the inference tools do
+    (no optimizer, no scheduler). Per layout: (iteration, tensors the reader filled on this rank,
+    this rank's state-dict tensors, of them still NaN after the load, full-vocabulary logits of
+    ``tokens`` from rank 0)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_moe.arguments import parse_args
+    from megatron_moe.data.tokenizers import vocab_size_with_padding
+    from megatron_moe.models.builder import gpt_model_provider
+    from megatron_moe.runtime.initialize import initialize_distributed
+    from megatron_moe.training import fsdp_dtensor_checkpoint as fdc
+    from megatron_moe.training.checkpointing import load_checkpoint
+
+    restore = MUTATIONS[mutate]() if mutate else (lambda: None)
+    load = fdc.load_model_weights
+    counted = []
+    fdc.load_model_weights = lambda model, ckpt: counted.append(load(model, ckpt)) or counted[-1]
+    out = []
+    try:
+        for layout in layouts:
+            args = parse_args(argv + layout.split(), world_size=world_size)
+            # what pretrain() sets once the tokenizer is built
+            args.padded_vocab_size = vocab_size_with_padding(
+                TRUE_VOCAB, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            initialize_distributed(args)
+            model = gpt_model_provider(args)
+            state = {k: v for k, v in model.state_dict(keep_vars=True).items()
+                     if torch.is_tensor(v) and v.is_floating_point()
+                     and not k.endswith("_extra_state")}
+            with torch.no_grad():
+                for tensor in state.values():
+                    tensor.fill_(float("nan"))
+            iteration = load_checkpoint([model], None, None, args)[0]
+            model.eval()
+            logits = _forward(model, tokens)
+            nan = sum(int(torch.isnan(t).any()) for t in state.values())
+            out.append((iteration, counted[-1], len(state), nan,
+                        logits.clone() if rank == 0 else None))
+    finally:
+        fdc.load_model_weights = load
+        restore()
+    return out
