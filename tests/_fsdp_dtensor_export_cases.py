@@ -1,6 +1,9 @@
 """Rank functions for tests/test_fsdp_dtensor_export.py (spawned by run_distributed). ``mutate``
 breaks the reader inside the spawned process; the test expects that comparison to fail."""
 
+import contextlib
+import io
+
 TRUE_VOCAB = 256   # NullTokenizer --vocab-size 255: its ids and the eod
 
 
@@ -77,8 +80,23 @@ def train_and_reference(rank, world_size, argv, tokens, prompt, steps):
             return out
         return train_step
 
-    losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    reference["validation"] = [line for line in printed.getvalue().splitlines()
+                               if "validation loss at" in line and "validation set" in line]
     return losses, reference
+
+
+def evaluate_and_serve(rank, world_size, load, prompt, tokens):
+    """tools/evaluate.py's and tools/run_text_generation_server.py's main() on this one
+    process: (exit code, printed text) and (exit code, the server's answer to ``prompt``)."""
+    from tests._ring_tools_cases import _main, _serve
+    from tools import evaluate
+
+    common = ["--load", load, "--use-checkpoint-args"]
+    # evaluation first (megatron-core 0.19's engine leaves its InferenceMode flag set)
+    return _main(evaluate.main, common), _serve(common, prompt, tokens)
 
 
 def load_logits(rank, world_size, argv, layouts, tokens, mutate=None):
@@ -100,7 +118,7 @@ def load_logits(rank, world_size, argv, layouts, tokens, mutate=None):
     restore = MUTATIONS[mutate]() if mutate else (lambda: None)
     load = fdc.load_model_weights
     counted = []
-    fdc.load_model_weights = lambda model, ckpt: counted.append(load(model, ckpt)) or counted[-1]
+    fdc.load_model_weights = lambda *a, **k: counted.append(load(*a, **k)) or counted[-1]
     out = []
     try:
         for layout in layouts:

@@ -11,6 +11,7 @@ greedy decode. Then, all in fp32:
   left NaN, every stored tensor filled (counted); mutations: SwiGLU's halves re-joined the other
   way round (TP=2), or the experts' global numbers taken as local (EP=2): the logits differ;
 * tools/generate.py on one process: the reference's greedy tokens and their log probs;
+  tools/evaluate.py: the training run's validation loss; the REST server: the greedy completion;
 * tools/checkpoint/convert.py -> HF: transformers' Mixtral gives the reference logits; with the
   SwiGLU mutation it does not;
 * training without Megatron-FSDP (DDP + distributed optimizer) fine-tunes from the checkpoint
@@ -57,9 +58,10 @@ def trained(tmp_path_factory):
     """(checkpoint root, reference of rank 0) of the ZeRO-3 run, saved at iteration 2."""
     root = str(tmp_path_factory.mktemp("fsdp_export") / "ckpt")
     argv = MODEL + FSDP + EP2 + ["--train-iters", "2", "--save", root, "--save-interval", "2"]
-    (losses, ref), (losses1, _) = run_distributed(cases.train_and_reference, 2, argv, TOKENS,
+    (losses, ref), (losses1, ref1) = run_distributed(cases.train_and_reference, 2, argv, TOKENS,
                                                   PROMPT, STEPS, timeout_s=300)
     assert losses == losses1 and len(losses) == 2
+    ref["validation"] += ref1["validation"]   # printed by the last rank
     assert os.path.isfile(os.path.join(root, "iter_0000002", ".metadata"))
     assert not os.path.isfile(os.path.join(root, "iter_0000002", "metadata.json"))  # fsdp_dtensor
     return root, ref
@@ -103,6 +105,24 @@ def test_generate_cli_reads_it(trained):
     assert text.split() == [str(t) for t in PROMPT + tokens], (text, tokens)
     # printed with 4 decimals
     assert logps == pytest.approx(ref_logps, abs=1e-4), (logps, ref_logps)
+
+
+def test_evaluate_and_server_read_it(trained):
+    """tools/evaluate.py gives the training run's own validation loss; the REST server
+    answers the reference's greedy completion."""
+    import re
+
+    root, ref = trained
+    (rc, printed), (rc_server, answer) = run_distributed(
+        cases.evaluate_and_serve, 1, root, " ".join(map(str, PROMPT)), STEPS, timeout_s=300)[0]
+    assert rc == 0 and rc_server == 0, (rc, rc_server, printed[-2000:])
+    loss = lambda text: float(re.search(r"lm loss value: (\S+)", text).group(1))
+    [line] = ref["validation"]
+    # DP=2 ranks of Megatron-FSDP in training against one process here: summation order only
+    assert loss(printed) == pytest.approx(loss(line), rel=1e-6), (printed, line)
+    status, body = answer
+    assert status == 200
+    assert body["text"] == [" ".join(map(str, PROMPT + ref["greedy"][0]))], body
 
 
 def _convert(root, out, mutate=None):

@@ -947,7 +947,8 @@ def _load_fsdp_dtensor_weights(model, optimizer, scheduler, args, ckpt, root, ve
             f"schedule and RNG start fresh)")
     try:
         common = read_common(ckpt)
-        filled = fsdp_dtensor_checkpoint.load_model_weights(model, ckpt)
+        filled = fsdp_dtensor_checkpoint.load_model_weights(
+            model, ckpt, strict=getattr(args, "strict_fsdp_dtensor_load", True))
     except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
         raise CheckpointError(f"{ckpt}: {_unreadable(verified)} ({_describe_load_error(exc)})"
                               ) from None

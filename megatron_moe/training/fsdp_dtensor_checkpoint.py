@@ -333,11 +333,12 @@ def _tp_slice(name: str, whole, param, swiglu: bool):
 READ_BYTES = 1 << 30
 
 
-def load_model_weights(model, ckpt: str) -> int:
+def load_model_weights(model, ckpt: str, strict: bool = True) -> int:
     """Fill the plain (not Megatron-FSDP-wrapped) megatron-core model chunks ``model`` of any
     tensor / expert / pipeline layout from the fsdp_dtensor checkpoint ``ckpt``; every tensor of
     their state dicts (``_extra_state`` aside) must be there (ValueError naming the first that
-    is not or whose shape differs). Returns the number of tensors filled."""
+    is not or whose shape differs; not ``strict``: one it lacks keeps its value, as
+    --no-strict-fsdp-dtensor-load). Returns the number of tensors filled."""
     from megatron.core.transformer import fsdp_dtensor_checkpoint as fsdp_ckpt
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -356,11 +357,14 @@ def load_model_weights(model, ckpt: str) -> int:
         targets = {name: tensor for name, tensor in module.state_dict(keep_vars=True).items()
                    if torch.is_tensor(tensor) and not name.endswith("_extra_state")}
         names = {}
-        for name in targets:
+        for name in list(targets):
             full = _global_name(name, layer_numbers, expert_offset)
-            if _canonical(full) not in weights.keys:
+            if _canonical(full) in weights.keys:
+                names[name] = full
+            elif strict:
                 raise ValueError(f"{ckpt} holds no {full} (this model's {name})")
-            names[name] = full
+            else:
+                del targets[name]
         batch, size = [], 0
         for i, name in enumerate(targets):
             batch.append(name)
