@@ -37,8 +37,19 @@ def _experts_not_renumbered():
     return lambda: setattr(core, "get_ep_layer_offset", offset)
 
 
+def _layers_not_renumbered():
+    """A pipeline stage reads layers 0.. (its local layer numbers taken as global)."""
+    from megatron_moe.training import fsdp_dtensor_checkpoint as fdc
+
+    global_name = fdc._global_name
+    fdc._global_name = lambda name, layers, offset: global_name(name, {i: i for i in layers},
+                                                                offset)
+    return lambda: setattr(fdc, "_global_name", global_name)
+
+
 MUTATIONS = {"swiglu-swapped": _swap_swiglu_halves,
-             "experts-not-renumbered": _experts_not_renumbered}
+             "experts-not-renumbered": _experts_not_renumbered,
+             "layers-not-renumbered": _layers_not_renumbered}
 
 
 def _forward(model, tokens):
@@ -51,7 +62,7 @@ def _forward(model, tokens):
         return gather_from_tensor_model_parallel_region(model(ids, pos, None))
 
 
-def train_and_reference(rank, world_size, argv, tokens, prompt, steps):
+def train_and_reference(rank, world_size, argv, tokens, prompt, steps, mutate=None):
     """pretrain() under Megatron-FSDP (``argv`` saves at its last iteration). After every train
     step, the trained model itself (Megatron-FSDP-wrapped, every rank) in eval mode: its logits
     of ``tokens`` and a greedy decode of ``prompt`` by full forwards (``steps`` tokens, each with
@@ -71,7 +82,8 @@ def train_and_reference(rank, world_size, argv, tokens, prompt, steps):
                 reference["logits"] = _forward(chunk, tokens).clone()
                 seq, logps = list(prompt), []
                 for _ in range(steps):
-                    last = torch.log_softmax(_forward(chunk, [seq])[0, -1, :TRUE_VOCAB].double(), -1)
+                    logits = _forward(chunk, [seq])[0, -1, :TRUE_VOCAB].double()
+                    last = torch.log_softmax(logits, -1)
                     seq.append(int(last.argmax()))
                     logps.append(float(last[seq[-1]]))
                 reference["greedy"] = (seq[len(prompt):], logps)
@@ -80,9 +92,13 @@ def train_and_reference(rank, world_size, argv, tokens, prompt, steps):
             return out
         return train_step
 
+    restore = MUTATIONS[mutate]() if mutate else (lambda: None)
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    try:
+        with contextlib.redirect_stdout(printed):
+            losses = pretrain_with_step(argv, wrap)["history"]["lm_loss"]
+    finally:
+        restore()
     reference["validation"] = [line for line in printed.getvalue().splitlines()
                                if "validation loss at" in line and "validation set" in line]
     return losses, reference

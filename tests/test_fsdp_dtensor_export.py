@@ -14,9 +14,11 @@ greedy decode. Then, all in fp32:
   tools/evaluate.py: the training run's validation loss; the REST server: the greedy completion;
 * tools/checkpoint/convert.py -> HF: transformers' Mixtral gives the reference logits; with the
   SwiGLU mutation it does not;
-* training without Megatron-FSDP (DDP + distributed optimizer) fine-tunes from the checkpoint
-  (--finetune: weights only) with the losses of the Megatron-FSDP fine-tune from it; a resume
-  without Megatron-FSDP is refused in one line that names what works.
+* training without Megatron-FSDP (DDP + distributed optimizer, at EP=2 and at PP=2, tied
+  embeddings too) fine-tunes from the checkpoint (--finetune: weights only) with the losses of
+  the Megatron-FSDP fine-tune from it; mutation: the second stage's layers not renumbered (a
+  resume without Megatron-FSDP is refused in one line that names what works:
+  tests/test_megatron_fsdp.py).
 """
 
 import json
@@ -27,7 +29,7 @@ import sys
 import pytest
 import torch
 
-from megatron_moe.runtime.local_ranks import DistributedRunError, run_distributed
+from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _fsdp_dtensor_export_cases as cases
 from tests._train_cases import generate_cli
 
@@ -162,28 +164,49 @@ def test_converts_to_hf(trained, tmp_path, mutate):
         torch.testing.assert_close(hf, ours, **TOL)
 
 
-def _train(argv):
-    return run_distributed(cases.train_and_reference, 2, MODEL + argv, TOKENS, PROMPT, 0,
+def _train(argv, model=MODEL, mutate=None):
+    """Rank 0's losses of a 2-rank training run."""
+    return run_distributed(cases.train_and_reference, 2, model + argv, TOKENS, PROMPT, 0, mutate,
                            timeout_s=300)[0][0]
 
 
+def _close(a, b, rel):
+    return all(abs(x - y) <= rel * y for x, y in zip(a, b))
+
+
 def test_ddp_finetunes_from_it_as_megatron_fsdp_does(trained):
+    """Weights only (--finetune) into DDP + distributed optimizer at EP=2 and at PP=2 (the second
+    stage's layers renumbered): the Megatron-FSDP fine-tune's losses."""
     root, _ = trained
-    finetune = EP2 + ["--train-iters", "2", "--load", root, "--finetune"]
-    fsdp = _train(FSDP + finetune)
-    ddp = _train(["--use-distributed-optimizer"] + finetune)
+    finetune = ["--train-iters", "2", "--load", root, "--finetune"]
+    ddp = ["--use-distributed-optimizer"]
+    fsdp = _train(FSDP + EP2 + finetune)
+    same = _train(ddp + EP2 + finetune)
     assert len(set(fsdp)) == 2
-    assert all(abs(a - b) <= 1e-6 * b for a, b in zip(ddp, fsdp)), (ddp, fsdp)
+    assert _close(same, fsdp, 1e-6), (same, fsdp)
+    pp2 = _train(ddp + ["--pipeline-model-parallel-size", "2"] + finetune)
+    # the first step's forward from the loaded weights; then another gradient reduction order
+    assert _close(pp2[:1], fsdp, 1e-6) and _close(pp2, fsdp, 1e-4), (pp2, fsdp)
+    # mutation: the second stage reads the first stage's layers
+    wrong = _train(ddp + ["--pipeline-model-parallel-size", "2"] + finetune,
+                   mutate="layers-not-renumbered")
+    assert not _close(wrong[:1], fsdp, 1e-3), (wrong, fsdp)
     # not the losses of a fresh start: the weights were loaded
-    fresh = _train(["--use-distributed-optimizer"] + EP2 + ["--train-iters", "2"])
-    assert abs(fresh[0] - ddp[0]) > 1e-3, (fresh, ddp)
+    fresh = _train(ddp + EP2 + ["--train-iters", "2"])
+    assert abs(fresh[0] - same[0]) > 1e-3, (fresh, same)
 
 
-def test_resume_without_megatron_fsdp_is_refused(trained):
-    root, _ = trained
-    with pytest.raises(DistributedRunError, match="this run has no --use-megatron-fsdp: resume "
-                                                  "it with --use-megatron-fsdp .*--finetune"):
-        _train(["--use-distributed-optimizer"] + EP2 + ["--train-iters", "3", "--load", root])
+def test_tied_embeddings_finetune_at_pp2(tmp_path):
+    """Embedding and output layer tied: a one-stage save stores the embedding only; the last
+    stage of PP=2 holds a copy of it as its output layer, read from the embedding."""
+    root = str(tmp_path / "ckpt")
+    tied = [a for a in MODEL if a != "--untie-embeddings-and-output-weights"]
+    _train(FSDP + EP2 + ["--train-iters", "1", "--save", root, "--save-interval", "1"], tied)
+    finetune = ["--train-iters", "2", "--load", root, "--finetune"]
+    fsdp = _train(FSDP + EP2 + finetune, tied)
+    pp2 = _train(["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"]
+                 + finetune, tied)
+    assert _close(pp2[:1], fsdp, 1e-6) and _close(pp2, fsdp, 1e-4), (pp2, fsdp)
 
 
 def test_names_of_both_expert_layouts_and_stages():

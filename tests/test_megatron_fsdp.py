@@ -157,7 +157,9 @@ def test_fsdp_dtensor_checkpoint_refused_by_a_ddp_run(saved):
     argv = [a for a in RESUME if a not in FSDP] + ["--use-distributed-optimizer",
                                                    "--train-iters", "4", "--load", root]
     with pytest.raises(DistributedRunError, match="fsdp_dtensor .Megatron-FSDP's. checkpoint; "
-                                                  "this run has no --use-megatron-fsdp"):
+                                                  "this run has no --use-megatron-fsdp: "
+                                                  "resume it with --use-megatron-fsdp .*"
+                                                  "--finetune or --pretrained-checkpoint"):
         _run(argv)
 
 

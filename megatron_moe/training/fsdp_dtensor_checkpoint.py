@@ -304,8 +304,8 @@ def _global_name(local: str, layer_numbers: dict, expert_offset: int) -> str:
     match = _LAYER.match(name)
     if match:
         name = f"decoder.layers.{layer_numbers[int(match.group(1))]}." + name[match.end():]
-    return _SEQUENTIAL.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + expert_offset}.",
-                           name)
+    return _SEQUENTIAL.sub(
+        lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + expert_offset}.", name)
 
 
 def _tp_slice(name: str, whole, param, swiglu: bool):
@@ -316,7 +316,8 @@ def _tp_slice(name: str, whole, param, swiglu: bool):
     if not getattr(param, "tensor_model_parallel", False):
         return whole
     if ".mlp.experts." in name:
-        size, rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+        size = ps.get_expert_tensor_parallel_world_size()
+        rank = ps.get_expert_tensor_parallel_rank()
     else:
         size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if size == 1:
@@ -352,13 +353,19 @@ def load_model_weights(model, ckpt: str, strict: bool = True) -> int:
         # megatron-core's TransformerLayer.layer_number is global and from 1
         layer_numbers = {int(name.rsplit(".", 1)[1]): layer.layer_number - 1
                          for name, layer in module.named_modules()
-                         if isinstance(layer, TransformerLayer) and name.startswith("decoder.layers.")}
+                         if isinstance(layer, TransformerLayer)
+                         and name.startswith("decoder.layers.")}
         expert_offset = fsdp_ckpt.get_ep_layer_offset(config.num_moe_experts)
         targets = {name: tensor for name, tensor in module.state_dict(keep_vars=True).items()
                    if torch.is_tensor(tensor) and not name.endswith("_extra_state")}
         names = {}
         for name in list(targets):
             full = _global_name(name, layer_numbers, expert_offset)
+            if (full == "output_layer.weight" and full not in weights.keys
+                    and getattr(module, "share_embeddings_and_output_weights", False)):
+                # a last pipeline stage's copy of the tied embedding (megatron-core keeps it
+                # equal to the first stage's; a one-stage model stores only the embedding)
+                full = "embedding.word_embeddings.weight"
             if _canonical(full) in weights.keys:
                 names[name] = full
             elif strict:
@@ -374,11 +381,11 @@ def load_model_weights(model, ckpt: str, strict: bool = True) -> int:
             read = weights.read([names[n] for n in batch])
             for local in batch:
                 target = targets[local]
-                part = _tp_slice(local, read[names[local]], target,
-                                 config.gated_linear_unit)
+                part = _tp_slice(local, read[names[local]], target, config.gated_linear_unit)
                 if part.shape != target.shape:
-                    raise ValueError(f"{ckpt}: {names[local]} has shape {tuple(weights.shape(names[local]))}; "
-                                     f"this model's {local} is {tuple(target.shape)} on this rank")
+                    raise ValueError(f"{ckpt}: {names[local]} has shape "
+                                     f"{tuple(weights.shape(names[local]))}; this model's {local} "
+                                     f"is {tuple(target.shape)} on this rank")
                 with torch.no_grad():
                     target.copy_(part)
                 filled += 1
