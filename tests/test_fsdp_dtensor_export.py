@@ -10,6 +10,7 @@ greedy decode. Then, all in fp32:
   TP=2 x EP=2 x ETP=1, every checkpoint tensor set to NaN first: the reference logits, no tensor
   left NaN, every stored tensor filled (counted); mutations: SwiGLU's halves re-joined the other
   way round (TP=2), or the experts' global numbers taken as local (EP=2): the logits differ;
+* a checkpoint written at TP=2 (Megatron-FSDP over tensor parallelism) the same at each layout;
 * tools/generate.py on one process: the reference's greedy tokens and their log probs;
   tools/evaluate.py: the training run's validation loss; the REST server: the greedy completion;
 * tools/checkpoint/convert.py -> HF: transformers' Mixtral gives the reference logits; with the
@@ -87,6 +88,20 @@ def test_loads_into_every_layout_without_megatron_fsdp(trained):
         torch.testing.assert_close(logits, ref["logits"], **TOL, msg=layout)
     # the whole model on one rank (DP=2): every stored tensor used, SwiGLU's halves as one
     assert results[0][1] == len(stored) == 2 * (5 + 4 * 2) + 3, sorted(stored)
+
+
+def test_a_checkpoint_written_at_tp2_loads_at_every_layout(tmp_path):
+    """Megatron-FSDP over TP=2 (sequence parallel) stores whole tensors too (its DTensors span
+    the tensor-parallel ranks); the reader needs nothing else."""
+    root = str(tmp_path / "ckpt")
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    (_, ref), _ = run_distributed(
+        cases.train_and_reference, 2,
+        MODEL + FSDP + tp2 + ["--train-iters", "2", "--save", root, "--save-interval", "2"],
+        TOKENS, PROMPT, 0, timeout_s=300)
+    for layout, (_, filled, tensors, nan, logits) in zip(LAYOUTS, _load(root, LAYOUTS)):
+        assert filled == tensors and nan == 0, (layout, filled, tensors, nan)
+        torch.testing.assert_close(logits, ref["logits"], **TOL, msg=layout)
 
 
 @pytest.mark.parametrize("mutate, layout", [

@@ -278,6 +278,10 @@ class ModelWeights:
         sizes = [self.meta[key].size for key in parts]
         return torch.Size([sum(s[0] for s in sizes), *sizes[0][1:]])
 
+    def nbytes(self, name: str) -> int:
+        return sum(self.meta[key].size.numel() * self.meta[key].properties.dtype.itemsize
+                   for key in self.keys[_canonical(name)])
+
     def read(self, names) -> dict:
         """{name: whole tensor} of ``names`` (in the stored dtype), in one DCP read on this
         process alone (no collective: any rank, any world size)."""
@@ -330,7 +334,7 @@ def _tp_slice(name: str, whole, param, swiglu: bool):
     return whole.chunk(size, dim)[rank]
 
 
-# tensors read per DCP call: bounds the host memory a load holds beside the model
+# whole tensors read per DCP call: bounds the host memory a load holds beside the model
 READ_BYTES = 1 << 30
 
 
@@ -375,7 +379,7 @@ def load_model_weights(model, ckpt: str, strict: bool = True) -> int:
         batch, size = [], 0
         for i, name in enumerate(targets):
             batch.append(name)
-            size += targets[name].numel() * targets[name].element_size()
+            size += weights.nbytes(names[name])
             if size < READ_BYTES and i + 1 < len(targets):
                 continue
             read = weights.read([names[n] for n in batch])
