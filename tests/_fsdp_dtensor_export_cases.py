@@ -66,7 +66,8 @@ def train_and_reference(rank, world_size, argv, tokens, prompt, steps, mutate=No
     """pretrain() under Megatron-FSDP (``argv`` saves at its last iteration). After every train
     step, the trained model itself (Megatron-FSDP-wrapped, every rank) in eval mode: its logits
     of ``tokens`` and a greedy decode of ``prompt`` by full forwards (``steps`` tokens, each with
-    its log prob over the true vocabulary). Returns (losses, the last step's reference)."""
+    its log prob over the true vocabulary). Returns (losses, the last step's reference; logits as
+    numpy)."""
     import torch
 
     from tests._train_cases import pretrain_with_step
@@ -79,7 +80,9 @@ def train_and_reference(rank, world_size, argv, tokens, prompt, steps, mutate=No
             chunk = self.model[0]
             chunk.eval()
             try:
-                reference["logits"] = _forward(chunk, tokens).clone()
+                # numpy: pickled by value (a torch tensor travels as a shared-memory handle,
+                # which can vanish with the rank before the test reads it)
+                reference["logits"] = _forward(chunk, tokens).numpy().copy()
                 seq, logps = list(prompt), []
                 for _ in range(steps):
                     logits = _forward(chunk, [seq])[0, -1, :TRUE_VOCAB].double()
@@ -120,7 +123,7 @@ def load_logits(rank, world_size, argv, layouts, tokens, mutate=None):
     checkpoint tensor first set to NaN, loaded through load_checkpoint as the inference tools do
     (no optimizer, no scheduler). Per layout: (iteration, tensors the reader filled on this rank,
     this rank's state-dict tensors, of them still NaN after the load, full-vocabulary logits of
-    ``tokens`` from rank 0)."""
+    ``tokens`` from rank 0, as numpy)."""
     import torch
     from megatron.core import parallel_state
 
@@ -157,7 +160,7 @@ def load_logits(rank, world_size, argv, layouts, tokens, mutate=None):
             logits = _forward(model, tokens)
             nan = sum(int(torch.isnan(t).any()) for t in state.values())
             out.append((iteration, counted[-1], len(state), nan,
-                        logits.clone() if rank == 0 else None))
+                        logits.numpy().copy() if rank == 0 else None))
     finally:
         fdc.load_model_weights = load
         restore()

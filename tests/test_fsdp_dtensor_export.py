@@ -65,6 +65,7 @@ def trained(tmp_path_factory):
                                                   PROMPT, STEPS, timeout_s=300)
     assert losses == losses1 and len(losses) == 2
     ref["validation"] += ref1["validation"]   # printed by the last rank
+    ref["logits"] = torch.from_numpy(ref["logits"])
     assert os.path.isfile(os.path.join(root, "iter_0000002", ".metadata"))
     assert not os.path.isfile(os.path.join(root, "iter_0000002", "metadata.json"))  # fsdp_dtensor
     return root, ref
@@ -72,8 +73,8 @@ def trained(tmp_path_factory):
 
 def _load(root, layouts, mutate=None):
     argv = MODEL + ["--train-iters", "1", "--load", root]
-    return run_distributed(cases.load_logits, 2, argv, layouts, TOKENS, mutate,
-                           timeout_s=300)[0]
+    return [(*rest, torch.from_numpy(logits)) for *rest, logits in run_distributed(
+        cases.load_logits, 2, argv, layouts, TOKENS, mutate, timeout_s=300)[0]]
 
 
 def test_loads_into_every_layout_without_megatron_fsdp(trained):
@@ -99,6 +100,7 @@ def test_a_checkpoint_written_at_tp2_loads_at_every_layout(tmp_path):
         cases.train_and_reference, 2,
         MODEL + FSDP + tp2 + ["--train-iters", "2", "--save", root, "--save-interval", "2"],
         TOKENS, PROMPT, 0, timeout_s=300)
+    ref["logits"] = torch.from_numpy(ref["logits"])
     for layout, (_, filled, tensors, nan, logits) in zip(LAYOUTS, _load(root, LAYOUTS)):
         assert filled == tensors and nan == 0, (layout, filled, tensors, nan)
         torch.testing.assert_close(logits, ref["logits"], **TOL, msg=layout)
