@@ -816,6 +816,9 @@ def load_checkpoint(model, optimizer, scheduler, args):
         print(f" note: {ckpt} has no {manifest.MANIFEST} (saved before checkpoints carried "
               f"checksums): loading it without verifying its files", flush=True)
     verified = problems is not None
+    if fsdp_dtensor_checkpoint.is_fsdp_dtensor(ckpt) and not _megatron_fsdp_wrapped(model):
+        return _load_fsdp_dtensor_weights(model, optimizer, scheduler, args, ckpt, root,
+                                          verified, finetune)
     fsdp_dtensor = _check_format(ckpt, args)
     try:
         common = read_common(ckpt)
@@ -919,6 +922,45 @@ def _load_fsdp_dtensor(model, optimizer, args, ckpt, verified, common, load_opti
     if load_rng:
         loaded["rng_state"] = fsdp_dtensor_checkpoint.rank_rng_state(loaded["rng_state"])
     return loaded
+
+
+def _megatron_fsdp_wrapped(model) -> bool:
+    """Whether the chunks are Megatron-FSDP's (training with --use-megatron-fsdp); the inference
+    tools build a bare model whatever flags the checkpoint stored."""
+    from megatron.core.distributed import FullyShardedDataParallel
+
+    return any(isinstance(chunk, FullyShardedDataParallel) for chunk in model)
+
+
+def _load_fsdp_dtensor_weights(model, optimizer, scheduler, args, ckpt, root, verified,
+                               finetune):
+    """An fsdp_dtensor checkpoint into a model without Megatron-FSDP: its weights only
+    (fsdp_dtensor_checkpoint.load_model_weights), for the inference tools (no optimizer, no
+    scheduler) and --finetune / --pretrained-checkpoint. A resume is refused in one line: the
+    optimizer state is in Megatron-FSDP's own sharding, which only Megatron-FSDP reads back
+    (Megatron-LM's rule too)."""
+    if not (finetune or (optimizer is None and scheduler is None)):
+        raise CheckpointError(
+            f"{ckpt} is a fsdp_dtensor (Megatron-FSDP's) checkpoint; this run has no "
+            f"--use-megatron-fsdp: resume it with --use-megatron-fsdp --ckpt-format fsdp_dtensor, "
+            f"or load its weights only with --finetune or --pretrained-checkpoint (optimizer, "
+            f"schedule and RNG start fresh)")
+    try:
+        common = read_common(ckpt)
+        filled = fsdp_dtensor_checkpoint.load_model_weights(
+            model, ckpt, strict=getattr(args, "strict_fsdp_dtensor_load", True))
+    except (Exception, CheckpointException) as exc:  # torch DCP's error is a BaseException
+        raise CheckpointError(f"{ckpt}: {_unreadable(verified)} ({_describe_load_error(exc)})"
+                              ) from None
+    if dist.get_rank() == 0:
+        print(f" loaded the weights of the fsdp_dtensor checkpoint {ckpt} ({filled} tensors on "
+              f"rank 0) into a model without Megatron-FSDP"
+              + (" for finetuning (iteration 0; optimizer, scheduler and RNG state not loaded)"
+                 if finetune else ""), flush=True)
+    if finetune:
+        return 0, 0, 0, {}
+    return (common["iteration"], common.get("consumed_train_samples", 0),
+            common.get("consumed_valid_samples", 0), common.get("extra_state", {}))
 
 
 def _restore(state, model, optimizer, scheduler, args, ckpt, root, finetune, load_optim,

@@ -18,8 +18,10 @@ training/checkpointing.py); a load verifies the checksums first.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import default_planner
@@ -208,3 +210,188 @@ def rank_rng_state(loaded_rng: dict):
         return None
     rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     return states[rank] if rank < len(states) else states[0]
+
+
+# --- the model weights without Megatron-FSDP: inference, conversion, a weights-only load ---------
+#
+# Megatron-LM reads this format only back into Megatron-FSDP. Every stored model tensor is a
+# DTensor whose global shape is the whole (tensor-parallel-unsharded) parameter, so torch DCP reads
+# any of them into a plain tensor of that shape whatever the layout that wrote it; what the writer
+# changed on the way in (_preprocess) is undone here by name, and the model's own tensor-parallel
+# attributes say which slice of the whole tensor a rank keeps.
+
+# megatron-core's SwiGLU split (handle_swiglu_in_state_dict): a fused fc1 weight or bias stored as
+# its gate (``_w``) and up (``_v``) halves, each the whole tensor over the tensor-parallel ranks
+_SWIGLU = re.compile(r"\.linear_fc1\.(weight|bias)\d*_[wv]$")
+# the two expert layouts megatron-core names (its get_expert_index_from_key): TEGroupedMLP's
+# ``experts.linear_fc1.weight3`` and SequentialMLP's ``experts.local_experts.3.linear_fc1.weight``,
+# one expert's tensor of the same shape in both; names here use the second, so a checkpoint
+# trained with grouped GEMM loads into a model built without it (the converter builds one)
+_GROUPED = re.compile(r"\.mlp\.experts\.linear_fc(\d)\.(weight|bias)(\d+)$")
+_SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _canonical(name: str) -> str:
+    return _GROUPED.sub(r".mlp.experts.local_experts.\3.linear_fc\1.\2", name)
+
+
+class ModelWeights:
+    """The model tensors of an fsdp_dtensor checkpoint by plain megatron-core name (an unsharded
+    model's: global layer and expert numbers, SwiGLU's fc1 whole), read as whole tensors."""
+
+    def __init__(self, ckpt: str):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.ckpt = ckpt
+        stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+        chunks = {key.split(".", 1)[0] for key in stored if key.startswith("model")}
+        # Megatron-FSDP runs without pipeline stages here (megatron_fsdp.EXCLUDES): one chunk
+        if chunks != {"model"}:
+            raise ValueError(f"{ckpt}: model chunks {sorted(chunks)}; an fsdp_dtensor "
+                             f"checkpoint of one chunk ('model') is expected")
+        self.meta = {}     # stored key -> TensorStorageMetadata
+        self.keys = {}     # name -> (stored key,) or (gate key, up key)
+        for key, meta in stored.items():
+            if not key.startswith("model.") or not isinstance(meta, TensorStorageMetadata):
+                continue
+            self.meta[key] = meta
+            # the wrappers' prefixes: FullyShardedDataParallel's ``module.`` (and a
+            # Float16Module's, where one was under it)
+            name = key[len("model."):]
+            while name.startswith("module."):
+                name = name[len("module."):]
+            if _SWIGLU.search(name):
+                half = 0 if name.endswith("_w") else 1
+                name = name[:-2]
+                parts = list(self.keys.get(_canonical(name), (None, None)))
+                parts[half] = key
+                self.keys[_canonical(name)] = tuple(parts)
+            else:
+                self.keys[_canonical(name)] = (key,)
+        broken = [name for name, parts in self.keys.items() if None in parts]
+        if broken:
+            raise ValueError(f"{ckpt}: SwiGLU's {broken[0]} has one of its _w / _v halves only")
+
+    def shape(self, name: str) -> torch.Size:
+        parts = self.keys[_canonical(name)]
+        sizes = [self.meta[key].size for key in parts]
+        return torch.Size([sum(s[0] for s in sizes), *sizes[0][1:]])
+
+    def nbytes(self, name: str) -> int:
+        return sum(self.meta[key].size.numel() * self.meta[key].properties.dtype.itemsize
+                   for key in self.keys[_canonical(name)])
+
+    def read(self, names) -> dict:
+        """{name: whole tensor} of ``names`` (in the stored dtype), in one DCP read on this
+        process alone (no collective: any rank, any world size)."""
+        flat = {}
+        for name in names:
+            for key in self.keys[_canonical(name)]:
+                meta = self.meta[key]
+                flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(flat, storage_reader=dcp.FileSystemReader(self.ckpt), no_dist=True,
+                     planner=default_planner.DefaultLoadPlanner(allow_partial_load=True))
+        # SwiGLU: the unsharded fused fc1 is [gate; up] (megatron-core's layout)
+        return {name: torch.cat([flat[key] for key in self.keys[_canonical(name)]])
+                for name in names}
+
+
+def _global_name(local: str, layer_numbers: dict, expert_offset: int) -> str:
+    """The unsharded model's name of this rank's parameter ``local``: the global layer number
+    (a pipeline stage numbers its layers from 0) and the global expert number (megatron-core's
+    renumbering, handle_experts_in_state_dict: an expert-parallel rank numbers its experts from
+    0)."""
+    name = _canonical(local)
+    match = _LAYER.match(name)
+    if match:
+        name = f"decoder.layers.{layer_numbers[int(match.group(1))]}." + name[match.end():]
+    return _SEQUENTIAL.sub(
+        lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + expert_offset}.", name)
+
+
+def _tp_slice(name: str, whole, param, swiglu: bool):
+    """This rank's slice of ``whole`` for ``param`` (megatron-core's tensor-parallel attributes
+    say its dimension; experts use the expert-tensor-parallel group)."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return whole
+    if ".mlp.experts." in name:
+        size = ps.get_expert_tensor_parallel_world_size()
+        rank = ps.get_expert_tensor_parallel_rank()
+    else:
+        size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if size == 1:
+        return whole
+    dim = param.partition_dim
+    if swiglu and ".linear_fc1." in name:
+        # each rank's fused fc1 is [its gate rows; its up rows] (megatron-core's SwiGLU layout)
+        gate, up = whole.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim)[rank], up.chunk(size, dim)[rank]], dim=0)
+    return whole.chunk(size, dim)[rank]
+
+
+# whole tensors read per DCP call: bounds the host memory a load holds beside the model
+READ_BYTES = 1 << 30
+
+
+def load_model_weights(model, ckpt: str, strict: bool = True) -> int:
+    """Fill the plain (not Megatron-FSDP-wrapped) megatron-core model chunks ``model`` of any
+    tensor / expert / pipeline layout from the fsdp_dtensor checkpoint ``ckpt``; every tensor of
+    their state dicts (``_extra_state`` aside) must be there (ValueError naming the first that
+    is not or whose shape differs; not ``strict``: one it lacks keeps its value, as
+    --no-strict-fsdp-dtensor-load). Returns the number of tensors filled."""
+    from megatron.core.transformer import fsdp_dtensor_checkpoint as fsdp_ckpt
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_moe.models.builder import unwrap
+
+    weights = ModelWeights(ckpt)
+    filled = 0
+    for chunk in model:
+        module = unwrap(chunk)
+        config = module.config
+        # megatron-core's TransformerLayer.layer_number is global and from 1
+        layer_numbers = {int(name.rsplit(".", 1)[1]): layer.layer_number - 1
+                         for name, layer in module.named_modules()
+                         if isinstance(layer, TransformerLayer)
+                         and name.startswith("decoder.layers.")}
+        expert_offset = fsdp_ckpt.get_ep_layer_offset(config.num_moe_experts)
+        targets = {name: tensor for name, tensor in module.state_dict(keep_vars=True).items()
+                   if torch.is_tensor(tensor) and not name.endswith("_extra_state")}
+        names = {}
+        for name in list(targets):
+            full = _global_name(name, layer_numbers, expert_offset)
+            if (full == "output_layer.weight" and full not in weights.keys
+                    and getattr(module, "share_embeddings_and_output_weights", False)):
+                # a last pipeline stage's copy of the tied embedding (megatron-core keeps it
+                # equal to the first stage's; a one-stage model stores only the embedding)
+                full = "embedding.word_embeddings.weight"
+            if _canonical(full) in weights.keys:
+                names[name] = full
+            elif strict:
+                raise ValueError(f"{ckpt} holds no {full} (this model's {name})")
+            else:
+                del targets[name]
+        batch, size = [], 0
+        for i, name in enumerate(targets):
+            batch.append(name)
+            size += weights.nbytes(names[name])
+            if size < READ_BYTES and i + 1 < len(targets):
+                continue
+            read = weights.read([names[n] for n in batch])
+            for local in batch:
+                target = targets[local]
+                part = _tp_slice(local, read[names[local]], target, config.gated_linear_unit)
+                if part.shape != target.shape:
+                    raise ValueError(f"{ckpt}: {names[local]} has shape "
+                                     f"{tuple(weights.shape(names[local]))}; this model's {local} "
+                                     f"is {tuple(target.shape)} on this rank")
+                with torch.no_grad():
+                    target.copy_(part)
+                filled += 1
+            batch, size = [], 0
+    return filled

@@ -6,6 +6,11 @@ shapes and megatron-core's own sharded_state_dict; no memory), then read one par
 time (megatron_side.read_parameter): each is assembled from whichever ranks' shards hold it, so
 every expert of every EP rank is present (the Megatron-Bridge EP>1 export bug cannot happen here)
 and peak memory is one parameter plus the HF shard being written, not the model.
+
+A Megatron-FSDP checkpoint (``--ckpt-format fsdp_dtensor``) is read the same way, one whole
+parameter at a time, by the reader training and the inference tools use for it
+(training/fsdp_dtensor_checkpoint.ModelWeights: SwiGLU's stored gate and up halves joined, expert
+numbers global).
 """
 
 from __future__ import annotations
@@ -64,10 +69,9 @@ def load_checkpoint(args):
 
     quiet_known_warnings()
     import torch
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_moe.training.checkpointing import checkpoint_dir, read_tracker
+    from megatron_moe.training.checkpointing import checkpoint_dir, read_common, read_tracker
     from megatron_moe.hf import megatron_side
     from megatron_moe.hf.families import guess_family, rules_for, spec_from_args
 
@@ -75,12 +79,11 @@ def load_checkpoint(args):
     if iteration is None:
         raise SystemExit(f"--load-dir {args.load_dir}: no latest_checkpointed_iteration.txt")
     ckpt = checkpoint_dir(args.load_dir, iteration)
-    from megatron_moe.training.fsdp_dtensor_checkpoint import is_fsdp_dtensor
+    from megatron_moe.training.fsdp_dtensor_checkpoint import ModelWeights, is_fsdp_dtensor
 
-    if is_fsdp_dtensor(ckpt):
-        raise SystemExit(f"--load-dir {args.load_dir}: {ckpt} is a Megatron-FSDP fsdp_dtensor "
-                         f"checkpoint; conversion reads torch_dist checkpoints only")
-    common = dist_checkpointing.load_common_state_dict(ckpt)
+    # Megatron-FSDP's checkpoint: its own reader (one whole tensor per name, no sharded_state_dict)
+    fsdp_weights = ModelWeights(ckpt) if is_fsdp_dtensor(ckpt) else None
+    common = read_common(ckpt)
     stored = common["args"]
     hf = (common.get("extra_state") or {}).get("hf")
     family = getattr(args, "hf_family", None) or (hf or {}).get("family") or guess_family(stored)
@@ -112,8 +115,14 @@ def load_checkpoint(args):
             try:
                 with warnings.catch_warnings():  # torch DCP deprecation notices
                     warnings.simplefilter("ignore")
-                    t = megatron_side.read_parameter(ckpt, sharded[rule.meg], meta.shape,
-                                                     meta.dtype)
+                    if fsdp_weights is not None:
+                        if fsdp_weights.shape(rule.meg) != meta.shape:
+                            raise ValueError(f"stored shape {tuple(fsdp_weights.shape(rule.meg))}"
+                                             f", the model's {tuple(meta.shape)}")
+                        t = fsdp_weights.read([rule.meg])[rule.meg].to(meta.dtype)
+                    else:
+                        t = megatron_side.read_parameter(ckpt, sharded[rule.meg], meta.shape,
+                                                         meta.dtype)
             except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
                 raise SystemExit(f"{ckpt}: cannot read {rule.meg} ({type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0][:300] if str(exc) else ''})") from None
