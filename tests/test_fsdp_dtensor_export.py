@@ -237,3 +237,19 @@ def test_names_of_both_expert_layouts_and_stages():
         "decoder.layers.5.mlp.experts.local_experts.3.linear_fc2.weight"
     assert _global_name("embedding.word_embeddings.weight", {}, 2) == \
         "embedding.word_embeddings.weight"
+
+
+def test_inference_takes_the_model_not_the_wrapper_from_the_checkpoint(trained, monkeypatch):
+    """--use-checkpoint-args reads the model's flags, not how the run sharded it: a ZeRO-3
+    checkpoint generates at PP=2 (Megatron-FSDP refuses PP > 1; copied, it stopped generate.py)."""
+    from megatron_moe.inference.arguments import parse_inference_args
+    from tools.generate import add_generate_args, validate_generate_args
+
+    root, _ = trained
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse_inference_args(
+        ["--load", root, "--use-checkpoint-args", "--pipeline-model-parallel-size", "2",
+         "--prompts", "1 2"], add_generate_args, prog="generate.py",
+        validate_tool=validate_generate_args)
+    assert not args.use_megatron_fsdp and args.ckpt_format == "torch_dist"
+    assert args.checkpoint_args.use_megatron_fsdp   # what the run itself used

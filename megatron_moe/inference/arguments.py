@@ -41,6 +41,10 @@ NOT_FROM_CHECKPOINT = frozenset({
     # how the experts hold their parameters (one per expert or one per linear): the checkpoint is
     # the same for both, and generation (ring memory) streams experts one at a time
     "moe_single_grouped_weight", "moe_single_grouped_bias",
+    # how the training run wrapped and sharded its model for data parallelism (Megatron-FSDP), and
+    # the format it saved in: its layout, not the model's (the checkpoint says its own format)
+    "use_megatron_fsdp", "data_parallel_sharding_strategy", "outer_dp_sharding_strategy",
+    "ckpt_format",
     # which checkpoint to read and how: this launch's
     "ckpt_step", "pretrained_checkpoint", "use_checkpoint_args",
     "use_tokenizer_model_from_checkpoint_args", "use_mp_args_from_checkpoint_args",
