@@ -187,3 +187,13 @@ def test_gpt_oss_cp2_equals_cp1(tmp_path):
     ref = run([])[0][0]
     for history, gathers, seen in run(["--context-parallel-size", "2"]):
         assert gathers > 0 and seen == [2 * 16] and _same_run(history, ref), (history, ref)
+
+
+def test_mla_cp2_equals_cp1():
+    """Multi-latent attention (DeepSeek): unequal q/k and v head dims, megatron-core's MLA rotary
+    taking this CP rank's positions, a q LoRA; the SDPA core attention gathers K and V."""
+    mla = (" --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16 --qk-head-dim 8 "
+           "--qk-pos-emb-head-dim 8 --v-head-dim 8 --position-embedding-type rope")
+    ref = _train(2, "--expert-model-parallel-size 2" + mla)[0][0]
+    for history, gathers, seen in _train(2, CP2 + mla):
+        assert gathers > 0 and seen == [2 * 16] and _same_run(history, ref), (history, ref)

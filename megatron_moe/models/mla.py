@@ -69,9 +69,6 @@ def validate_args(args):
         if getattr(args, "yarn_correction_range_round_to_int", None) is False:
             raise ValueError("--no-yarn-correction-range-round-to-int: megatron-core's MLA YaRN "
                              "always rounds the correction range")
-        if args.context_parallel_size > 1 and not _have_te():
-            raise ValueError("--multi-latent-attention with --context-parallel-size > 1 needs "
-                             "Transformer Engine's attention (CUDA)")
     elif args.rope_type == "yarn":
         raise ValueError("--rope-type yarn needs --multi-latent-attention (megatron-core's other "
                          "attention takes rope only)")
@@ -82,9 +79,3 @@ def validate_args(args):
         if args.position_embedding_type not in ("rope", "none"):
             raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope or none "
                              f"(got {args.position_embedding_type})")
-
-
-def _have_te() -> bool:
-    from megatron_moe.models.builder import have_transformer_engine
-
-    return have_transformer_engine()
