@@ -22,6 +22,16 @@ def _no_gather():
     return lambda: setattr(SDPADotProductAttention, "_gather_cp", real)
 
 
+def _upper_left():
+    """The causal CP chunks aligned at the top left (SDPA's is_causal) instead of the bottom right:
+    each chunk's queries lose the keys of the chunks before it."""
+    import torch.nn.attention.bias as bias
+
+    real = bias.causal_lower_right
+    bias.causal_lower_right = bias.causal_upper_left
+    return lambda: setattr(bias, "causal_lower_right", real)
+
+
 def _no_cp_split():
     """get_batch hands every CP rank the whole sequence (megatron-core's split not called)."""
     import pretrain_gpt_moe
@@ -53,7 +63,7 @@ def _local_token_mean():
 
 
 MUTATIONS = {"local-token-mean": _local_token_mean, "identity-order": _identity_chunk_order, "no-gather": _no_gather,
-             "no-cp-split": _no_cp_split}
+             "no-cp-split": _no_cp_split, "upper-left": _upper_left}
 
 
 def _attention(config, window=None):
@@ -72,7 +82,7 @@ def attention_rank(rank, world_size, cases, mutate=None):
     """For each case (groups, window, documents per sequence or 0, sinks): this CP rank's attention output and q/k/v gradients against
     one rank's SDPA over the whole sequence (same inputs on every rank, float64). Returns
     ([max abs difference per case], all-gathers counted, this rank's positions == megatron-core's
-    split)."""
+    split, chunks computed without an explicit mask)."""
     import copy
 
     import torch
@@ -91,6 +101,7 @@ def attention_rank(rank, world_size, cases, mutate=None):
         same_split = torch.equal(pos, split)
         diffs = []
         before = SDPADotProductAttention.cp_gathers
+        chunks_before = SDPADotProductAttention.cp_causal_chunks
         for groups, window, documents, sinks in cases:
             config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
                                        num_query_groups=groups, kv_channels=d, attention_dropout=0.0,
@@ -130,7 +141,8 @@ def attention_rank(rank, world_size, cases, mutate=None):
                 torch.distributed.all_reduce(share, group=cp_attn.cp_group)
                 diff = max(diff, (share - ref_attn.softmax_offset.grad).abs().max().item())
             diffs.append(diff)
-        return diffs, SDPADotProductAttention.cp_gathers - before, same_split
+        return (diffs, SDPADotProductAttention.cp_gathers - before, same_split,
+                SDPADotProductAttention.cp_causal_chunks - chunks_before)
     finally:
         restore()
 

@@ -35,9 +35,12 @@ def _attention(mutate=None):
 
 
 def _check_attention(mutate=None):
-    for diffs, gathers, same_split in _attention(mutate):
+    for diffs, gathers, same_split, causal_chunks in _attention(mutate):
         assert same_split
         assert gathers == 2 * len(ATTENTION_CASES)   # K and V per case
+        # the plain causal case (the first) ran by chunks, without an explicit mask
+        assert causal_chunks == 2 * sum(window is None and not documents and not sinks
+                                        for _, window, documents, sinks in ATTENTION_CASES)
         assert max(diffs) < 1e-12, diffs
 
 
@@ -45,7 +48,7 @@ def test_cp_attention_equals_whole_sequence_attention():
     _check_attention()
 
 
-@pytest.mark.parametrize("mutate", ["identity-order", "no-gather"])
+@pytest.mark.parametrize("mutate", ["identity-order", "no-gather", "upper-left"])
 def test_cp_attention_mutations_differ(mutate):
     # without the gather, the document mask's keys (the whole sequence) no longer fit: an error
     with pytest.raises((AssertionError, DistributedRunError)):

@@ -110,13 +110,16 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
     on every CP rank): each CP rank holds the sequence chunks r and 2*cp-1-r of 2*cp
     (megatron-core's ``get_batch_on_this_cp_rank``); K and V are all-gathered over the CP group and
     put back in sequence order, and the local queries attend with the mask of their true positions
-    (causal, or the window; a dataloader mask arrives already cut to the local query rows). The
-    mask is explicit ([2 * s / cp, s]), so the flash kernel is not used under CP.
+    (causal, or the window; a dataloader mask arrives already cut to the local query rows). Plain
+    causal attention needs no mask: each local chunk attends to the keys up to its end with a
+    bottom-right causal alignment (``_cp_causal``: flash kernels on CUDA); a window, sinks or a
+    dataloader mask make it explicit ([2 * s / cp, s]), without the flash kernel.
     """
 
     # K/V all-gathers over the context-parallel group, counted (the equivalence tests prove the
     # CP path ran)
     cp_gathers = 0
+    cp_causal_chunks = 0   # chunks computed by _cp_causal (no explicit mask)
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -154,12 +157,23 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
         if cp:
             key, value = self._gather_cp(key), self._gather_cp(value)
         sk = key.shape[0]
-        keep, is_causal = (self._cp_keep_mask if cp else self._keep_mask)(
-            attention_mask, sq, sk, query.device)
         offset = self.softmax_offset
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         groups = heads // key.shape[2]
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        region = (tensor_parallel.get_cuda_rng_tracker().fork()
+                  if dropout_p > 0 and not self.config.sequence_parallel
+                  else contextlib.nullcontext())
+        # the net scale: the parent divides softmax_scale by the layer number under
+        # apply_query_key_layer_scaling and its softmax multiplies it back
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        if cp and self._plain_causal(attention_mask):
+            with region:
+                out = self._cp_causal(q, k, v, groups, dropout_p, scale)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+        keep, is_causal = (self._cp_keep_mask if cp else self._keep_mask)(
+            attention_mask, sq, sk, query.device)
         if groups > 1 and (keep is not None or offset is not None):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             groups = 1
@@ -177,13 +191,6 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
             mask = keep | dead
         else:
             mask = None
-        dropout_p = self.attention_dropout.p if self.training else 0.0
-        region = (tensor_parallel.get_cuda_rng_tracker().fork()
-                  if dropout_p > 0 and not self.config.sequence_parallel
-                  else contextlib.nullcontext())
-        # the net scale: the parent divides softmax_scale by the layer number under
-        # apply_query_key_layer_scaling and its softmax multiplies it back
-        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         with region:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                  is_causal=is_causal, scale=scale,
@@ -226,6 +233,32 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
         order = cp_chunk_order(cp, t.device)
         return full.view(2 * cp, chunk, *t.shape[1:]).index_select(0, order).view(
             2 * cp * chunk, *t.shape[1:])
+
+    def _plain_causal(self, attention_mask) -> bool:
+        """Causal attention with nothing else (no window, sinks or dataloader mask)."""
+        return (self.attn_mask_type == AttnMaskType.causal and attention_mask is None
+                and self.scale_mask_softmax.window_size is None and self.softmax_offset is None)
+
+    def _cp_causal(self, q, k, v, groups, dropout_p, scale):
+        """Plain causal attention under CP without an [sq, sk] mask: each of this rank's two
+        chunks (sequence chunks r and 2cp-1-r) attends to the keys up to its own end, causally
+        aligned at the bottom right (torch's ``causal_lower_right``, which SDPA runs with its
+        flash or memory-efficient kernel on CUDA; on a CPU it becomes a mask). Those kernels
+        take no grouped heads here, so GQA's keys and values are repeated per head."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        chunk = q.shape[2] // 2
+        outs = []
+        for i, c in enumerate((rank, 2 * cp - 1 - rank)):
+            end = (c + 1) * chunk
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :end], v[:, :, :end],
+                attn_mask=causal_lower_right(chunk, end), dropout_p=dropout_p, scale=scale))
+        SDPADotProductAttention.cp_causal_chunks += 2
+        return torch.cat(outs, dim=2)
 
     def _cp_keep_mask(self, attention_mask, sq, sk, device):
         """(keep, is_causal) of the local queries over the whole sequence's keys: the causal (or
