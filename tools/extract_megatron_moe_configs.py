@@ -143,29 +143,26 @@ def main(argv=None) -> int:
                    help="also write the MoE static-inference configs here")
     args = p.parse_args(argv)
     commit = _git(args.git_dir, "rev-parse", f"{args.ref}^{{commit}}").strip()
+
+    def write(path, source, configs, **more):
+        doc = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
+               "source": source, "configs": configs, **more}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        return doc
+
     if args.reruns_output:
-        reruns = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
-                  "source": f"{RERUNS_DIR}/gpt3_mcore_reruns_*/model_config.yaml (MODEL_ARGS: "
-                            f"the rerun engine's flags)",
-                  "configs": read_rerun_configs(args.git_dir, args.ref)}
-        with open(args.reruns_output, "w") as f:
-            json.dump(reruns, f, indent=1)
-            f.write("\n")
+        write(args.reruns_output, f"{RERUNS_DIR}/gpt3_mcore_reruns_*/model_config.yaml (MODEL_ARGS: "
+                                  f"the rerun engine's flags)",
+              read_rerun_configs(args.git_dir, args.ref))
     if args.static_inference_output:
-        static = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
-                  "source": f"{STATIC_INFERENCE_RECIPE} (products) -> {CASES_DIR}/<name>/"
-                            f"model_config.yaml (MODEL_ARGS)",
-                  "configs": read_static_inference_configs(args.git_dir, args.ref)}
-        with open(args.static_inference_output, "w") as f:
-            json.dump(static, f, indent=1)
-            f.write("\n")
-    out = {"repository": "NVIDIA/Megatron-LM", "release": args.ref, "commit": commit,
-           "source": f"{CASES_DIR}/*/model_config.yaml (MODEL_ARGS, configs without MODE)",
-           "configs": read_configs(args.git_dir, args.ref),
-           "model_confs": read_model_confs(args.git_dir, args.ref)}
-    with open(args.output, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+        write(args.static_inference_output,
+              f"{STATIC_INFERENCE_RECIPE} (products) -> {CASES_DIR}/<name>/model_config.yaml "
+              f"(MODEL_ARGS)", read_static_inference_configs(args.git_dir, args.ref))
+    out = write(args.output, f"{CASES_DIR}/*/model_config.yaml (MODEL_ARGS, configs without MODE)",
+                read_configs(args.git_dir, args.ref),
+                model_confs=read_model_confs(args.git_dir, args.ref))
     print(f"{len(out['configs'])} configs from {args.ref} ({commit[:12]}) -> {args.output}")
     return 0
 
