@@ -157,9 +157,11 @@ def test_grouped_experts_with_biases_and_expert_tensor_parallelism():
     assert h(4) == h(3) and h(4, "grad_norm") == h(3, "grad_norm"), (h(4), h(3))
     # biases: the bias gradient is summed per group by index_add over the rows (the gather's
     # backward) where the loop sums each expert's rows with a column sum; in fp32 that order moves
-    # the last bits: losses and grad norms within BIAS_TOL (relative), the step before the biases
-    # have moved (iterations 1-2: they start at zero, the first step has warm-up LR 0) exactly
-    assert h(1)[:2] == h(0)[:2] and h(1, "grad_norm")[:2] == h(0, "grad_norm")[:2]
+    # the last bits: losses and grad norms within BIAS_TOL (relative), the losses before the
+    # biases have moved (iterations 1-2: they start at zero, the first step has warm-up LR 0)
+    # exactly. Those steps' grad norms hold the bias gradients, whose two summation orders met
+    # bit for bit on earlier CI machines and not on an AVX-512 EPYC (6e-9 relative): BIAS_TOL
+    assert h(1)[:2] == h(0)[:2], (h(1), h(0))
     for key in ("lm_loss", "grad_norm"):
         assert h(1, key) == pytest.approx(h(0, key), rel=BIAS_TOL, abs=0), (key, h(1, key), h(0, key))
     # every group with the first expert's biases: off by far more than the tolerance
