@@ -60,8 +60,8 @@ def test_the_three_configs_parse_with_only_gpu_flags_refused(trained):
 
 @pytest.fixture(scope="module")
 def runs(trained):
-    pairs = {name: I.peel_cpu(I.tiny_args(name, trained), I.world_size_of(
-        I.tiny_args(name, trained)))[2] for name in (TP1, TP4)}
+    tiny = {name: I.tiny_args(name, trained) for name in (TP1, TP4)}
+    pairs = {name: I.peel_cpu(args, I.world_size_of(args))[2] for name, args in tiny.items()}
     a = dict(pairs[TP1])
     out = {}
     for name in (TP1, TP4):

@@ -9,7 +9,17 @@ the default (world) group, where 0.16 reads parallel_state's CP group: the group
 
 from __future__ import annotations
 
+import functools
 import inspect
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_hybrid_cp_flag() -> bool:
+    """Whether the installed megatron-core's split takes ``is_hybrid_cp`` (0.19); read once, not
+    per micro-batch."""
+    from megatron.core import utils
+
+    return "is_hybrid_cp" in inspect.signature(utils.get_batch_on_this_cp_rank).parameters
 
 
 def batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
@@ -19,7 +29,6 @@ def batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
 
     if cp_group is None:
         cp_group = parallel_state.get_context_parallel_group()
-    fn = utils.get_batch_on_this_cp_rank
-    if "is_hybrid_cp" in inspect.signature(fn).parameters:
-        return fn(batch, is_hybrid_cp=False, cp_group=cp_group)
-    return fn(batch, cp_group=cp_group)
+    if _takes_hybrid_cp_flag():
+        return utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return utils.get_batch_on_this_cp_rank(batch, cp_group=cp_group)

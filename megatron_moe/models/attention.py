@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from typing import Optional
 
@@ -296,9 +297,12 @@ class SDPADotProductAttention(UnequalHeadDotProductAttention):
         return torch.cat([base, sink], dim=-1)
 
 
+@functools.lru_cache(maxsize=None)
 def cp_chunk_order(cp: int, device) -> torch.Tensor:
     """Index of each sequence chunk (of 2 * cp) in the all-gather of the CP ranks' chunks
-    (rank r holds chunks r and 2 * cp - 1 - r: megatron-core's ``get_batch_on_this_cp_rank``)."""
+    (rank r holds chunks r and 2 * cp - 1 - r: megatron-core's ``get_batch_on_this_cp_rank``).
+    Built once per (cp, device): every layer's K and V gathers read it, and building it is a
+    host-to-device copy on CUDA."""
     return torch.tensor([2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)],
                         dtype=torch.long, device=device)
 

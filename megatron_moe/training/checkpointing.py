@@ -817,8 +817,8 @@ def load_checkpoint(model, optimizer, scheduler, args):
               f"checksums): loading it without verifying its files", flush=True)
     verified = problems is not None
     if fsdp_dtensor_checkpoint.is_fsdp_dtensor(ckpt) and not _megatron_fsdp_wrapped(model):
-        return _load_fsdp_dtensor_weights(model, optimizer, scheduler, args, ckpt, root,
-                                          verified, finetune)
+        return _load_fsdp_dtensor_weights(model, optimizer, scheduler, args, ckpt, verified,
+                                          finetune)
     fsdp_dtensor = _check_format(ckpt, args)
     try:
         common = read_common(ckpt)
@@ -932,8 +932,7 @@ def _megatron_fsdp_wrapped(model) -> bool:
     return any(isinstance(chunk, FullyShardedDataParallel) for chunk in model)
 
 
-def _load_fsdp_dtensor_weights(model, optimizer, scheduler, args, ckpt, root, verified,
-                               finetune):
+def _load_fsdp_dtensor_weights(model, optimizer, scheduler, args, ckpt, verified, finetune):
     """An fsdp_dtensor checkpoint into a model without Megatron-FSDP: its weights only
     (fsdp_dtensor_checkpoint.load_model_weights), for the inference tools (no optimizer, no
     scheduler) and --finetune / --pretrained-checkpoint. A resume is refused in one line: the
