@@ -5,7 +5,7 @@ with ratios.
     python bench/single_grouped_weight.py [--experts 16,128] [--repeats 2]
 
 The GPU kit's fine-grained perf shape (megatron_moe/gpucheck/perf.py: 4 MoE layers, top-8, batch 4,
-q/k norm) at toy width (hidden 64, expert FFN 16, sequence 64) on the CPU, 1 rank, bf16, measured by
+q/k norm; one micro-batch per optimizer step) at toy width (hidden 64, expert FFN 16, sequence 64) on the CPU, 1 rank, bf16, measured by
 the perf section's own meter around the real pretrain() loop, with torch's fused Adam as on CUDA.
 Per iteration: aten ops dispatched (profiler), Python calls (cProfile), host time under cProfile
 (grouped_mm's CPU arithmetic left out: on the CPU it loops over the groups, on CUDA it is one
@@ -36,7 +36,9 @@ def row(variant: str, experts: int) -> dict:
 
     optimizer_compat.fusable = lambda param: True          # torch's fused Adam, as on CUDA
     shape = dict(perf.SHAPES["finegrained"]["gpu"], hidden=64, heads=8, groups=2, head_dim=16,
-                 ffn=16, vocab=512, seq=64, experts=experts)
+                 ffn=16, vocab=512, seq=64, experts=experts,
+                 # one micro-batch per step: the host work per parameter is what is measured
+                 microbatches=1)
     perf.SHAPES["finegrained"]["cpu"] = shape
     perf.ITERS["cpu"] = dict(warmup=2, timed=5, profiled=1)
     if variant == "per-expert":

@@ -73,3 +73,94 @@ def test_argsort_permute_is_bound_only_where_megatron_core_reads_the_map():
     finally:
         moe_utils.permute = orig
     assert len(calls) == 1 and torch.is_tensor(calls[0]["num_out_tokens"])
+
+
+def _topk_map(num_tokens, experts, topk, seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, experts, generator=g)
+    top = logits.topk(topk, dim=1).indices
+    return (torch.zeros(num_tokens, experts, dtype=torch.bool).scatter_(1, top, True),
+            logits.softmax(-1))
+
+
+def _unsorted_backward(ctx, grad):
+    """A wrong backward: the rows summed in permuted order, not each token's own."""
+    (sorted_indices,) = ctx.saved_tensors
+    return grad.view(-1, ctx.topk, *grad.shape[1:]).sum(1), None, None
+
+
+def test_rows_gathered_permute_equals_megatron_cores_forward_and_backward(monkeypatch):
+    """The dropless permute whose backward gathers each token's rows and sums them (no atomic
+    index_add_): the same rows, probs and order as megatron-core's permute, and the same token
+    gradients (float64: the sums' rounding cannot hide a wrong row); a backward that sums the
+    wrong rows fails the comparison."""
+    import torch
+
+    from megatron_moe.compat.dispatch import mcore_permute
+    from megatron_moe.moe import dispatcher
+
+    num_tokens, experts, topk = 37, 8, 3
+    routing_map, probs = _topk_map(num_tokens, experts, topk)
+    ours = dispatcher.rows_gathered_permute(mcore_permute, topk)
+
+    def run(fn):
+        tokens = torch.randn(num_tokens, 16, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(1), requires_grad=True)
+        p = probs.double().requires_grad_()
+        out, out_probs, index = fn(tokens, routing_map, probs=p, num_out_tokens=num_tokens * topk)
+        weight = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        ((out * weight).sum(-1) * out_probs).sum().backward()
+        return out, out_probs, index, tokens.grad, p.grad
+
+    before = dispatcher._GatherRows.backwards
+    reference, gathered = run(mcore_permute), run(ours)
+    assert dispatcher._GatherRows.backwards == before + 1
+    for a, b in zip(reference[:3] + reference[4:], gathered[:3] + gathered[4:]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(gathered[3], reference[3], rtol=1e-13, atol=1e-13)
+    # any other call (capacity: a device count) is the wrapped permute's own
+    out = ours(torch.randn(num_tokens, 4), routing_map, num_out_tokens=torch.tensor(num_tokens * topk))
+    assert out[0].shape == (num_tokens * topk, 4) and dispatcher._GatherRows.backwards == before + 1
+    monkeypatch.setattr(dispatcher._GatherRows, "backward", staticmethod(_unsorted_backward))
+    assert not torch.allclose(run(ours)[3], reference[3])
+
+
+def _train_rank(rank, world_size, argv, mode):
+    """``pretrain()`` with the layers' permute as ``mode`` says: "gathered" (as built), "mcore"
+    (the layers bind no gathered permute: megatron-core's own), "wrong" (the gathered backward
+    sums the wrong rows). Returns (history, gathered backwards on this rank)."""
+    from megatron_moe.moe import dispatcher
+    from megatron_moe.moe.layer import MoELayer
+    from tests._train_cases import run_pretrain
+
+    if mode == "mcore":
+        MoELayer._dropless_topk = lambda self: 0
+    if mode == "wrong":
+        dispatcher._GatherRows.backward = staticmethod(_unsorted_backward)
+    history = run_pretrain(rank, world_size, argv)
+    return history, dispatcher._GatherRows.backwards
+
+
+def test_dropless_layers_train_with_the_gathered_permute_backward():
+    """A dropless all-to-all run (EP=2) trains with the gathered permute backward (counted) to
+    megatron-core's permute's losses and grad norms (fp32: the sums differ only in rounding); its
+    wrong backward changes them; a capacity factor keeps megatron-core's permute (not counted)."""
+    import pytest
+
+    from megatron_moe.runtime.local_ranks import run_distributed
+    from tests.test_training import TINY
+
+    def train(extra, mode):
+        return run_distributed(_train_rank, 2, TINY + extra.split(), mode, timeout_s=300)[0]
+
+    flags = "--expert-model-parallel-size 2 --train-iters 3"
+    (gathered, count), (mcore, none) = train(flags, "gathered"), train(flags, "mcore")
+    assert count == 3 * 2 * 2 and none == 0   # iterations x micro-batches per rank x layers
+    assert gathered["lm_loss"] == pytest.approx(mcore["lm_loss"], rel=1e-6)
+    assert gathered["grad_norm"] == pytest.approx(mcore["grad_norm"], rel=1e-5)
+    wrong, _ = train(flags, "wrong")
+    assert wrong["grad_norm"] != pytest.approx(mcore["grad_norm"], rel=1e-3)
+    capped, count = train(flags + " --moe-expert-capacity-factor 1.5", "gathered")
+    assert count == 0 and capped["lm_loss"][0] == pytest.approx(mcore["lm_loss"][0], rel=1e-2)

@@ -2,8 +2,9 @@
 
 ``bash scripts/gpu_check.sh --sections perf OUTDIR`` (docs/gpu.md, "The performance section"):
 for each shape (``SHAPES``: Mixtral-like, 8 experts top-2 with a large FFN; Qwen3-MoE-like
-fine-grained, many small experts top-8), the same model, batch and sequence, world size 1, bf16, is
-trained for a few iterations by
+fine-grained, many small experts top-8), the same model, micro-batch, sequence and micro-batches
+per optimizer step (gradient accumulation), world size 1, bf16, is trained for a few iterations (an
+iteration is one optimizer step) by
 
 * ``ours``: this project's ``pretrain()`` with every speed option its parser accepts (probed at run
   time: grouped experts, SDPA attention, the fused permute; ``speed_options``),
@@ -52,24 +53,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SYSTEMS = ("ours", "ours-graphed", "ours-eager", "ours-per-expert", "stock", "torchtitan",
            "transformers")
 # Megatron-style (layers, hidden, heads, query groups, head dim, expert FFN, experts, top-k,
-# vocabulary, sequence, micro-batch = global batch, q/k RMSNorm as Qwen3). Every layer is MoE, no
-# shared experts, untied embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, SwiGLU, no biases.
+# vocabulary, sequence, micro-batch, micro-batches per optimizer step, q/k RMSNorm as Qwen3). Every
+# layer is MoE, no shared experts, untied embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, SwiGLU, no
+# biases. Several micro-batches per step, as Megatron users train (global batch = micro-batch x
+# micro-batches x data parallel) and torchtitan's trainer accumulates: the work per parameter
+# (optimizer step, gradient norm and clipping, the bf16 copy, zeroing) is paid once per step. At one
+# micro-batch it was 36 of the fine-grained model's 101 ms per iteration (2026-11-29 H200 profile,
+# 2.6B parameters for 8k tokens), a share a real run's global batch of millions of tokens never has.
 SHAPES = {
     # ~2.3B parameters, ~0.7B active: Mixtral's 8 experts top-2 with FFN 3.5x hidden
     "mixtral": {"gpu": dict(layers=6, hidden=2048, heads=16, groups=4, head_dim=128, ffn=7168,
-                            experts=8, topk=2, vocab=32000, seq=2048, batch=8, qk_norm=False),
+                            experts=8, topk=2, vocab=32000, seq=2048, batch=8, microbatches=4,
+                            qk_norm=False),
                 "cpu": dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=224,
-                            experts=8, topk=2, vocab=512, seq=64, batch=2, qk_norm=False)},
+                            experts=8, topk=2, vocab=512, seq=64, batch=2, microbatches=2,
+                            qk_norm=False)},
     # Qwen3-30B-A3B's layer (128 experts of 768, top-8, 32 query heads of 128, 4 groups), 4 of
     # them: ~2.6B parameters. Batch 4: the stock local attention keeps the full score matrices.
     "finegrained": {"gpu": dict(layers=4, hidden=2048, heads=32, groups=4, head_dim=128,
                                 ffn=768, experts=128, topk=8, vocab=32000, seq=2048, batch=4,
-                                qk_norm=True),
+                                microbatches=4, qk_norm=True),
                     "cpu": dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=16,
-                                experts=64, topk=8, vocab=512, seq=64, batch=2, qk_norm=True)},
+                                experts=64, topk=8, vocab=512, seq=64, batch=2, microbatches=2,
+                                qk_norm=True)},
 }
 # iterations: warm-up (left out), timed (median), profiled (counted, not timed)
-ITERS = {"gpu": dict(warmup=3, timed=5, profiled=2), "cpu": dict(warmup=1, timed=2, profiled=1)}
+ITERS = {"gpu": dict(warmup=3, timed=4, profiled=1), "cpu": dict(warmup=1, timed=2, profiled=1)}
 # seconds each row may take at most (GPU, CPU), start-up included; the runner also keeps the whole
 # section inside its budget (on the GPU 540 s: the section fits one 10-minute device call)
 ROW_CAP_S = {"ours": (90, 300), "ours-graphed": (80, 300), "ours-eager": (60, 300),
@@ -164,7 +173,8 @@ def megatron_argv(s, gpu, iters):
             f"--ffn-hidden-size {s['ffn']} --num-experts {s['experts']} "
             f"--moe-ffn-hidden-size {s['ffn']} --moe-router-topk {s['topk']} "
             f"--seq-length {s['seq']} --max-position-embeddings {s['seq']} "
-            f"--micro-batch-size {s['batch']} --global-batch-size {s['batch']} "
+            f"--micro-batch-size {s['batch']} "
+            f"--global-batch-size {s['batch'] * s['microbatches']} "
             # NullTokenizer adds its end-of-document id: vocab - 1 + 1 = the shape's vocabulary
             f"--vocab-size {s['vocab'] - 1} --make-vocab-size-divisible-by 128 "
             "--swiglu --normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
@@ -395,7 +405,7 @@ def row_megatron(s, gpu, meter, stock, eager=False, per_expert=False, graphed=Fa
     # stages: megatron-core's chunk sort, which copies even an identity order)
     replaced = ((multi_tensor, "install", lambda: []),
                 (optimizer_compat, "fuse_torch_adam", lambda optimizer: 0),
-                (moe_layer, "dispatcher_bindings", lambda exchange: {}))
+                (moe_layer, "dispatcher_bindings", lambda exchange, dropless_topk=0: {}))
     originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
     if stock:
         for module, name, stand_in in replaced:
@@ -504,7 +514,8 @@ def row_torchtitan(s, gpu, meter, eager=False):
     context = dist_utils.get_spmd_context(parallel_dims=dims)
     batch = synthetic_batch(s)
     inputs, labels = batch[:, :-1].to(device), batch[:, 1:].to(device)
-    valid = torch.tensor(labels.numel(), device=device)
+    # its train_step divides each micro-batch's loss sum by the tokens of the whole step
+    valid = torch.tensor(labels.numel() * s["microbatches"], device=device)
     params = list(model.parameters())
 
     def forward_backward(inputs, labels, global_valid_tokens, extra_kwargs):
@@ -523,11 +534,14 @@ def row_torchtitan(s, gpu, meter, eager=False):
     def one():
         # gradients must keep their addresses for a captured graph: zeroed, not freed
         optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)
-        loss = fwd_bwd(inputs, labels, valid, {})
+        # its gradient accumulation: one forward and backward (a graph replay) per micro-batch
+        losses = [fwd_bwd(inputs, labels, valid, {}).detach()
+                  for _ in range(s["microbatches"])]
         dist_utils.clip_grad_norm_(params, CLIP, foreach=True)
         optimizers.step()
         schedulers.step()
-        return loss.item()   # its train_step reads the loss for logging as well
+        # its train_step reads the step's loss (the micro-batches' sum) for logging as well
+        return torch.stack(losses).sum().item()
     for _ in range(meter.total):
         meter.step(one)
     if graphed:   # its graphs go before the process group does (a failed run just exits)
@@ -577,12 +591,15 @@ def row_transformers(s, gpu, meter):
 
     def one():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        losses = []
+        for _ in range(s["microbatches"]):   # gradient accumulation: the step's mean loss
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss / s["microbatches"]
+            loss.backward()
+            losses.append(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
-        return loss.item()
+        return torch.stack(losses).sum().item()
     for _ in range(meter.total):
         meter.step(one)
     return dict(params=sum(p.numel() for p in params),
@@ -646,8 +663,9 @@ def verdict(shape, mode, rows, peak_tflops):
     s = SHAPES[shape][mode]
     from megatron_moe.flops import num_floating_point_operations
 
-    flops = num_floating_point_operations(flops_args(s), s["batch"])
-    tokens = s["batch"] * s["seq"]
+    # one iteration is one optimizer step: every micro-batch's tokens and FLOPs
+    flops = num_floating_point_operations(flops_args(s), s["batch"] * s["microbatches"])
+    tokens = s["batch"] * s["microbatches"] * s["seq"]
     want = expected_params(s)
     ok, parts, problems = True, [], []
     skipped_rows = []
@@ -704,7 +722,7 @@ def verdict(shape, mode, rows, peak_tflops):
         parts.append(f"{name}{fell_back} {r['tokens_per_s']:.0f} tok/s{mfu}{mem}{ev}")
     rs = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if v is not None)
     summary = (f"{s['experts']} experts top-{s['topk']}, {_count(want)} params, "
-               f"{s['batch']}x{s['seq']} tokens: " + "; ".join(parts) + (f"; {rs}" if rs else ""))
+               f"{s['microbatches']}x{s['batch']}x{s['seq']} tokens: " + "; ".join(parts) + (f"; {rs}" if rs else ""))
     if problems:
         summary += "; PROBLEMS: " + "; ".join(problems)
     targets = {}
@@ -801,7 +819,8 @@ def write_reports(outdir, checks, mode):
                   f"{s.get('layers')} layers, hidden {s.get('hidden')}, {s.get('experts')} experts "
                   f"of {s.get('ffn')} top-{s.get('topk')}, {s.get('heads')} heads "
                   f"({s.get('groups')} groups of {s.get('head_dim')}), vocabulary {s.get('vocab')},"
-                  f" batch {s.get('batch')} x sequence {s.get('seq')}; "
+                  f" micro-batch {s.get('batch')} x sequence {s.get('seq')}, "
+                  f"{s.get('microbatches', 1)} micro-batches per optimizer step (an iteration); "
                   f"{_count(fig.get('expected_params', 0))} parameters; "
                   f"{fig.get('flops_per_iter', 0) / 1e9:.4g} model GFLOP per iteration "
                   "(megatron_moe/flops.py)", ""]

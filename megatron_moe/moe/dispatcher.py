@@ -64,19 +64,26 @@ def exchange_from_args(args) -> ExchangeConfig:
                         or getattr(args, "moe_ep_link_gbps", None) is not None))
 
 
-def dispatcher_bindings(exchange: ExchangeConfig) -> dict:
+def dispatcher_bindings(exchange: ExchangeConfig, dropless_topk: int = 0) -> dict:
     """What megatron-core's token dispatcher's module-level names run inside a layer with this
     exchange (megatron_moe/compat/dispatch.py ``DispatcherScope``), adapted to the installed
-    megatron-core's call contracts."""
+    megatron-core's call contracts. ``dropless_topk``: the layer's top-k when its all-to-all
+    dispatcher keeps every routed token (no capacity, no padding), so each token is permuted to
+    exactly that many rows (:func:`rows_gathered_permute`); 0 otherwise."""
     from megatron_moe.compat.dispatch import (adapt_all_to_all, adapt_permute, adapt_unpermute,
-                                              argsort_permute)
+                                              argsort_permute, mcore_permute)
 
     names = {"sort_chunks_by_idxs": sort_chunks_by_idxs}
     if exchange.permute_fusion:
         names["permute"] = adapt_permute(_fused_permute)
         names["unpermute"] = adapt_unpermute(_fused_unpermute)
-    elif (permute := argsort_permute()) is not None:   # megatron-core 0.16: no data-sized permute
-        names["permute"] = permute
+    else:
+        permute = argsort_permute()   # megatron-core 0.16: no data-sized permute
+        if dropless_topk:
+            names["permute"] = adapt_permute(rows_gathered_permute(permute or mcore_permute,
+                                                                   dropless_topk))
+        elif permute is not None:
+            names["permute"] = permute
     if exchange.own_all_to_all:
         names["all_to_all"] = adapt_all_to_all(functools.partial(
             _pluggable_all_to_all, algorithm=exchange.algorithm,
@@ -93,6 +100,54 @@ def permute_fns():
 
     td = token_dispatcher_module()
     return permute_v016(td.permute), td.unpermute  # megatron-core 0.16's call contract, any version
+
+
+class _GatherRows(torch.autograd.Function):
+    """``tokens.index_select(0, sorted_indices)`` where every token is among the indices exactly
+    ``topk`` times (dropless routing), with a backward that sums each token's rows without atomic
+    adds. index_select's own backward is ``index_add_``: one atomic add per routed row, slow in
+    bf16 (1.09 ms per MoE layer per micro-batch of the perf section's fine-grained model on the
+    H200, docs/gpu_runs/2026-11-29-h200: 4% of its iteration). Here a stable argsort of the indices
+    puts each token's rows next to each other (in the order index_add_ visits them: by expert),
+    one gather reads them and a sum over top-k adds them: deterministic, and each sum rounds once
+    (index_add_ in bf16 rounds at every add)."""
+
+    backwards = 0   # how many backwards ran (the tests' proof that this path trained)
+
+    @staticmethod
+    def forward(ctx, tokens, sorted_indices, topk):
+        ctx.save_for_backward(sorted_indices)
+        ctx.topk = topk
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (sorted_indices,) = ctx.saved_tensors
+        by_token = sorted_indices.argsort(stable=True)
+        rows = grad.index_select(0, by_token)
+        _GatherRows.backwards += 1
+        return rows.view(-1, ctx.topk, *grad.shape[1:]).sum(1), None, None
+
+
+def rows_gathered_permute(permute, topk):
+    """A permute (megatron-core 0.16's call contract) that takes the routed pairs' order and
+    permuted probs from ``permute`` and moves the tokens with :class:`_GatherRows`: when
+    ``num_out_tokens`` is the host integer tokens x ``topk`` (megatron-core's dropless all-to-all
+    dispatcher sets exactly that); any other call is ``permute``'s own. ``permute`` gets
+    zero-width tokens, so its own row copy moves nothing."""
+
+    def rows_gathered(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
+                      drop_and_pad=False):
+        if (fused or drop_and_pad or not isinstance(num_out_tokens, int)
+                or num_out_tokens != tokens.shape[0] * topk or tokens.dim() != 2):
+            return permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                           fused=fused, drop_and_pad=drop_and_pad)
+        _, permuted_probs, sorted_indices = permute(
+            tokens.new_empty(tokens.shape[0], 0), routing_map, probs=probs,
+            num_out_tokens=num_out_tokens)
+        return _GatherRows.apply(tokens, sorted_indices, topk), permuted_probs, sorted_indices
+
+    return rows_gathered
 
 
 def add_arguments(parser):

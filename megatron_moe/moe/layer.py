@@ -68,12 +68,26 @@ class MoELayer(_CoreMoELayer):
         super().__init__(config, submodules, layer_number, pg_collection, **kw)
         self.ep_group = pg_collection.ep
         self.exchange = exchange if exchange is not None else ExchangeConfig()
-        self.exchange_scope = DispatcherScope(dispatcher_bindings(self.exchange))
+        self.exchange_scope = DispatcherScope(dispatcher_bindings(self.exchange,
+                                                                  self._dropless_topk()))
         self.placement = placement
         self.balance = placement.attach(self, pg_collection) if placement is not None else None
         self.middle = self._choose_middle()
         self.counts_on_device = self._device_counts_suffice() and \
             keep_counts_on_device(self.token_dispatcher)
+
+    def _dropless_topk(self) -> int:
+        """The top-k when megatron-core's all-to-all dispatcher permutes every token to exactly
+        top-k rows (no capacity, no padding for quantization), else 0 (moe/dispatcher.py
+        ``rows_gathered_permute``)."""
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        config = self.config
+        dropless = (isinstance(self.token_dispatcher, MoEAlltoAllTokenDispatcher)
+                    and config.moe_expert_capacity_factor is None
+                    and not getattr(self.token_dispatcher, "drop_and_pad", False)
+                    and not getattr(config, "moe_router_padding_for_quantization", False))
+        return config.moe_router_topk if dropless else 0
 
     def _device_counts_suffice(self) -> bool:
         """Whether no stage of this layer needs the dispatcher's counts on the host: one rank
