@@ -10,11 +10,22 @@ megatron-core's dispatcher copy and wait points, which a CPU build turns into no
 record nothing, from any code (ours, megatron-core, torch). The configurations are the GPU kit's
 (grouped experts, one grouped weight, SDPA attention, the fused cross-entropy) on 2 data-parallel
 ranks; what the mutation run plants (a loss read, a host wait, a host-to-device tensor per
-micro-batch, the dispatcher's host copy left in) must each be caught. The capture and replay themselves run on CUDA only (the perf
-section's ``ours-graphed`` row).
+micro-batch, the dispatcher's host copy left in) must each be caught.
+
+The captured backward must accumulate into AccumulateGrad nodes made in that call's forward only:
+megatron-core's DDP keeps nodes made on the default stream at its construction, and a capture on
+a side stream fails accumulating into them (a torch without set_override_stale_capture_stream, as
+an H200 run showed); with a full-iteration graph compat.ddp.hook_parameters moves DDP's hooks to
+the parameters and drops the nodes. The emulated capture walks each loss's graph for nodes alive
+before the call, and the moved hooks must train bit-equal to DDP's own.
+
+The capture and replay themselves run on CUDA only (the perf section's ``ours-graphed`` row).
 """
 
+import functools
+
 import pytest
+import torch
 
 from megatron_moe.runtime.local_ranks import run_distributed
 from tests import _cuda_graph_cases as cases
@@ -34,11 +45,14 @@ def _run(extra=(), mutate=None):
 def _check(extra=()):
     from megatron_moe.compat.versions import mcore_at_least
 
-    for losses, calls, reads, impl in _run(extra):
+    for r in _run(extra):
+        calls, losses, reads = r["calls"], r["losses"], r["reads"]
         assert calls["training"] == 3 and len(losses) == 3, (calls, losses)
         assert calls.get("validation", 0) >= 2, calls   # evaluation after training, both sets
-        assert impl == ("full_iteration" if mcore_at_least("0.19") else "none"), impl
+        assert r["impl"] == ("full_iteration" if mcore_at_least("0.19") else "none"), r["impl"]
         assert not reads.get("training") and not reads.get("validation"), reads
+        # the captured backwards reach AccumulateGrad nodes, all made in their own forward
+        assert r["accumulators"] > 0 and not r["stale"], (r["accumulators"], r["stale"])
 
 
 def test_captured_iterations_read_nothing_on_the_host():
@@ -66,10 +80,107 @@ def test_host_reads_planted_in_the_region_are_caught():
     planted = {"loss-item": "Tensor.item", "synchronize": "torch.cuda.synchronize",
                "host-to-device": "torch.tensor of host data",
                "counts-on-host": "dispatcher's host wait"}
-    for _, _, reads, _ in _run(mutate=tuple(planted)):
-        seen = [what for owner, where, what in reads["training"]]
+    for r in _run(mutate=tuple(planted)):
+        seen = [what for owner, where, what in r["reads"]["training"]]
         for name, what in planted.items():
             assert any(what in s for s in seen), (name, seen)
+
+
+PER_EXPERT_WEIGHTS = ["--moe-single-grouped-weight"]   # dropped: one weight per expert
+
+
+@functools.cache
+def _graphed(weights="single", mutate=None):
+    """Rank 0's results of the graphed run; ``weights`` "per-expert": one weight parameter per
+    expert (the grouped backward's foreach add into main_grad) in place of the single grouped
+    weight; ``mutate``: tests/_cuda_graph_cases.py MUTATIONS."""
+    drop = PER_EXPERT_WEIGHTS if weights == "per-expert" else []
+    argv = TINY + [f for f in GRAPH if f not in drop]
+    return run_distributed(cases.train, 2, argv, timeout_s=300, mutate=mutate)[0]
+
+
+@pytest.mark.parametrize("weights", ["single", "per-expert"])
+def test_ddp_hooks_moved_to_the_parameters_train_bit_equal(weights):
+    """The graphed run's DDP hooks run on the parameters (none on a node, DDP keeps no node) and
+    train bit-equal to DDP's own hooks on its nodes (compat.ddp.hook_parameters a no-op): same
+    losses, same grad norms, the same number of hook runs; the grouped experts' weight grads went
+    into main_grad in their backward."""
+    moved, kept = _graphed(weights), _graphed(weights, ("ddp-nodes-kept",))
+    assert moved["hooks"].get("node", 0) == 0 and moved["hooks"]["parameter"] > 0, moved["hooks"]
+    assert not any(moved["grad_accs"]), moved["grad_accs"]
+    assert kept["hooks"].get("parameter", 0) == 0, kept["hooks"]
+    assert kept["hooks"]["node"] == moved["hooks"]["parameter"], (kept["hooks"], moved["hooks"])
+    assert all(kept["grad_accs"]), kept["grad_accs"]
+    assert moved["wgrads_into_main_grad"] > 0 and \
+        moved["wgrads_into_main_grad"] == kept["wgrads_into_main_grad"]
+    assert len(moved["losses"]) == 3 and moved["losses"] == kept["losses"], (moved, kept)
+    assert moved["grad_norms"] == kept["grad_norms"], (moved, kept)
+
+
+def test_the_captured_backward_reaches_no_node_made_before_it():
+    """The GPU failure's condition: the captured call's backward accumulates into an
+    AccumulateGrad node alive before the call (on CUDA made on the default stream). None is
+    reached; with DDP's hooks left on the nodes it keeps, every parameter's is; with the
+    dispatchers' last probs left attached to their graph (compat.dispatch.drop_kept_graph a
+    no-op), those of the parameters before the last MoE layer's router are (and the run trains
+    the same)."""
+    moved = _graphed()
+    kept, dispatcher = _graphed(mutate=("ddp-nodes-kept",)), _graphed(mutate=("dispatcher-graph",))
+    assert moved["accumulators"] > 0 and not moved["stale"], moved["stale"]
+    assert kept["stale"] and len(kept["stale"]) == kept["accumulators"], kept["stale"]
+    assert dispatcher["stale"], dispatcher
+    assert any("word_embeddings" in name for name in dispatcher["stale"]), dispatcher["stale"]
+    assert dispatcher["losses"] == moved["losses"] and \
+        dispatcher["grad_norms"] == moved["grad_norms"], (dispatcher, moved)
+
+
+class _FakeDDP(torch.nn.Module):
+    """megatron-core DDP's members that compat.ddp.hook_parameters uses, its hook as DDP's: it
+    runs once the gradient is accumulated, moves it away (``grad = None``)."""
+
+    def __init__(self, module):
+        super().__init__()
+        from megatron_moe.compat.ddp import grad_accumulator
+
+        self.module, self.runs, self.grad_accs = module, [], []
+        for p in module.parameters():
+            node = grad_accumulator(p)
+            node.register_hook(self._make_backward_post_hook(p))
+            self.grad_accs.append(node)
+
+    def _make_backward_post_hook(self, param):
+        def hook(*unused):
+            self.runs.append((param, param.grad is not None))
+            param.grad = None
+        return hook
+
+
+def test_hook_parameters_moves_the_hook_and_releases_the_nodes():
+    from megatron_moe.compat import ddp as D
+
+    ddp = _FakeDDP(torch.nn.Linear(3, 2))
+    assert D.hook_parameters([ddp]) == 2 and ddp.grad_accs == []
+    for _ in range(2):
+        ddp.module(torch.ones(1, 3)).sum().backward()
+    params = list(ddp.module.parameters())
+    # once per parameter per backward, after the accumulation (the grad was there)
+    runs = sorted((id(p), accumulated) for p, accumulated in ddp.runs)
+    assert runs == sorted([(id(p), True) for p in params] * 2), ddp.runs
+    assert all(p.grad is None for p in params)
+    # DDP's nodes are gone: autograd made new ones (unmarked)
+    assert not any(D._DROPPED in D.grad_accumulator(p).metadata for p in params)
+
+
+def test_hook_parameters_refuses_a_node_kept_alive():
+    """A graph through a parameter's node outlives DDP's references: the next forward would
+    reuse the node with both hooks on it (and on CUDA the capture would accumulate into it)."""
+    from megatron_moe.compat import ddp as D
+
+    ddp = _FakeDDP(torch.nn.Linear(3, 2))
+    kept = ddp.module(torch.ones(1, 3))   # its graph holds both parameters' nodes
+    with pytest.raises(RuntimeError, match="stay alive"):
+        D.hook_parameters([ddp])
+    del kept
 
 
 @pytest.mark.parametrize("flags, message", [

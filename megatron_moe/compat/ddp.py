@@ -1,4 +1,5 @@
-"""megatron-core DDP's gradient hook, kept alive across a change of a parameter's device.
+"""megatron-core DDP's gradient hook: kept alive across a change of a parameter's device, or moved
+off the AccumulateGrad nodes for a full-iteration CUDA graph.
 
 megatron-core's ``DistributedDataParallel`` (0.16 and 0.19 alike) copies each parameter's grad into
 its contiguous buffer (``param.main_grad``) from a hook on the parameter's AccumulateGrad node,
@@ -10,6 +11,15 @@ zero) and the optimizer steps on zero gradients. Expert offload (megatron_moe/of
 experts' parameters to host memory for the host step and for checkpoints; on the CPU host and
 device are one device, so only a GPU run showed it (grad norm below resident's from the second
 iteration on). ``rehook`` puts DDP's own hook on the new node.
+
+A full-iteration CUDA graph (megatron_moe/training/cuda_graph.py) needs the opposite: no node
+kept alive. ``grad_accs`` holds nodes made on the default (legacy) stream when DDP was built;
+megatron-core's FullCudaGraphWrapper captures on a side stream, and the capture's backward
+accumulating into such a node makes the legacy stream wait on the capturing stream, which fails
+the capture ("operation would make the legacy stream depend on a capturing blocking stream"; torch
+warns that DDP keeps the node). ``hook_parameters`` puts DDP's hook on each parameter (a
+post-accumulate-grad hook) and drops the nodes: autograd then makes each iteration's nodes in that
+iteration's forward, the capture's on the capture stream.
 """
 
 from __future__ import annotations
@@ -58,3 +68,54 @@ def rehook(ddp, param, node):
     else:
         ddp.grad_accs.append(current)
     return current
+
+
+# marks the nodes hook_parameters drops (autograd nodes take no weak references; their metadata
+# dict lives on the node itself, so only a node that survived the drop carries it)
+_DROPPED = "megatron_moe.ddp.hook_moved_to_parameter"
+
+
+def hook_parameters(model_chunks) -> int:
+    """Move megatron-core DDP's backward hook of every parameter whose AccumulateGrad node it
+    hooked onto the parameter itself (``register_post_accumulate_grad_hook``: it runs inside
+    AccumulateGrad right after the accumulation, the point at which the node's hook ran, and it
+    stays when autograd makes a new node), and drop DDP's references to the nodes (``grad_accs``
+    emptied).
+    The hook is DDP's own (``_make_backward_post_hook``): the same ``main_grad`` add, ``grad =
+    None`` and grad-ready registration as before. Call right after DDP is built, before any
+    forward. RuntimeError when a dropped node is still alive (something else holds it or a graph
+    through it): the next forward would reuse it with both hooks. The number of parameters moved."""
+    moved = 0
+    for ddp in model_chunks:
+        if not getattr(ddp, "grad_accs", None) or not hasattr(ddp, "_make_backward_post_hook"):
+            continue
+        hooked = hooked_accumulators([ddp], list(ddp.module.parameters()))
+        if len(hooked) != len(ddp.grad_accs):
+            raise RuntimeError(f"megatron-core DDP hooked {len(ddp.grad_accs)} AccumulateGrad "
+                               f"nodes, {len(hooked)} of them its parameters' current ones: "
+                               f"its hooks cannot be moved to the parameters")
+        for _, node in hooked.values():
+            node.metadata[_DROPPED] = True
+        params = list(hooked)
+        del hooked, node   # (hooked is not empty: grad_accs is not)
+        ddp.grad_accs.clear()
+        # a probe makes a new node when the old one is gone (freed again with the probe)
+        alive = {p for p in params if _DROPPED in grad_accumulator(p).metadata}
+        if alive:
+            names = [n for n, p in ddp.module.named_parameters() if p in alive]
+            raise RuntimeError(
+                f"{len(alive)} AccumulateGrad node(s) of megatron-core DDP stay alive after its "
+                f"references are dropped (a graph or a tensor outside DDP holds them), e.g. "
+                f"{names[:3]}: the next forward would reuse them with DDP's hook on the node "
+                f"and on the parameter, and a CUDA graph capture would accumulate into a node of "
+                f"the default stream")
+        for p in params:
+            hook = ddp._make_backward_post_hook(p)
+            p.register_post_accumulate_grad_hook(_after_accumulation(hook))
+        moved += len(params)
+    return moved
+
+
+def _after_accumulation(hook):
+    """DDP's node hook (it ignores its arguments) as a post-accumulate-grad hook."""
+    return lambda param: hook()

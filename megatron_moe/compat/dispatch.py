@@ -160,6 +160,24 @@ def keep_counts_on_device(td) -> bool:
     return True
 
 
+def drop_kept_graph(td) -> int:
+    """megatron-core's dispatchers (0.16 to 0.19) keep tensors of the last forward as attributes
+    until the next one overwrites them: the alltoall dispatcher its ``probs``, the allgather one
+    its ``local_probs``. Those carry the forward's autograd graph, and through it the
+    AccumulateGrad node of every parameter before the router: a node made in one iteration
+    outlives it, and a full-iteration CUDA graph's capture then accumulates into a node of the
+    default stream (what fails the capture without torch's set_override_stale_capture_stream).
+    Each such attribute becomes its detached self (same values, dtype and shape for any later
+    reader, no graph). Call once the layer's forward has read them (after ``postprocess``, whose
+    ``combine_postprocess`` reads ``probs.dtype``). The number of attributes detached."""
+    dropped = 0
+    for name, value in list(vars(td).items()):
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            setattr(td, name, value.detach())
+            dropped += 1
+    return dropped
+
+
 # --- the binding itself ---------------------------------------------------------------------------
 # megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher call permute, unpermute,
 # sort_chunks_by_idxs (moe_utils) and all_to_all (tensor_parallel) by module-level name inside

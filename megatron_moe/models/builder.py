@@ -20,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_moe.compat import ddp as ddp_compat
 from megatron_moe.models.mla import yarn_config_fields
 from megatron_moe.models.pipeline_split import SPLIT_FIELDS
 from megatron_moe.training import cuda_graph, megatron_fsdp
@@ -299,6 +300,15 @@ def get_model(model_provider, args, model_type=ModelType.encoder_or_decoder):
         # Megatron-LM: only the first chunk buckets its grads (the others' reduce at the end)
         wrapped.append(data_parallel(config=config, ddp_config=ddp_config, module=chunk,
                                      disable_bucketing=index > 0))
+    if cuda_graph.full_iteration(args):
+        # DDP keeps each parameter's AccumulateGrad node, made here on the default stream; a
+        # capture's backward on megatron-core's side stream accumulating into it fails the capture
+        # (a torch without pytorch/pytorch#180090's set_override_stale_capture_stream, such as
+        # 2.11). The hook moves to the parameters and the nodes go: each forward makes its own,
+        # the capture's on the capture stream. Done whatever the torch: core_v0.16's wrapper never
+        # sets that override, and the moved hook is DDP's own at the same point (bit-equal
+        # training, tests/test_cuda_graph.py), so every run takes the one path tested here.
+        ddp_compat.hook_parameters(wrapped)
     config = configs[0]   # the schedule reads model[0]'s config
     config.finalize_model_grads_func = finalize_model_grads
     if len(wrapped) == 1:

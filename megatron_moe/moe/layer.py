@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer as _CoreMoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megatron_moe.compat.cuda_graph import captures_whole_iterations
-from megatron_moe.compat.dispatch import DispatcherScope, keep_counts_on_device
+from megatron_moe.compat.dispatch import DispatcherScope, drop_kept_graph, keep_counts_on_device
 from megatron_moe.moe.dispatcher import ExchangeConfig, dispatcher_bindings
 
 __all__ = ["CoreStages", "ExchangeConfig", "MoELayer", "use_layer"]
@@ -75,6 +75,9 @@ class MoELayer(_CoreMoELayer):
         self.middle = self._choose_middle()
         self.counts_on_device = self._device_counts_suffice() and \
             keep_counts_on_device(self.token_dispatcher)
+        # a full-iteration graph's capture must not reach a node of an earlier iteration (the
+        # dispatcher keeps the last forward's probs, and with them its graph: compat/dispatch.py)
+        self.drops_kept_graph = captures_whole_iterations(config)
 
     def _dropless_topk(self) -> int:
         """The top-k when megatron-core's all-to-all dispatcher permutes every token to exactly
@@ -142,7 +145,10 @@ class MoELayer(_CoreMoELayer):
 
     def postprocess(self, output, shared_expert_output):
         with self.exchange_scope:
-            return self.middle.postprocess(self, output, shared_expert_output)
+            output = self.middle.postprocess(self, output, shared_expert_output)
+        if self.drops_kept_graph:
+            drop_kept_graph(self.token_dispatcher)
+        return output
 
 
 def use_layer(spec, what: str, **params):

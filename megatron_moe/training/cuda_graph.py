@@ -29,6 +29,12 @@ time with one line, what reads the host in the forward or backward or changes pe
 * fp16 with a dynamic loss scale: megatron-core's scaler makes a new scale tensor when it changes,
   the graph keeps multiplying by the old one (``--loss-scale`` holds one tensor).
 
+A capture without torch's ``set_override_stale_capture_stream`` (pytorch/pytorch#180090) also
+fails when its backward reaches an AccumulateGrad node made before it (on the default stream):
+under a full-iteration graph megatron-core DDP's hooks are moved to the parameters
+(models/builder.py, compat/ddp.py ``hook_parameters``) and each MoE layer drops the graph its
+dispatcher keeps (compat/dispatch.py ``drop_kept_graph``).
+
 Which shapes qualify is proven on the CPU (tests/test_cuda_graph.py): the region of the GPU kit's
 configurations reads nothing on the host after warm-up. The capture itself runs on CUDA only,
 unverified here until a GPU run (the perf section's ``ours-graphed`` row).
