@@ -1,5 +1,6 @@
 """The GPU kit's parts that need no GPU run: the wheel selection (scripts/gpu_wheels.sh), the one
-FLOP count (megatron_moe/flops.py) and the planted offload fault that must fail the offload check."""
+FLOP count (megatron_moe/flops.py), the planted offload fault that must fail the offload check
+and the offload check's criterion (exact, then within rounding on a GPU)."""
 
 import json
 import os
@@ -284,3 +285,103 @@ def test_torchtitan_row_runs_eager_once_more_when_its_cuda_graph_run_fails(case,
         assert "ran eager because its default CUDA graph run failed" in titan["how"]
         assert "torchtitan (eager: its CUDA graph run failed)" in check["summary"]
         assert check["figures"]["ratios"]["ours/torchtitan"] == 1.0
+
+
+def _offload_run(losses, grad_norms, layer_grads=None, weights=None):
+    """An offload check run as train() returns it (history, probe counts, ExpertTrace records)."""
+    import torch
+
+    n = len(losses)
+    layer_grads = layer_grads or [[0.2, 0.18] for _ in range(n)]
+    weights = weights or [[torch.zeros(4), torch.zeros(4)] for _ in range(n + 1)]
+    return dict(error=None, history=dict(lm_loss=list(losses), grad_norm=list(grad_norms)),
+                probe=dict(calls=16, violations=0),
+                trace=dict(grad_norms=[list(g) for g in layer_grads], weights=weights))
+
+
+# the 2026-11-29 H200 offload section's host (bf16) run against its resident run: bit-equal
+# through iteration 2, rounding drift after (the host's CPU Adam against the device's fused Adam)
+RESIDENT_LOSS = [10.460680484771729, 10.478338241577148, 10.378083229064941, 10.326595306396484,
+                 10.173954486846924, 10.043919086456299]
+HOST_LOSS = [10.460680484771729, 10.478338241577148, 10.378096580505371, 10.327138423919678,
+             10.171911239624023, 10.043287754058838]
+RESIDENT_GN = [2.9488006093273476, 2.913282192779413, 2.213122578759365, 1.7825894589867772,
+               1.7227871730471302, 1.0083862564027986]
+HOST_GN = [2.9488006093273476, 2.913282192779413, 2.214084609519603, 1.7892992287814238,
+           1.7128501200046236, 1.032226677987517]
+
+
+def _drifted_layers(n, scale):
+    return [[0.2, 0.18] if it < 2 else [0.2 * (1 + scale), 0.18 * (1 - scale)] for it in range(n)]
+
+
+def _drifted_weights(n):
+    import torch
+
+    return [[torch.zeros(4), torch.zeros(4)] if it < 2 else
+            [torch.full((4,), 1.5e-5), torch.zeros(4)] for it in range(n + 1)]
+
+
+def test_offload_criterion_accepts_rounding_drift_and_fails_a_lost_gradient():
+    """The offload check's criterion on the GPU (bf16 tolerance): the H200 run's rounding drift
+    passes; the first H200 run's bug (DDP's grad hook lost: grad norm 23% low from iteration 2,
+    the experts' grads zero) fails, and so does the same loss of gradients from iteration 4
+    (past the exact iterations, caught by the tolerance on the layers' expert grad norms and the
+    grad norm). On the CPU (same Adam arithmetic in both runs) the rounding drift itself fails."""
+    from megatron_moe.gpucheck.checks import offload_criterion, offload_verdict
+
+    gpu = offload_criterion("gpu", "bf16")
+    assert gpu["exact_iters"] == 2
+    resident = _offload_run(RESIDENT_LOSS, RESIDENT_GN)
+    host = _offload_run(HOST_LOSS, HOST_GN, _drifted_layers(6, 1e-3), _drifted_weights(6))
+    ok, why = offload_verdict(host, resident, gpu)
+    assert ok, why
+    assert "bit-equal through iteration 2" in why and "grad norm 0.024" in why
+
+    # the old bug: from iteration 2 the experts' grads never reach DDP's buffer
+    lost_gn = RESIDENT_GN[:1] + [g * 0.77 for g in RESIDENT_GN[1:]]
+    lost_layers = [[0.2, 0.18]] + [[0.0, 0.0]] * 5
+    bug = _offload_run(RESIDENT_LOSS[:3] + [x + 0.01 for x in RESIDENT_LOSS[3:]], lost_gn,
+                       lost_layers)
+    ok, why = offload_verdict(bug, resident, gpu)
+    assert not ok and "iteration 2 (exact) grad norm, expert grads differ" in why, why
+
+    # the same loss of gradients appearing only after the exact iterations
+    late_gn = RESIDENT_GN[:3] + [g * 0.77 for g in RESIDENT_GN[3:]]
+    late_layers = [[0.2, 0.18]] * 3 + [[0.0, 0.0]] * 3
+    late = _offload_run(RESIDENT_LOSS, late_gn, late_layers)
+    ok, why = offload_verdict(late, resident, gpu)
+    assert not ok and "grad norm rel diff 0.23 > 0.05" in why and "layer grad rel diff 1" in why
+
+    # the CPU demands bit-equality in every iteration: the same drift fails there
+    ok, why = offload_verdict(host, resident, offload_criterion("cpu", "bf16"))
+    assert not ok and "iteration 3 (exact) loss, grad norm, expert grads, expert weights" in why
+
+    # fp32 (the ssd tier's comparison): its rounding level passes, the bf16 drift does not
+    fp32 = offload_criterion("gpu", "fp32")
+    ssd = _offload_run(RESIDENT_LOSS, [g * (1 + 4e-7) if i >= 2 else g
+                                       for i, g in enumerate(RESIDENT_GN)])
+    assert offload_verdict(ssd, resident, fp32)[0]
+    assert not offload_verdict(host, resident, fp32)[0]
+
+
+def test_offload_criterion_fails_a_crash_and_an_unprobed_run():
+    from megatron_moe.gpucheck.checks import offload_criterion, offload_verdict
+
+    gpu = offload_criterion("gpu", "bf16")
+    resident = _offload_run(RESIDENT_LOSS, RESIDENT_GN)
+    assert offload_verdict(dict(error="NaN loss"), resident, gpu) == (False, "crashed (NaN loss)")
+    outside = _offload_run(RESIDENT_LOSS, RESIDENT_GN)
+    outside["probe"] = dict(calls=16, violations=1)
+    ok, why = offload_verdict(outside, resident, gpu)
+    assert not ok and "1 outside the arena" in why
+    assert offload_verdict(_offload_run(RESIDENT_LOSS, RESIDENT_GN), resident, gpu)[0]
+
+
+def test_offload_criterion_fails_a_nan_past_the_exact_iterations():
+    from megatron_moe.gpucheck.checks import offload_criterion, offload_verdict
+
+    resident = _offload_run(RESIDENT_LOSS, RESIDENT_GN)
+    nan = _offload_run(RESIDENT_LOSS, RESIDENT_GN[:4] + [float("nan")] * 2)
+    ok, why = offload_verdict(nan, resident, offload_criterion("gpu", "bf16"))
+    assert not ok and "grad norm rel diff inf > 0.05" in why, why
