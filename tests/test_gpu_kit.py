@@ -385,3 +385,38 @@ def test_offload_criterion_fails_a_nan_past_the_exact_iterations():
     nan = _offload_run(RESIDENT_LOSS, RESIDENT_GN[:4] + [float("nan")] * 2)
     ok, why = offload_verdict(nan, resident, offload_criterion("gpu", "bf16"))
     assert not ok and "grad norm rel diff inf > 0.05" in why, why
+
+
+# the H200's Mixtral-like rows, 2026-11-29 (docs/gpu_runs/2026-11-29-h200/perf-4-microbatches)
+H200_OURS = [10.7798, 10.7798, 9.5177, 9.067, 8.4691, 7.3447, 6.0488, 4.8412, 3.8368]
+H200_GRAPHED = [10.7798, 10.7798, 9.5162, 9.0619, 8.4644, 7.2599, 6.0375, 4.798, 3.7743]
+
+
+@pytest.mark.parametrize("case", ["h200", "no_training_replays", "eager_differs",
+                                  "first_replay_off"])
+def test_graphed_row_losses_must_follow_ours(case):
+    """The graphed row proves its replays trained by its losses: equal to ours' in the eager
+    iterations, close at the first replay, within bf16 drift after (the H200's figures pass);
+    replays that leave the loss where the capture found it, an eager iteration that differs, or a
+    first replay far off fail the shape's check."""
+    from megatron_moe.gpucheck import perf
+
+    s = perf.SHAPES["mixtral"]["gpu"]
+    graphed = list(H200_GRAPHED)
+    if case == "no_training_replays":
+        graphed[perf.GRAPH_WARMUP + 1:] = [graphed[perf.GRAPH_WARMUP]] * (
+            len(graphed) - perf.GRAPH_WARMUP - 1)
+    elif case == "eager_differs":
+        graphed[1] += 1e-4
+    elif case == "first_replay_off":
+        graphed[perf.GRAPH_WARMUP] *= 1.01
+
+    def row(losses):
+        return dict(params=perf.expected_params(s), losses=losses, iter_s=0.6, iter_s_all=[0.6])
+    ok, summary, figures, _ = perf.verdict(
+        "mixtral", "gpu", {"ours": row(H200_OURS), "ours-graphed": row(graphed)}, 989.0)
+    if case == "h200":
+        assert ok and "ours-graphed: losses differ" not in summary, summary
+        assert figures["rows"]["ours-graphed"]["max_rel_loss_diff_vs_ours"] > 1e-2
+    else:
+        assert not ok and "ours-graphed: losses differ from ours'" in summary, summary

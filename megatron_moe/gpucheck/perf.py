@@ -112,9 +112,18 @@ PER_EXPERT_ON_CPU = "measured on the CPU by bench/single_grouped_weight.py; this
 # forward and backward captured once after 2 eager iterations, inside the meter's warm-up, then
 # replayed), as torchtitan's row captures its step; on the CPU tests/test_cuda_graph.py proves the
 # region reads nothing on the host
-GRAPH_OPTIONS = ("--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2",
-                 "--no-check-for-nan-in-loss-and-grad")
-GRAPH_LOSS_RTOL = 1e-2
+GRAPH_WARMUP = 2
+GRAPH_OPTIONS = ("--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps",
+                 str(GRAPH_WARMUP), "--no-check-for-nan-in-loss-and-grad")
+# the graphed row's losses against ours' (same batch and seed), relative: bit-equal before the
+# capture (eager), within GRAPH_FIRST_REPLAY_RTOL at the first replayed iteration, within
+# GRAPH_LOSS_RTOL after it. bf16 runs are not bit-reproducible (atomic adds in the combine), and
+# the models memorise the one batch at lr 3e-4, which grows any difference: on the H200
+# (2026-11-29) 1.6e-4 at the first replay and 1.6% four iterations later (Mixtral-like, loss 10.8
+# -> 3.8), 1e-4 throughout (fine-grained). Replays that did not train would leave the loss where
+# the capture found it, tens of percent from ours' by the end.
+GRAPH_FIRST_REPLAY_RTOL = 1e-3
+GRAPH_LOSS_RTOL = 5e-2
 GRAPHED_ON_CPU = "CUDA graphs are CUDA only: on the CPU tests/test_cuda_graph.py checks the region"
 CUDA_ONLY_ROWS = {"ours-graphed": GRAPHED_ON_CPU, "ours-eager": EAGER_ON_CPU,
                   "ours-per-expert": PER_EXPERT_ON_CPU}
@@ -694,13 +703,17 @@ def verdict(shape, mode, rows, peak_tflops):
     # agree (bf16 tolerance), the proof that the replays trained
     graphed, eager = rows.get("ours-graphed") or {}, rows.get("ours") or {}
     if graphed.get("losses") and eager.get("losses"):
-        diff = max(abs(a - b) / max(abs(b), 1e-12)
-                   for a, b in zip(graphed["losses"], eager["losses"]))
-        graphed["max_rel_loss_diff_vs_ours"] = diff
-        if not diff <= GRAPH_LOSS_RTOL:
+        diffs = [abs(a - b) / max(abs(b), 1e-12)
+                 for a, b in zip(graphed["losses"], eager["losses"])]
+        graphed["max_rel_loss_diff_vs_ours"] = diff = max(diffs)
+        before, first = diffs[:GRAPH_WARMUP], diffs[GRAPH_WARMUP:GRAPH_WARMUP + 1]
+        if any(before) or not all(d <= GRAPH_FIRST_REPLAY_RTOL for d in first) \
+                or not diff <= GRAPH_LOSS_RTOL:
             ok = False
-            problems.append(f"ours-graphed: losses differ from ours' by {diff:.2e} relative "
-                            f"(> {GRAPH_LOSS_RTOL})")
+            problems.append(
+                "ours-graphed: losses differ from ours' by " + ", ".join(f"{d:.2e}" for d in diffs)
+                + f" relative (allowed: 0 in the {GRAPH_WARMUP} eager iterations, "
+                f"{GRAPH_FIRST_REPLAY_RTOL} at the first replay, {GRAPH_LOSS_RTOL} after)")
     ratios = {}
     ours = (rows.get("ours") or {}).get("tokens_per_s")
     for peer in ("torchtitan", "stock", "transformers", "ours-graphed", "ours-eager",
