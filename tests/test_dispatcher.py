@@ -127,10 +127,54 @@ def test_rows_gathered_permute_equals_megatron_cores_forward_and_backward(monkey
     assert not torch.allclose(run(ours)[3], reference[3])
 
 
+def _wrong_sum_forward(ctx, permuted, sorted_indices, topk):
+    """A wrong forward: the rows summed in permuted order, not each token's own."""
+    ctx.save_for_backward(sorted_indices)
+    return permuted.view(-1, topk, *permuted.shape[1:]).sum(1)
+
+
+def test_rows_summed_unpermute_equals_megatron_cores_forward_and_backward(monkeypatch):
+    """The dropless unpermute that gathers each token's rows and sums them (no atomic scatter):
+    megatron-core's tokens and row gradients (float64); calls with probabilities, or rows that are
+    not top-k per token, are megatron-core's own; a forward that sums the wrong rows fails."""
+    import torch
+
+    from megatron_moe.compat.dispatch import mcore_permute, mcore_unpermute
+    from megatron_moe.moe import dispatcher
+
+    num_tokens, experts, topk = 37, 8, 3
+    routing_map, probs = _topk_map(num_tokens, experts, topk)
+    tokens = torch.randn(num_tokens, 16, dtype=torch.float64)
+    permuted, _, index = mcore_permute(tokens, routing_map, num_out_tokens=num_tokens * topk)
+    ours = dispatcher.rows_summed_unpermute(mcore_unpermute, topk)
+
+    def run(fn):
+        rows = (permuted * torch.linspace(0.5, 2, permuted.shape[0], dtype=torch.float64)[:, None]
+                ).requires_grad_()
+        out = fn(rows, index, tokens.shape, routing_map=routing_map)
+        (out * torch.randn(out.shape, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(3))).sum().backward()
+        return out, rows.grad
+
+    before = dispatcher._SumRows.forwards
+    (ref_out, ref_grad), (out, grad) = run(mcore_unpermute), run(ours)
+    assert dispatcher._SumRows.forwards == before + 1
+    torch.testing.assert_close(out, ref_out, rtol=1e-13, atol=1e-13)
+    assert torch.equal(grad, ref_grad)
+    with_probs = ours(permuted, index, tokens.shape, probs=probs.double(), routing_map=routing_map)
+    torch.testing.assert_close(with_probs, mcore_unpermute(
+        permuted, index, tokens.shape, probs=probs.double(), routing_map=routing_map))
+    ours(permuted[:-1], index[:-1], tokens.shape, routing_map=routing_map)   # not top-k per token
+    assert dispatcher._SumRows.forwards == before + 1
+    monkeypatch.setattr(dispatcher._SumRows, "forward", staticmethod(_wrong_sum_forward))
+    assert not torch.allclose(run(ours)[0], ref_out)
+
+
 def _train_rank(rank, world_size, argv, mode):
-    """``pretrain()`` with the layers' permute as ``mode`` says: "gathered" (as built), "mcore"
-    (the layers bind no gathered permute: megatron-core's own), "wrong" (the gathered backward
-    sums the wrong rows). Returns (history, gathered backwards on this rank)."""
+    """``pretrain()`` with the layers' permute and unpermute as ``mode`` says: "gathered" (as
+    built), "mcore" (the layers bind neither: megatron-core's own), "wrong" (the permute's backward
+    sums the wrong rows), "wrong_unpermute" (the unpermute does). Returns (history, gathered
+    permute backwards and summed unpermute forwards on this rank)."""
     from megatron_moe.moe import dispatcher
     from megatron_moe.moe.layer import MoELayer
     from tests._train_cases import run_pretrain
@@ -139,14 +183,17 @@ def _train_rank(rank, world_size, argv, mode):
         MoELayer._dropless_topk = lambda self: 0
     if mode == "wrong":
         dispatcher._GatherRows.backward = staticmethod(_unsorted_backward)
+    if mode == "wrong_unpermute":
+        dispatcher._SumRows.forward = staticmethod(_wrong_sum_forward)
     history = run_pretrain(rank, world_size, argv)
-    return history, dispatcher._GatherRows.backwards
+    return history, (dispatcher._GatherRows.backwards, dispatcher._SumRows.forwards)
 
 
 def test_dropless_layers_train_with_the_gathered_permute_backward():
-    """A dropless all-to-all run (EP=2) trains with the gathered permute backward (counted) to
-    megatron-core's permute's losses and grad norms (fp32: the sums differ only in rounding); its
-    wrong backward changes them; a capacity factor keeps megatron-core's permute (not counted)."""
+    """A dropless all-to-all run (EP=2) trains with the gathered permute backward and the summed
+    unpermute (both counted) to megatron-core's losses and grad norms (fp32: the sums differ only
+    in rounding); either one summing the wrong rows changes them; a capacity factor keeps
+    megatron-core's permute and unpermute (not counted)."""
     import pytest
 
     from megatron_moe.runtime.local_ranks import run_distributed
@@ -156,11 +203,15 @@ def test_dropless_layers_train_with_the_gathered_permute_backward():
         return run_distributed(_train_rank, 2, TINY + extra.split(), mode, timeout_s=300)[0]
 
     flags = "--expert-model-parallel-size 2 --train-iters 3"
-    (gathered, count), (mcore, none) = train(flags, "gathered"), train(flags, "mcore")
-    assert count == 3 * 2 * 2 and none == 0   # iterations x micro-batches per rank x layers
+    (gathered, counts), (mcore, none) = train(flags, "gathered"), train(flags, "mcore")
+    # iterations x micro-batches per rank x layers; the unpermute also runs in the final
+    # evaluation's forwards (validation and test: one iteration of 2 micro-batches each)
+    assert counts == (3 * 2 * 2, 3 * 2 * 2 + 2 * 2 * 2) and none == (0, 0)
     assert gathered["lm_loss"] == pytest.approx(mcore["lm_loss"], rel=1e-6)
     assert gathered["grad_norm"] == pytest.approx(mcore["grad_norm"], rel=1e-5)
     wrong, _ = train(flags, "wrong")
     assert wrong["grad_norm"] != pytest.approx(mcore["grad_norm"], rel=1e-3)
-    capped, count = train(flags + " --moe-expert-capacity-factor 1.5", "gathered")
-    assert count == 0 and capped["lm_loss"][0] == pytest.approx(mcore["lm_loss"][0], rel=1e-2)
+    wrong, _ = train(flags, "wrong_unpermute")
+    assert wrong["lm_loss"] != pytest.approx(mcore["lm_loss"], rel=1e-3)
+    capped, counts = train(flags + " --moe-expert-capacity-factor 1.5", "gathered")
+    assert counts == (0, 0) and capped["lm_loss"][0] == pytest.approx(mcore["lm_loss"][0], rel=1e-2)

@@ -129,6 +129,14 @@ def mcore_permute(*args, **kwargs):
     return permute_v016(moe_utils.permute)(*args, **kwargs)
 
 
+def mcore_unpermute(*args, **kwargs):
+    """megatron-core's own ``moe_utils.unpermute`` (the same call under 0.16's contract: 0.17's
+    ``pad_offsets`` is only TE's, never passed here)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return moe_utils.unpermute(*args, **kwargs)
+
+
 def order_after_dispatcher_host_copy(td) -> None:
     """megatron-core's alltoall dispatcher (0.16 to 0.19, ``_maybe_dtoh_and_synchronize``) copies
     its split counts to pinned host memory on a side stream, records ``d2h_event`` and waits for
