@@ -145,3 +145,16 @@ def test_context_parallel_config_resumes_exactly(tmp_path):
         "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic", tmp_path)
     i = argv.index("--context-parallel-size")
     assert argv[i + 1] == "2" and "--pipeline-model-parallel-size" in argv
+
+
+def test_tp2_cp2_pp2_config_on_eight_ranks_resumes_exactly(tmp_path):
+    """Megatron's TP2 x CP2 x PP2 x EP2 config (8 ranks), nothing dropped: sequence-parallel
+    tensor ranks and context-parallel ranks together, each CP rank half of every sequence; train
+    4 == train 2, save, resume, train 2."""
+    world, argv, dropped = tiny_training_argv("gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel",
+                                              str(tmp_path / "probe"), 4)
+    assert world == 8 and dropped == []
+    a = dict(zip(argv, argv[1:]))
+    assert (a["--tensor-model-parallel-size"], a["--context-parallel-size"],
+            a["--pipeline-model-parallel-size"]) == ("2", "2", "2")
+    _check_resumes_exactly("gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel", tmp_path)
