@@ -28,17 +28,14 @@ def test_argsort_permute_equals_masked_select_forward_and_backward():
 
     from megatron_moe.compat.dispatch import permute_by_argsort
 
-    torch.manual_seed(0)
     num_tokens, experts, topk = 37, 8, 3
-    logits = torch.randn(num_tokens, experts)
-    top = logits.topk(topk, dim=1).indices
-    routing_map = torch.zeros(num_tokens, experts, dtype=torch.bool).scatter_(1, top, True)
+    routing_map, scores = _topk_map(num_tokens, experts, topk)
     outs = []
     for fn in (_masked_select_permute,
                lambda t, m, p: permute_by_argsort(t, m, p, num_tokens * topk)):
         tokens = torch.randn(num_tokens, 16, generator=torch.Generator().manual_seed(1),
                              requires_grad=True)
-        probs = logits.softmax(-1).detach().requires_grad_()
+        probs = scores.detach().requires_grad_()
         out, out_probs, index = fn(tokens, routing_map, probs)
         (out * out_probs.unsqueeze(1) * torch.arange(out.shape[0]).unsqueeze(1)).sum().backward()
         outs.append((out, out_probs, index, tokens.grad, probs.grad))

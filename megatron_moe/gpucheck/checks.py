@@ -905,7 +905,8 @@ def section_offload(rec, mode, work):
         ok_s, why_s = offload_verdict(s, resident32, fp32)
         caught, why_p = offload_verdict(planted, resident, bf16)
         caught = not caught and planted.get("planted_skips", 0) == 1
-        fig = dict(resident_losses=resident["history"]["lm_loss"], criterion=dict(host=bf16, ssd=fp32))
+        fig = dict(resident_losses=resident["history"]["lm_loss"],
+                   criterion=dict(host=bf16, ssd=fp32))
         diagnosis = []
         for name, r, ref in (("host", h, resident), ("ssd", s, resident32)):
             st = r.get("stats", {})

@@ -118,8 +118,8 @@ GRAPH_OPTIONS = ("--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-ste
                  str(GRAPH_WARMUP), "--no-check-for-nan-in-loss-and-grad")
 # the graphed row's losses against ours' (same batch and seed), relative: bit-equal before the
 # capture (eager), within GRAPH_FIRST_REPLAY_RTOL at the first replayed iteration, within
-# GRAPH_LOSS_RTOL after it. bf16 runs are not bit-reproducible (atomic adds in the combine), and
-# the models memorise the one batch at lr 3e-4, which grows any difference: on the H200
+# GRAPH_LOSS_RTOL after it. A replay does not round as the eager iteration does (measured below),
+# and the models memorise the one batch at lr 3e-4, which grows any difference: on the H200
 # (2026-11-29) 1.6e-4 at the first replay and 1.6% four iterations later (Mixtral-like, loss 10.8
 # -> 3.8), 1e-4 throughout (fine-grained). Replays that did not train would leave the loss where
 # the capture found it, tens of percent from ours' by the end.
@@ -736,7 +736,8 @@ def verdict(shape, mode, rows, peak_tflops):
         parts.append(f"{name}{fell_back} {r['tokens_per_s']:.0f} tok/s{mfu}{mem}{ev}")
     rs = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if v is not None)
     summary = (f"{s['experts']} experts top-{s['topk']}, {_count(want)} params, "
-               f"{s['microbatches']}x{s['batch']}x{s['seq']} tokens: " + "; ".join(parts) + (f"; {rs}" if rs else ""))
+               f"{s['microbatches']}x{s['batch']}x{s['seq']} tokens: " + "; ".join(parts)
+               + (f"; {rs}" if rs else ""))
     if problems:
         summary += "; PROBLEMS: " + "; ".join(problems)
     targets = {}

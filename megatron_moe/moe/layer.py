@@ -79,18 +79,22 @@ class MoELayer(_CoreMoELayer):
         # dispatcher keeps the last forward's probs, and with them its graph: compat/dispatch.py)
         self.drops_kept_graph = captures_whole_iterations(config)
 
+    def _keeps_every_token(self) -> bool:
+        """Every routed token kept: no capacity, no padding (to a capacity or for quantization),
+        so the permuted row count is tokens x top-k, known on the host."""
+        config = self.config
+        return (config.moe_expert_capacity_factor is None
+                and not getattr(self.token_dispatcher, "drop_and_pad", False)
+                and not getattr(config, "moe_router_padding_for_quantization", False))
+
     def _dropless_topk(self) -> int:
         """The top-k when megatron-core's all-to-all dispatcher permutes every token to exactly
-        top-k rows (no capacity, no padding for quantization), else 0 (moe/dispatcher.py
-        ``rows_gathered_permute``)."""
+        top-k rows, else 0 (moe/dispatcher.py ``rows_gathered_permute``)."""
         from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-        config = self.config
         dropless = (isinstance(self.token_dispatcher, MoEAlltoAllTokenDispatcher)
-                    and config.moe_expert_capacity_factor is None
-                    and not getattr(self.token_dispatcher, "drop_and_pad", False)
-                    and not getattr(config, "moe_router_padding_for_quantization", False))
-        return config.moe_router_topk if dropless else 0
+                    and self._keeps_every_token())
+        return self.config.moe_router_topk if dropless else 0
 
     def _device_counts_suffice(self) -> bool:
         """Whether no stage of this layer needs the dispatcher's counts on the host: one rank
@@ -103,9 +107,7 @@ class MoELayer(_CoreMoELayer):
 
         td, config = self.token_dispatcher, self.config
         return (getattr(td, "ep_size", None) == 1 and getattr(td, "tp_size", None) == 1
-                and not getattr(td, "drop_and_pad", False)
-                and config.moe_expert_capacity_factor is None
-                and not getattr(config, "moe_router_padding_for_quantization", False)
+                and self._keeps_every_token()
                 and (getattr(config, "cuda_graph_impl", "none") == "none"
                      or captures_whole_iterations(config))
                 and isinstance(self.experts, GroupedSequentialMLP))
